@@ -1,0 +1,118 @@
+//! A held claim: heartbeats, release and completion, all fenced by the
+//! lease token (SPEC §2.5, §2.6, §4).
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use tokio::time::{Instant, sleep};
+
+use crate::{
+    CompletedRecord,
+    store::{LeaseToken, StorageKey, Store, StoreError},
+};
+
+pub(crate) struct Lease<St> {
+    store: St,
+    key: StorageKey,
+    token: LeaseToken,
+    duration: Duration,
+}
+
+impl<St: Store> Lease<St> {
+    pub(crate) fn new(store: St, key: StorageKey, token: LeaseToken, duration: Duration) -> Self {
+        Self {
+            store,
+            key,
+            token,
+            duration,
+        }
+    }
+
+    pub(crate) fn key(&self) -> &StorageKey {
+        &self.key
+    }
+
+    /// Extends the lease every third of its duration; returns only once the
+    /// lease is lost (re-claimed by another, or unconfirmed for a whole lease
+    /// because the store is unreachable).
+    async fn heartbeat(&self) {
+        let mut confirmed_at = Instant::now();
+        loop {
+            sleep(self.duration / 3).await;
+            match self.store.extend(&self.key, self.token, self.duration).await {
+                Ok(true) => confirmed_at = Instant::now(),
+                Ok(false) => return,
+                Err(error) => {
+                    tracing::warn!(key = %self.key, %error, "idempotency: lease extension failed");
+                    if confirmed_at.elapsed() >= self.duration {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs `work` to completion while the heartbeat keeps the claim.
+    pub(crate) async fn hold_while<T>(&self, work: impl Future<Output = T>) -> T {
+        let work = std::pin::pin!(work);
+        let mut work = work;
+        tokio::select! {
+            biased;
+            output = &mut work => output,
+            () = self.heartbeat() => {
+                tracing::error!(
+                    key = %self.key,
+                    "idempotency: lease lost while the handler runs; its response will not be stored and a retry may execute again"
+                );
+                work.await
+            }
+        }
+    }
+
+    /// Deletes the claim so the key may be retried. A failure only delays the
+    /// retry until the lease expires, so it is logged, not retried.
+    pub(crate) async fn release(&self) {
+        match self.store.release(&self.key, self.token).await {
+            Ok(true) => {}
+            Ok(false) => tracing::warn!(key = %self.key, "idempotency: release refused, the lease was already lost"),
+            Err(error) => tracing::warn!(
+                key = %self.key, %error,
+                "idempotency: release failed; the key stays in flight until its lease expires"
+            ),
+        }
+    }
+
+    /// One attempt to store the completed record.
+    pub(crate) async fn complete(&self, record: Arc<CompletedRecord>, retention: Duration) -> Result<bool, StoreError> {
+        self.store.complete(&self.key, self.token, record, retention).await
+    }
+
+    /// Keeps retrying the completion with backoff while the heartbeat holds
+    /// the lease (SPEC §4), so a short store outage does not turn into a
+    /// second execution.
+    pub(crate) async fn complete_in_background(&self, record: Arc<CompletedRecord>, retention: Duration) {
+        let retry = async {
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                sleep(backoff).await;
+                match self.complete(record.clone(), retention).await {
+                    Ok(stored) => return stored,
+                    Err(error) => tracing::warn!(key = %self.key, %error, "idempotency: completion retry failed"),
+                }
+                backoff = (backoff * 2).min(self.duration / 3);
+            }
+        };
+        let stored = tokio::select! {
+            biased;
+            stored = retry => stored,
+            () = self.heartbeat() => false,
+        };
+        if stored {
+            tracing::info!(key = %self.key, "idempotency: completion stored after retrying");
+        } else {
+            tracing::error!(
+                key = %self.key,
+                "idempotency: lease lost before the completion could be stored; a retry may execute again"
+            );
+        }
+    }
+}

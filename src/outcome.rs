@@ -1,0 +1,73 @@
+//! What the layer did with a request, for the application to see.
+
+use crate::RejectionKind;
+
+/// What the layer did with a request. Every response that passes through the
+/// layer carries one in its extensions; the same is logged with `tracing`.
+///
+/// # Examples
+///
+/// ```
+/// # async fn demo() {
+/// use axum::{Router, body::Body, routing::post};
+/// use tower::ServiceExt;
+/// use tower_idempotency::{IdempotencyLayer, IdempotencyOutcome, MemoryStore};
+///
+/// let app = Router::new()
+///     .route("/", post(|| async { "ok" }))
+///     .layer(IdempotencyLayer::new(MemoryStore::new()));
+/// let request = || http::Request::post("/").header("idempotency-key", "k1").body(Body::empty()).unwrap();
+///
+/// let first = app.clone().oneshot(request()).await.unwrap();
+/// assert!(matches!(first.extensions().get(), Some(IdempotencyOutcome::Executed(_))));
+/// let retry = app.oneshot(request()).await.unwrap();
+/// assert_eq!(retry.extensions().get(), Some(&IdempotencyOutcome::Replayed));
+/// # }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum IdempotencyOutcome {
+    /// The handler ran under a claim; what became of its response.
+    Executed(Completion),
+    /// A stored response was replayed; the handler did not run.
+    Replayed,
+    /// The layer answered itself; the handler did not run (except for
+    /// [`RejectionKind::HandlerPanicked`] and [`RejectionKind::ResponseBodyFailed`]).
+    Rejected(RejectionKind),
+    /// The layer did not apply: unguarded method, no key (and none required),
+    /// or no scope.
+    Bypassed(BypassReason),
+    /// The store was unreachable and the layer is configured to fail open: the
+    /// handler ran without protection.
+    Unprotected,
+}
+
+/// What became of an executed request's response.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Completion {
+    /// Stored; retries replay it.
+    Stored,
+    /// Too large to store; retries are told it cannot be replayed.
+    StoredUnreplayable,
+    /// Not final per the cache policy; the key was released for retries.
+    Released,
+    /// Storing it failed; the layer keeps retrying in the background while the
+    /// lease holds. Retries meanwhile get `409`.
+    Pending,
+    /// The lease was lost (expired and re-claimed) before the response could
+    /// be stored; it was sent but not stored.
+    LeaseLost,
+}
+
+/// Why the layer let a request through untouched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BypassReason {
+    /// The method is not guarded (e.g. `GET`).
+    UnguardedMethod,
+    /// No `Idempotency-Key` and the key is not required.
+    NoKey,
+    /// The scope extractor returned `None`.
+    NoScope,
+}

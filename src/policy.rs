@@ -1,0 +1,94 @@
+//! Cache policies: which responses are final and get stored.
+//!
+//! A stored response is replayed to every retry for the retention period; a
+//! response that is not stored *releases* the key, so the client may retry it.
+
+use http::{HeaderMap, StatusCode};
+
+/// Decides from a response whether it is final and should be stored.
+///
+/// Implemented for closures `Fn(StatusCode, &HeaderMap) -> bool`.
+///
+/// # Examples
+///
+/// ```
+/// use http::{HeaderMap, StatusCode};
+/// use tower_idempotency::{CachePolicy, DefaultCachePolicy, IdempotencyLayer, MemoryStore};
+///
+/// // The default, but 500s are released too, so the client may try again.
+/// let policy = DefaultCachePolicy.and(|status: StatusCode, _: &HeaderMap| {
+///     status != StatusCode::INTERNAL_SERVER_ERROR
+/// });
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).cache_when(policy);
+/// # let _ = layer;
+/// ```
+pub trait CachePolicy: Clone + Send + Sync + 'static {
+    /// `true` when the response is final and must be replayed to retries.
+    fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool;
+
+    /// Stores only what both policies store.
+    fn and<Other: CachePolicy>(self, other: Other) -> And<Self, Other> {
+        And(self, other)
+    }
+}
+
+impl<F> CachePolicy for F
+where
+    F: Fn(StatusCode, &HeaderMap) -> bool + Clone + Send + Sync + 'static,
+{
+    fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool {
+        self(status, headers)
+    }
+}
+
+/// The default policy (SPEC §3): store every response except those that say
+/// "nothing was done, try again": `408`, `425`, `429`, `502`, `503`, `504`.
+///
+/// # Examples
+///
+/// ```
+/// use http::{HeaderMap, StatusCode};
+/// use tower_idempotency::{CachePolicy, DefaultCachePolicy};
+///
+/// let h = HeaderMap::new();
+/// assert!(DefaultCachePolicy.should_store(StatusCode::CREATED, &h));
+/// assert!(DefaultCachePolicy.should_store(StatusCode::INTERNAL_SERVER_ERROR, &h));
+/// assert!(!DefaultCachePolicy.should_store(StatusCode::TOO_MANY_REQUESTS, &h));
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DefaultCachePolicy;
+
+impl CachePolicy for DefaultCachePolicy {
+    fn should_store(&self, status: StatusCode, _headers: &HeaderMap) -> bool {
+        !matches!(status.as_u16(), 408 | 425 | 429 | 502 | 503 | 504)
+    }
+}
+
+/// Stripe's behaviour: store every response, whatever its status.
+///
+/// # Examples
+///
+/// ```
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, StoreAll};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).cache_when(StoreAll);
+/// # let _ = layer;
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StoreAll;
+
+impl CachePolicy for StoreAll {
+    fn should_store(&self, _status: StatusCode, _headers: &HeaderMap) -> bool {
+        true
+    }
+}
+
+/// Two policies that must both agree; see [`CachePolicy::and`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct And<A, B>(A, B);
+
+impl<A: CachePolicy, B: CachePolicy> CachePolicy for And<A, B> {
+    fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool {
+        self.0.should_store(status, headers) && self.1.should_store(status, headers)
+    }
+}

@@ -1,0 +1,178 @@
+//! What a completed key keeps: the response to replay.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+
+/// A response stored for replay (SPEC §2.6): status, headers and body.
+///
+/// Headers that must not be replayed — hop-by-hop headers, `Set-Cookie`,
+/// `Content-Length` (recomputed) and `Date` — are dropped when the response is
+/// captured; the rest keep their order, repeated names included.
+///
+/// # Examples
+///
+/// ```
+/// use http::{HeaderMap, StatusCode, header};
+/// use tower_idempotency::StoredResponse;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert(header::LOCATION, "/v1/charges/ch_1".parse().unwrap());
+/// headers.insert(header::SET_COOKIE, "session=secret".parse().unwrap());
+/// let stored = StoredResponse::capture(StatusCode::CREATED, &headers, "{}".into());
+///
+/// assert_eq!(stored.headers().len(), 1); // Set-Cookie is never replayed
+/// let block = stored.encode_headers();
+/// let decoded = StoredResponse::decode_headers(&block).unwrap();
+/// assert_eq!(decoded, stored.headers());
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredResponse {
+    status: StatusCode,
+    headers: Vec<(HeaderName, HeaderValue)>,
+    body: Bytes,
+    created_at: SystemTime,
+}
+
+impl StoredResponse {
+    /// Captures a response now, dropping the headers that are never replayed.
+    pub fn capture(status: StatusCode, headers: &HeaderMap, body: Bytes) -> Self {
+        let headers = headers
+            .iter()
+            .filter(|(name, _)| is_replayable(name))
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        Self {
+            status,
+            headers,
+            body,
+            created_at: SystemTime::now(),
+        }
+    }
+
+    /// Rebuilds a stored response, e.g. when a store decodes one.
+    pub fn from_parts(
+        status: StatusCode,
+        headers: Vec<(HeaderName, HeaderValue)>,
+        body: Bytes,
+        created_at: SystemTime,
+    ) -> Self {
+        Self {
+            status,
+            headers,
+            body,
+            created_at,
+        }
+    }
+
+    /// The status code.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The replayable headers, in their original order.
+    pub fn headers(&self) -> &[(HeaderName, HeaderValue)] {
+        &self.headers
+    }
+
+    /// The body bytes.
+    pub fn body(&self) -> &Bytes {
+        &self.body
+    }
+
+    /// When the original response was produced.
+    pub fn created_at(&self) -> SystemTime {
+        self.created_at
+    }
+
+    /// Encodes the headers into a compact, binary-safe block: for each header
+    /// a `u16` name length, the name, a `u32` value length, the value (lengths
+    /// big-endian).
+    pub fn encode_headers(&self) -> Vec<u8> {
+        let len = self
+            .headers
+            .iter()
+            .map(|(n, v)| 6 + n.as_str().len() + v.len())
+            .sum();
+        let mut out = Vec::with_capacity(len);
+        for (name, value) in &self.headers {
+            out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
+            out.extend_from_slice(name.as_str().as_bytes());
+            out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            out.extend_from_slice(value.as_bytes());
+        }
+        out
+    }
+
+    /// Decodes a block written by [`encode_headers`](Self::encode_headers).
+    pub fn decode_headers(mut block: &[u8]) -> Result<Vec<(HeaderName, HeaderValue)>, CorruptRecord> {
+        let mut headers = Vec::new();
+        while !block.is_empty() {
+            let name = take_prefixed(&mut block, 2)?;
+            let value = take_prefixed(&mut block, 4)?;
+            let name = HeaderName::from_bytes(name).map_err(|_| CorruptRecord("header name"))?;
+            let value = HeaderValue::from_bytes(value).map_err(|_| CorruptRecord("header value"))?;
+            headers.push((name, value));
+        }
+        Ok(headers)
+    }
+}
+
+fn take_prefixed<'a>(block: &mut &'a [u8], width: usize) -> Result<&'a [u8], CorruptRecord> {
+    let truncated = CorruptRecord("truncated header block");
+    let (len, rest) = block.split_at_checked(width).ok_or(truncated)?;
+    let len = len.iter().fold(0usize, |acc, b| acc << 8 | usize::from(*b));
+    let (field, rest) = rest.split_at_checked(len).ok_or(truncated)?;
+    *block = rest;
+    Ok(field)
+}
+
+/// SPEC §2.7: hop-by-hop headers, `Set-Cookie`, `Content-Length` and `Date`
+/// are never replayed.
+fn is_replayable(name: &HeaderName) -> bool {
+    !matches!(
+        *name,
+        header::CONNECTION
+            | header::TRANSFER_ENCODING
+            | header::UPGRADE
+            | header::TE
+            | header::TRAILER
+            | header::PROXY_AUTHENTICATE
+            | header::PROXY_AUTHORIZATION
+            | header::SET_COOKIE
+            | header::CONTENT_LENGTH
+            | header::DATE
+    ) && name.as_str() != "keep-alive"
+        && name.as_str() != "set-cookie2"
+}
+
+/// The final state of a key: a response to replay, or only the fact that a
+/// response was sent that was too large to store (SPEC §3).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CompletedRecord {
+    /// The response, replayed to every matching retry.
+    Response(StoredResponse),
+    /// A response with this status was sent, but its body exceeded the
+    /// storable limit; retries get an error instead of a second execution.
+    Unreplayable {
+        /// The status of the response that was sent.
+        status: StatusCode,
+        /// When it was sent.
+        created_at: SystemTime,
+    },
+}
+
+/// A stored record that cannot be decoded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("corrupt idempotency record: {0}")]
+pub struct CorruptRecord(pub &'static str);
+
+/// Milliseconds since the Unix epoch, the wire form of `created_at`.
+pub(crate) fn to_unix_millis(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+pub(crate) fn from_unix_millis(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
+}

@@ -1,0 +1,213 @@
+//! The layer's own answers: RFC 9457 problem+json rejections.
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use axum::body::Body;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::InvalidKey;
+
+/// Why the layer answered instead of the handler.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RejectionKind {
+    /// The key is required but the request has none (`400`).
+    MissingKey,
+    /// The `Idempotency-Key` header is malformed (`400`).
+    InvalidKey(InvalidKey),
+    /// The request body exceeds the configured limit (`413`).
+    BodyTooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// The request body could not be read (`400`).
+    BodyUnreadable,
+    /// The key was first used with different parameters (`422`).
+    Mismatch,
+    /// A request with this key is still being processed (`409`).
+    InFlight {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The key completed with a response too large to store, so it cannot be
+    /// replayed; it will not be executed again either (`409`).
+    Unreplayable {
+        /// The status of the response that was sent.
+        status: StatusCode,
+    },
+    /// The store could not be reached, so the request was not run (`503`).
+    StoreUnavailable {
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The handler panicked; the key was released so the request may be
+    /// retried (`500`).
+    HandlerPanicked,
+    /// The handler's response body failed while it was being read; the key was
+    /// released (`502`).
+    ResponseBodyFailed,
+}
+
+/// A response the layer produced itself. Never stored, never replayed.
+///
+/// Customise how it is rendered with
+/// [`IdempotencyLayer::on_rejection`](crate::IdempotencyLayer::on_rejection);
+/// the default is [`Rejection::into_problem_response`].
+///
+/// # Examples
+///
+/// ```
+/// use http::StatusCode;
+/// use tower_idempotency::{Rejection, RejectionKind};
+///
+/// let r = Rejection::new(RejectionKind::Mismatch);
+/// assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+/// let response = r.into_problem_response();
+/// assert_eq!(response.headers()["content-type"], "application/problem+json");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Rejection {
+    kind: RejectionKind,
+}
+
+impl Rejection {
+    /// A rejection of this kind.
+    pub fn new(kind: RejectionKind) -> Self {
+        Self { kind }
+    }
+
+    /// Why the request was rejected.
+    pub fn kind(&self) -> &RejectionKind {
+        &self.kind
+    }
+
+    /// The HTTP status of the rejection.
+    pub fn status(&self) -> StatusCode {
+        match self.kind {
+            RejectionKind::MissingKey | RejectionKind::InvalidKey(_) | RejectionKind::BodyUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
+            RejectionKind::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            RejectionKind::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            RejectionKind::InFlight { .. } | RejectionKind::Unreplayable { .. } => StatusCode::CONFLICT,
+            RejectionKind::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RejectionKind::HandlerPanicked => StatusCode::INTERNAL_SERVER_ERROR,
+            RejectionKind::ResponseBodyFailed => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// When the client should try again, for rejections that say so.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self.kind {
+            RejectionKind::InFlight { retry_after } | RejectionKind::StoreUnavailable { retry_after } => {
+                Some(retry_after)
+            }
+            _ => None,
+        }
+    }
+
+    /// A stable URI naming the problem type (RFC 9457 `type`).
+    pub fn problem_type(&self) -> &'static str {
+        match self.kind {
+            RejectionKind::MissingKey => "urn:tower-idempotency:problem:missing-key",
+            RejectionKind::InvalidKey(_) => "urn:tower-idempotency:problem:invalid-key",
+            RejectionKind::BodyTooLarge { .. } => "urn:tower-idempotency:problem:body-too-large",
+            RejectionKind::BodyUnreadable => "urn:tower-idempotency:problem:body-unreadable",
+            RejectionKind::Mismatch => "urn:tower-idempotency:problem:key-reused",
+            RejectionKind::InFlight { .. } => "urn:tower-idempotency:problem:in-flight",
+            RejectionKind::Unreplayable { .. } => "urn:tower-idempotency:problem:unreplayable",
+            RejectionKind::StoreUnavailable { .. } => "urn:tower-idempotency:problem:store-unavailable",
+            RejectionKind::HandlerPanicked => "urn:tower-idempotency:problem:handler-panicked",
+            RejectionKind::ResponseBodyFailed => "urn:tower-idempotency:problem:response-body-failed",
+        }
+    }
+
+    /// A short, human-readable summary (RFC 9457 `title`).
+    pub fn title(&self) -> &'static str {
+        match self.kind {
+            RejectionKind::MissingKey => "Idempotency-Key required",
+            RejectionKind::InvalidKey(_) => "Invalid Idempotency-Key",
+            RejectionKind::BodyTooLarge { .. } => "Request body too large",
+            RejectionKind::BodyUnreadable => "Request body unreadable",
+            RejectionKind::Mismatch => "Idempotency-Key reused with different parameters",
+            RejectionKind::InFlight { .. } => "Request in progress",
+            RejectionKind::Unreplayable { .. } => "Original response cannot be replayed",
+            RejectionKind::StoreUnavailable { .. } => "Idempotency store unavailable",
+            RejectionKind::HandlerPanicked => "Internal server error",
+            RejectionKind::ResponseBodyFailed => "Response body failed",
+        }
+    }
+
+    /// An explanation of this occurrence (RFC 9457 `detail`).
+    pub fn detail(&self) -> String {
+        match &self.kind {
+            RejectionKind::MissingKey => {
+                "This endpoint requires an Idempotency-Key header; send the same key on every retry of one operation.".into()
+            }
+            RejectionKind::InvalidKey(why) => format!("{why}."),
+            RejectionKind::BodyTooLarge { limit } => {
+                format!("The request body exceeds the limit of {limit} bytes; nothing was stored.")
+            }
+            RejectionKind::BodyUnreadable => "The request body could not be read.".into(),
+            RejectionKind::Mismatch => {
+                "This Idempotency-Key was already used with a different request (method, path, query or body). Use a new key for a new operation.".into()
+            }
+            RejectionKind::InFlight { .. } => {
+                "A request with this Idempotency-Key is still being processed. Retry after the indicated delay to receive its result.".into()
+            }
+            RejectionKind::Unreplayable { status } => format!(
+                "The original request completed with status {} but its response was too large to store, so it cannot be replayed. It will not be executed again.",
+                status.as_u16()
+            ),
+            RejectionKind::StoreUnavailable { .. } => {
+                "The idempotency store cannot be reached, so the request was not processed. Retry later with the same key.".into()
+            }
+            RejectionKind::HandlerPanicked => {
+                "The request failed unexpectedly and was not recorded; it may be retried with the same key.".into()
+            }
+            RejectionKind::ResponseBodyFailed => {
+                "The response failed while it was produced and was not recorded; it may be retried with the same key.".into()
+            }
+        }
+    }
+
+    /// Renders the rejection as RFC 9457 `application/problem+json`, with
+    /// `Retry-After` where there is one.
+    pub fn into_problem_response(self) -> Response<Body> {
+        // Members in the order RFC 9457 lists them, which is how people read them.
+        let string = |s: &str| serde_json::Value::from(s).to_string();
+        let body = format!(
+            r#"{{"type":{},"title":{},"status":{},"detail":{}}}"#,
+            string(self.problem_type()),
+            string(self.title()),
+            self.status().as_u16(),
+            string(&self.detail()),
+        );
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = self.status();
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(after) = self.retry_after() {
+            headers.insert(header::RETRY_AFTER, retry_after_secs(after).into());
+        }
+        response
+    }
+}
+
+/// Whole seconds, rounded up, at least 1: `Retry-After: 0` would invite a
+/// tight retry loop.
+pub(crate) fn retry_after_secs(d: Duration) -> u64 {
+    d.as_millis().div_ceil(1000).max(1) as u64
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.title(), self.status())
+    }
+}
+
+/// Renders rejections; see [`IdempotencyLayer::on_rejection`](crate::IdempotencyLayer::on_rejection).
+pub(crate) type RenderRejection = Arc<dyn Fn(Rejection) -> Response<Body> + Send + Sync>;

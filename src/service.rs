@@ -1,0 +1,129 @@
+//! The middleware service: the cheap, synchronous decisions of SPEC §2.1–§2.2.
+//! Everything that awaits lives in [`crate::claim`].
+
+use std::{
+    sync::Arc,
+    task::{Context, Poll},
+};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{Request, Response};
+use tower_service::Service;
+
+use crate::{
+    BypassReason, CachePolicy, FingerprintStrategy, IdempotencyKey, InvalidKey, RejectionKind,
+    ScopeExtractor,
+    claim::{self, BoxError},
+    future::ResponseFuture,
+    key::IDEMPOTENCY_KEY,
+    layer::Shared,
+    store::Store,
+};
+
+/// The service produced by [`IdempotencyLayer`](crate::IdempotencyLayer).
+///
+/// Its responses carry an [`IdempotencyOutcome`](crate::IdempotencyOutcome)
+/// extension. Guarded requests run the inner service on a spawned task
+/// (detached from the client connection), so the inner service must be
+/// `Clone + Send + 'static`, as axum routers are.
+pub struct IdempotencyService<S, St, Sc, P, F> {
+    inner: S,
+    shared: Arc<Shared<St, Sc, P, F>>,
+}
+
+impl<S, St, Sc, P, F> IdempotencyService<S, St, Sc, P, F> {
+    pub(crate) fn new(inner: S, shared: Arc<Shared<St, Sc, P, F>>) -> Self {
+        Self { inner, shared }
+    }
+}
+
+impl<S: Clone, St, Sc, P, F> Clone for IdempotencyService<S, St, Sc, P, F> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+impl<S: std::fmt::Debug, St, Sc, P, F> std::fmt::Debug for IdempotencyService<S, St, Sc, P, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St, Sc, P, F, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotencyService<S, St, Sc, P, F>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+    St: Store,
+    Sc: ScopeExtractor,
+    P: CachePolicy,
+    F: FingerprintStrategy,
+{
+    type Response = Response<Body>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let config = &self.shared.config;
+        if !config.methods.contains(req.method()) {
+            return self.bypass(req, BypassReason::UnguardedMethod);
+        }
+        let mut values = req.headers().get_all(IDEMPOTENCY_KEY).iter();
+        let key = match (values.next(), values.next()) {
+            (None, _) if config.require_key => return self.reject(RejectionKind::MissingKey),
+            (None, _) => return self.bypass(req, BypassReason::NoKey),
+            (Some(_), Some(_)) => return self.reject(RejectionKind::InvalidKey(InvalidKey::Repeated)),
+            (Some(value), None) => match IdempotencyKey::from_header(value) {
+                Ok(key) => key,
+                Err(why) => return self.reject(RejectionKind::InvalidKey(why)),
+            },
+        };
+        let (parts, body) = req.into_parts();
+        let Some(scope) = self.shared.scope.scope(&parts) else {
+            return self.bypass(Request::from_parts(parts, body), BypassReason::NoScope);
+        };
+        // The ready service is the one that must be called; leave a fresh
+        // clone in its place. See
+        // https://docs.rs/tower/latest/tower/trait.Service.html#be-careful-when-cloning-inner-services
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let request = claim::Guarded {
+            parts,
+            body,
+            key,
+            scope,
+        };
+        ResponseFuture::guarded(Box::pin(claim::handle(self.shared.clone(), inner, request)))
+    }
+}
+
+impl<S, St, Sc, P, F> IdempotencyService<S, St, Sc, P, F> {
+    fn bypass<ReqBody, ResBody>(&mut self, req: Request<ReqBody>, reason: BypassReason) -> ResponseFuture<S::Future, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>>,
+        ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ReqBody::Error: Into<BoxError>,
+    {
+        tracing::trace!(?reason, "idempotency: bypassed");
+        ResponseFuture::bypass(self.inner.call(req.map(Body::new)), reason)
+    }
+
+    fn reject<E, Fut>(&self, kind: RejectionKind) -> ResponseFuture<Fut, E> {
+        tracing::debug!(?kind, "idempotency: rejected");
+        ResponseFuture::ready(self.shared.rejection(kind))
+    }
+}

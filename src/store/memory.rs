@@ -1,0 +1,201 @@
+//! The in-process store.
+
+use std::{
+    collections::HashMap,
+    hash::{BuildHasher, RandomState},
+    sync::{Arc, Mutex, MutexGuard},
+    time::Duration,
+};
+
+use tokio::time::Instant;
+
+use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
+use crate::{CompletedRecord, Fingerprint};
+
+/// Enough shards that two cores rarely wait for each other's lock.
+const SHARDS: usize = 16;
+
+/// An in-process [`Store`]: the default, so examples and tests run with
+/// nothing installed.
+///
+/// Claims are decided under a short-lived mutex (one of 16 shards, picked by
+/// key), so concurrent requests on one key are serialised exactly. Records
+/// expire at their TTL without a sweeper thread: an expired record counts as
+/// absent the moment its deadline passes, and a shard drops all its expired
+/// records whenever it has doubled in size since its last clean-up, which keeps
+/// the cost amortised O(1) per insert.
+///
+/// **Memory** is bounded by what is live: one entry per *(scope, key)* claimed
+/// within the retention period, each holding at most the storable response
+/// limit (1 MiB by default) plus headers. There is no cap on the number of
+/// keys; if clients can mint unlimited keys, size the retention accordingly or
+/// use the Redis store with a `maxmemory` and a `volatile-*` policy.
+///
+/// State lives in this process only: it is lost on restart and not shared
+/// between replicas of a service. Use Redis in production.
+///
+/// Cloning is cheap and clones share the same records.
+///
+/// # Examples
+///
+/// ```
+/// use axum::{Router, routing::post};
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+///
+/// let app: Router = Router::new()
+///     .route("/v1/charges", post(|| async { "charged" }))
+///     .layer(IdempotencyLayer::new(MemoryStore::new()));
+/// ```
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    hasher: RandomState,
+    shards: [Mutex<Shard>; SHARDS],
+}
+
+#[derive(Default)]
+struct Shard {
+    entries: HashMap<StorageKey, Entry>,
+    /// Purge expired entries when `entries` reaches this length.
+    purge_at: usize,
+}
+
+struct Entry {
+    fingerprint: Fingerprint,
+    expires_at: Instant,
+    state: State,
+}
+
+enum State {
+    InFlight(LeaseToken),
+    Completed(Arc<CompletedRecord>),
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The number of live (unexpired) records, in flight or completed.
+    pub fn len(&self) -> usize {
+        let now = Instant::now();
+        self.inner
+            .shards
+            .iter()
+            .map(|s| lock(s).entries.values().filter(|e| e.expires_at > now).count())
+            .sum()
+    }
+
+    /// `true` when no record is live.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn shard(&self, key: &StorageKey) -> MutexGuard<'_, Shard> {
+        let index = self.inner.hasher.hash_one(key) as usize % SHARDS;
+        lock(&self.inner.shards[index])
+    }
+
+    /// Runs `f` on the in-flight entry held by `token`, if any.
+    fn with_own_claim(&self, key: &StorageKey, token: LeaseToken, f: impl FnOnce(&mut Shard)) -> bool {
+        let mut shard = self.shard(key);
+        let now = Instant::now();
+        let owned = matches!(
+            shard.entries.get(key),
+            Some(Entry { state: State::InFlight(t), expires_at, .. }) if *t == token && *expires_at > now
+        );
+        if owned {
+            f(&mut shard);
+        }
+        owned
+    }
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore").finish_non_exhaustive()
+    }
+}
+
+/// A panic while holding the lock cannot leave an entry half-written (every
+/// critical section is a single map operation), so a poisoned lock is safe to
+/// use.
+fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Shard {
+    fn insert(&mut self, key: StorageKey, entry: Entry, now: Instant) {
+        if self.entries.len() >= self.purge_at {
+            self.entries.retain(|_, e| e.expires_at > now);
+            self.purge_at = (self.entries.len() * 2).max(64);
+        }
+        self.entries.insert(key, entry);
+    }
+}
+
+impl Store for MemoryStore {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        if let Some(entry) = shard.entries.get(key).filter(|e| e.expires_at > now) {
+            return Ok(if entry.fingerprint != *fingerprint {
+                Claim::Mismatch
+            } else {
+                match &entry.state {
+                    State::InFlight(_) => Claim::InFlight {
+                        retry_after: entry.expires_at - now,
+                    },
+                    State::Completed(record) => Claim::Completed(record.clone()),
+                }
+            });
+        }
+        let token = LeaseToken::generate();
+        let entry = Entry {
+            fingerprint: *fingerprint,
+            expires_at: now + lease,
+            state: State::InFlight(token),
+        };
+        shard.insert(key.clone(), entry, now);
+        Ok(Claim::Acquired(token))
+    }
+
+    async fn extend(&self, key: &StorageKey, token: LeaseToken, lease: Duration) -> Result<bool, StoreError> {
+        Ok(self.with_own_claim(key, token, |shard| {
+            if let Some(e) = shard.entries.get_mut(key) {
+                e.expires_at = Instant::now() + lease;
+            }
+        }))
+    }
+
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        Ok(self.with_own_claim(key, token, |shard| {
+            if let Some(e) = shard.entries.get_mut(key) {
+                e.expires_at = Instant::now() + retention;
+                e.state = State::Completed(record);
+            }
+        }))
+    }
+
+    async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
+        Ok(self.with_own_claim(key, token, |shard| {
+            shard.entries.remove(key);
+        }))
+    }
+}

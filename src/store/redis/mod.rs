@@ -1,0 +1,453 @@
+//! The Redis store (feature `redis`; Redis Cluster with feature `cluster`).
+//!
+//! # Protocol
+//!
+//! Claim, extend, complete and release are each one Lua script that touches
+//! exactly one key, so every decision is atomic and the same scripts run on
+//! Redis Cluster without CROSSSLOT errors. The claim script returns the
+//! completed record itself, so a replay costs one round trip; a first execution
+//! costs two (claim, complete), plus one extension per third of a lease for
+//! slow handlers. Extend, complete and release act only while the stored lease
+//! token is the caller's (fencing).
+//!
+//! # Layout
+//!
+//! One hash per record at `{prefix}{scope length}:{scope}:{key}`, with binary
+//! fields: `s` state (`i` in flight, `r` response, `u` unreplayable), `f`
+//! fingerprint (32 bytes), `t` lease token (16 bytes, in flight only), `st`
+//! status, `ca` created-at (Unix ms), `h` header block (see
+//! [`StoredResponse::encode_headers`](crate::StoredResponse::encode_headers)),
+//! `b` body bytes. An in-flight record's TTL is the lease; a completed
+//! record's TTL is the retention (`PEXPIRE`), so nothing needs a sweeper.
+//!
+//! # Eviction
+//!
+//! Under an `allkeys-*` `maxmemory-policy` Redis may silently delete
+//! idempotency records, and a retry would then execute again. On connect the
+//! store reads `maxmemory-policy` (on every master of a cluster) and, by
+//! default, refuses to start; see [`EvictionPolicyCheck`]. Use `noeviction` or
+//! a `volatile-*` policy.
+//!
+//! # Outages
+//!
+//! Every call is bounded by a timeout (default 1 s). When Redis cannot be
+//! reached the layer answers `503` and does not run the handler (fail closed).
+//! The connection reconnects by itself when Redis comes back; no restart is
+//! needed.
+//!
+//! # Durability and failover
+//!
+//! Redis replicates asynchronously: a completed record acknowledged by a
+//! master can be lost if that master fails before its replica received it,
+//! and the promoted replica then does not know the key. **A retry of that key
+//! executes again.** [`RedisStoreBuilder::wait_for_replicas`] narrows that
+//! window: after each completion the store sends `WAIT n timeout` and the
+//! response goes out only once `n` replicas acknowledged (or the timeout
+//! passed, which is logged). It costs one more round trip plus the replication
+//! delay on every first execution, and it is not a consensus guarantee: Redis
+//! can still lose acknowledged writes in rare failover races.
+
+mod connection;
+
+use std::{
+    sync::{Arc, LazyLock},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use http::StatusCode;
+use redis::{Script, Value};
+
+use self::connection::Connection;
+use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
+use crate::{
+    CompletedRecord, CorruptRecord, Fingerprint, StoredResponse,
+    record::{from_unix_millis, to_unix_millis},
+};
+
+const CLAIM_LUA: &str = include_str!("claim.lua");
+const EXTEND_LUA: &str = include_str!("extend.lua");
+const COMPLETE_LUA: &str = include_str!("complete.lua");
+const RELEASE_LUA: &str = include_str!("release.lua");
+
+static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(CLAIM_LUA));
+static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(EXTEND_LUA));
+static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(COMPLETE_LUA));
+static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
+
+/// A [`Store`] on Redis or Redis Cluster. See the [module docs](self) for the
+/// protocol, the data layout and the failure behaviour.
+///
+/// One multiplexed connection (per node) serves all requests and reconnects by
+/// itself. Cloning is cheap and clones share it.
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+/// use axum::{Router, routing::post};
+/// use tower_idempotency::{IdempotencyLayer, RedisStore};
+///
+/// let store = RedisStore::builder()
+///     .prefix("payments:idem:")
+///     .connect("redis://127.0.0.1:6379")
+///     .await?;
+/// let app: Router = Router::new()
+///     .route("/v1/charges", post(|| async { "charged" }))
+///     .layer(IdempotencyLayer::new(store));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    connection: Connection,
+    prefix: String,
+    timeout: Duration,
+    replicas: Option<(usize, Duration)>,
+}
+
+/// What to do when Redis may evict idempotency records.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EvictionPolicyCheck {
+    /// Refuse to connect under an `allkeys-*` policy (the default).
+    #[default]
+    Refuse,
+    /// Log an error and connect anyway.
+    Warn,
+}
+
+/// Configures and connects a [`RedisStore`].
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+/// use std::time::Duration;
+/// use tower_idempotency::{RedisStore, store::redis::EvictionPolicyCheck};
+///
+/// let store = RedisStore::builder()
+///     .prefix("idem:")
+///     .command_timeout(Duration::from_millis(500))
+///     .eviction_policy_check(EvictionPolicyCheck::Refuse)
+///     .connect("redis://127.0.0.1:6379")
+///     .await?;
+/// # let _ = store; Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct RedisStoreBuilder {
+    prefix: String,
+    timeout: Duration,
+    eviction: EvictionPolicyCheck,
+    replicas: Option<(usize, Duration)>,
+}
+
+impl RedisStore {
+    /// Starts configuring a store.
+    pub fn builder() -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            prefix: "idempotency:".into(),
+            timeout: Duration::from_secs(1),
+            eviction: EvictionPolicyCheck::Refuse,
+            replicas: None,
+        }
+    }
+
+    /// The Redis key that holds a record.
+    pub fn redis_key(&self, key: &StorageKey) -> String {
+        let mut k = String::with_capacity(self.inner.prefix.len() + key.as_str().len());
+        k.push_str(&self.inner.prefix);
+        k.push_str(key.as_str());
+        k
+    }
+
+    async fn run(&self, script: &Script, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
+        let mut invocation = script.key(key);
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let timeout = self.inner.timeout;
+        match tokio::time::timeout(timeout, self.inner.connection.invoke(&invocation)).await {
+            Ok(reply) => Ok(reply?),
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        }
+    }
+
+    async fn run_fenced(&self, script: &Script, key: &StorageKey, args: &[&[u8]]) -> Result<bool, StoreError> {
+        let reply = self.run(script, &self.redis_key(key), args).await?;
+        Ok(matches!(reply, Value::Int(1)))
+    }
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.inner.prefix)
+            .field("timeout", &self.inner.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStoreBuilder {
+    /// The prefix of every Redis key the store writes (default `idempotency:`).
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest any Redis call may take before the request gets `503`
+    /// (default 1 s).
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// What to do under an `allkeys-*` eviction policy (default: refuse).
+    pub fn eviction_policy_check(mut self, check: EvictionPolicyCheck) -> Self {
+        self.eviction = check;
+        self
+    }
+
+    /// After each completion, wait up to `timeout` for `replicas` replicas to
+    /// acknowledge it (`WAIT`). See the [module docs](self) for the trade-off.
+    pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
+        self.replicas = Some((replicas, timeout));
+        self
+    }
+
+    /// Connects to a single Redis node, e.g. `redis://127.0.0.1:6379`.
+    pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
+        let client = redis::Client::open(url)?;
+        let config = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(100));
+        let manager = redis::aio::ConnectionManager::new_with_config(client, config).await?;
+        self.finish(Connection::Single(manager)).await
+    }
+
+    /// Connects to a Redis Cluster through one or more seed nodes, e.g.
+    /// `["redis://127.0.0.1:7000"]`. The client follows `MOVED`/`ASK`
+    /// redirects and topology changes.
+    #[cfg(feature = "cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
+    pub async fn connect_cluster<I, T>(self, nodes: I) -> Result<RedisStore, StoreError>
+    where
+        I: IntoIterator<Item = T>,
+        T: redis::IntoConnectionInfo,
+    {
+        let client = redis::cluster::ClusterClientBuilder::new(nodes)
+            .connection_timeout(self.timeout)
+            .response_timeout(self.timeout)
+            .retries(2)
+            .build()?;
+        let connection = client.get_async_connection().await?;
+        self.finish(Connection::Cluster(connection)).await
+    }
+
+    async fn finish(self, connection: Connection) -> Result<RedisStore, StoreError> {
+        check_eviction_policy(&connection, self.eviction).await?;
+        // Load the scripts now so the first requests need no NOSCRIPT detour.
+        for source in [CLAIM_LUA, EXTEND_LUA, COMPLETE_LUA, RELEASE_LUA] {
+            let mut load = redis::cmd("SCRIPT");
+            load.arg("LOAD").arg(source);
+            connection.on_every_master(load).await?;
+        }
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                connection,
+                prefix: self.prefix,
+                timeout: self.timeout,
+                replicas: self.replicas,
+            }),
+        })
+    }
+}
+
+async fn check_eviction_policy(connection: &Connection, check: EvictionPolicyCheck) -> Result<(), StoreError> {
+    let mut get = redis::cmd("CONFIG");
+    get.arg("GET").arg("maxmemory-policy");
+    let replies = match connection.on_every_master(get).await {
+        Ok(replies) => replies,
+        Err(error) => {
+            // Managed services often disable CONFIG; say so instead of failing.
+            tracing::warn!(%error, "idempotency: cannot read maxmemory-policy; make sure it is not allkeys-*");
+            return Ok(());
+        }
+    };
+    let mut policies = Vec::new();
+    replies.iter().for_each(|r| collect_strings(r, &mut policies));
+    if let Some(policy) = policies.iter().find(|p| p.starts_with("allkeys-")) {
+        let message = format!(
+            "Redis maxmemory-policy is {policy}: it may silently evict idempotency records, and retries would execute again; use noeviction or a volatile-* policy"
+        );
+        match check {
+            EvictionPolicyCheck::Refuse => return Err(StoreError::Misconfigured(message)),
+            EvictionPolicyCheck::Warn => tracing::error!("idempotency: {message}"),
+        }
+    }
+    Ok(())
+}
+
+fn collect_strings(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => out.push(s.clone()),
+        Value::Array(items) | Value::Set(items) => items.iter().for_each(|v| collect_strings(v, out)),
+        Value::Map(pairs) => pairs.iter().for_each(|(_, v)| collect_strings(v, out)),
+        _ => {}
+    }
+}
+
+impl Store for RedisStore {
+    async fn claim(&self, key: &StorageKey, fingerprint: &Fingerprint, lease: Duration) -> Result<Claim, StoreError> {
+        let token = LeaseToken::generate();
+        let lease_ms = millis(lease);
+        let reply = self
+            .run(
+                &CLAIM,
+                &self.redis_key(key),
+                &[fingerprint.as_bytes(), &token.to_bytes(), lease_ms.as_bytes()],
+            )
+            .await?;
+        decode_claim(reply, token)
+    }
+
+    async fn extend(&self, key: &StorageKey, token: LeaseToken, lease: Duration) -> Result<bool, StoreError> {
+        let lease_ms = millis(lease);
+        self.run_fenced(&EXTEND, key, &[&token.to_bytes(), lease_ms.as_bytes()])
+            .await
+    }
+
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let retention_ms = millis(retention);
+        let token = token.to_bytes();
+        let stored = match &*record {
+            CompletedRecord::Response(r) => {
+                let status = r.status().as_u16().to_string();
+                let created = to_unix_millis(r.created_at()).to_string();
+                let headers = r.encode_headers();
+                let args: [&[u8]; 7] = [
+                    &token,
+                    b"r",
+                    status.as_bytes(),
+                    created.as_bytes(),
+                    retention_ms.as_bytes(),
+                    &headers,
+                    r.body(),
+                ];
+                self.run_fenced(&COMPLETE, key, &args).await?
+            }
+            CompletedRecord::Unreplayable { status, created_at } => {
+                let status = status.as_u16().to_string();
+                let created = to_unix_millis(*created_at).to_string();
+                let args: [&[u8]; 5] = [&token, b"u", status.as_bytes(), created.as_bytes(), retention_ms.as_bytes()];
+                self.run_fenced(&COMPLETE, key, &args).await?
+            }
+        };
+        if let (true, Some((replicas, timeout))) = (stored, self.inner.replicas) {
+            self.wait_for_replicas(key, replicas, timeout).await;
+        }
+        Ok(stored)
+    }
+
+    async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
+        self.run_fenced(&RELEASE, key, &[&token.to_bytes()]).await
+    }
+}
+
+impl RedisStore {
+    async fn wait_for_replicas(&self, key: &StorageKey, replicas: usize, timeout: Duration) {
+        let redis_key = self.redis_key(key);
+        let wait = self
+            .inner
+            .connection
+            .wait_for_replicas(&redis_key, replicas, timeout.as_millis() as u64);
+        match tokio::time::timeout(timeout + self.inner.timeout, wait).await {
+            Ok(Ok(acked)) if acked >= replicas => {}
+            Ok(Ok(acked)) => tracing::warn!(
+                %key, acked, replicas,
+                "idempotency: completion acknowledged by fewer replicas than asked; a failover now could lose it"
+            ),
+            Ok(Err(error)) => tracing::warn!(%key, %error, "idempotency: WAIT failed"),
+            Err(_) => tracing::warn!(%key, "idempotency: WAIT timed out"),
+        }
+    }
+}
+
+/// Milliseconds as the decimal string Redis expects, at least 1.
+fn millis(d: Duration) -> String {
+    d.as_millis().max(1).to_string()
+}
+
+fn decode_claim(reply: Value, token: LeaseToken) -> Result<Claim, StoreError> {
+    let corrupt = |what| StoreError::Corrupt(CorruptRecord(what));
+    let Value::Array(items) = reply else {
+        return Err(corrupt("claim reply is not an array"));
+    };
+    let mut items = items.into_iter();
+    let tag = match items.next() {
+        Some(Value::Int(tag)) => tag,
+        _ => return Err(corrupt("claim reply has no tag")),
+    };
+    let mut next_bytes = |what| match items.next() {
+        Some(Value::BulkString(b)) => Ok(b),
+        _ => Err(corrupt(what)),
+    };
+    Ok(match tag {
+        1 => Claim::Acquired(token),
+        2 => {
+            let pttl = match items.next() {
+                Some(Value::Int(ms)) => ms.max(0) as u64,
+                _ => return Err(corrupt("in-flight record without TTL")),
+            };
+            Claim::InFlight {
+                retry_after: Duration::from_millis(pttl),
+            }
+        }
+        3 => Claim::Mismatch,
+        4 | 5 => {
+            let status = parse_status(&next_bytes("status")?)?;
+            let created_at = from_unix_millis(parse_number(&next_bytes("created_at")?)?);
+            let record = if tag == 4 {
+                let headers = StoredResponse::decode_headers(&next_bytes("headers")?)?;
+                let body = Bytes::from(next_bytes("body")?);
+                CompletedRecord::Response(StoredResponse::from_parts(status, headers, body, created_at))
+            } else {
+                CompletedRecord::Unreplayable { status, created_at }
+            };
+            Claim::Completed(Arc::new(record))
+        }
+        _ => return Err(corrupt("unknown claim tag")),
+    })
+}
+
+fn parse_number(bytes: &[u8]) -> Result<u64, StoreError> {
+    std::str::from_utf8(bytes)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or(StoreError::Corrupt(CorruptRecord("number")))
+}
+
+fn parse_status(bytes: &[u8]) -> Result<StatusCode, StoreError> {
+    u16::try_from(parse_number(bytes)?)
+        .ok()
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .ok_or(StoreError::Corrupt(CorruptRecord("status")))
+}
+
+impl From<redis::RedisError> for StoreError {
+    fn from(error: redis::RedisError) -> Self {
+        StoreError::Unavailable(Box::new(error))
+    }
+}
