@@ -194,13 +194,27 @@ async fn create_charge(
 ) -> Response {
     let new = match body {
         Ok(Json(new)) => new,
-        Err(rejection) => return problem(StatusCode::BAD_REQUEST, "Invalid charge", &rejection.body_text()),
+        Err(rejection) => {
+            return problem(
+                StatusCode::BAD_REQUEST,
+                "Invalid charge",
+                &rejection.body_text(),
+            );
+        }
     };
     if new.amount <= 0 {
-        return problem(StatusCode::BAD_REQUEST, "Invalid charge", "`amount` must be a positive integer.");
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "Invalid charge",
+            "`amount` must be a positive integer.",
+        );
     }
     if new.currency.len() != 3 || !new.currency.bytes().all(|b| b.is_ascii_alphabetic()) {
-        return problem(StatusCode::BAD_REQUEST, "Invalid charge", "`currency` must be 3 letters.");
+        return problem(
+            StatusCode::BAD_REQUEST,
+            "Invalid charge",
+            "`currency` must be 3 letters.",
+        );
     }
     // The card processor.
     tokio::time::sleep(state.processor_latency).await;
@@ -219,7 +233,12 @@ async fn create_charge(
         .or_default()
         .push(charge.clone());
     let location = format!("/v1/charges/{}", charge.id);
-    (StatusCode::CREATED, [(header::LOCATION, location)], Json(charge)).into_response()
+    (
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(charge),
+    )
+        .into_response()
 }
 
 async fn list_charges(
@@ -231,7 +250,9 @@ async fn list_charges(
 }
 
 fn fastrand_id() -> String {
-    std::iter::repeat_with(fastrand::alphanumeric).take(24).collect()
+    std::iter::repeat_with(fastrand::alphanumeric)
+        .take(24)
+        .collect()
 }
 
 fn problem(status: StatusCode, title: &str, detail: &str) -> Response {

@@ -11,8 +11,8 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::{
-    CachePolicy, CompletedRecord, FingerprintStrategy, IdempotencyKey, IdempotencyOutcome, RejectionKind,
-    execute,
+    CachePolicy, CompletedRecord, FingerprintStrategy, IdempotencyKey, IdempotencyOutcome,
+    RejectionKind, execute,
     layer::Shared,
     store::{Claim, StorageKey, Store},
 };
@@ -51,7 +51,12 @@ where
     P: CachePolicy,
     F: FingerprintStrategy,
 {
-    let Guarded { parts, body, key, scope } = request;
+    let Guarded {
+        parts,
+        body,
+        key,
+        scope,
+    } = request;
     let config = &shared.config;
     let body = match read_body(body, config.max_request_body).await {
         Ok(body) => body,
@@ -115,7 +120,11 @@ where
 
 /// SPEC §2.7: the stored status, headers (in order) and body, plus
 /// `Idempotent-Replayed: true`.
-fn replay<St, Sc, P, F>(shared: &Shared<St, Sc, P, F>, key: &StorageKey, record: &CompletedRecord) -> Response<Body> {
+fn replay<St, Sc, P, F>(
+    shared: &Shared<St, Sc, P, F>,
+    key: &StorageKey,
+    record: &CompletedRecord,
+) -> Response<Body> {
     let stored = match record {
         CompletedRecord::Response(stored) => stored,
         CompletedRecord::Unreplayable { status, .. } => {
@@ -132,6 +141,8 @@ fn replay<St, Sc, P, F>(shared: &Shared<St, Sc, P, F>, key: &StorageKey, record:
         headers.append(name.clone(), value.clone());
     }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    response.extensions_mut().insert(IdempotencyOutcome::Replayed);
+    response
+        .extensions_mut()
+        .insert(IdempotencyOutcome::Replayed);
     response
 }

@@ -57,7 +57,14 @@ where
     tokio::spawn(async move {
         let shared = task_shared;
         let lease = Lease::new(shared.store.clone(), key, token, shared.config.lease);
-        let handled = lease.hold_while(run(inner, request, &shared.policy, shared.config.max_stored_body)).await;
+        let handled = lease
+            .hold_while(run(
+                inner,
+                request,
+                &shared.policy,
+                shared.config.max_stored_body,
+            ))
+            .await;
         settle(&shared, &lease, handled, reply).await;
     });
     // Only a panic outside the handler (in the layer itself) drops `reply`.
@@ -67,18 +74,28 @@ where
 }
 
 /// Runs the handler when the store is down and the layer fails open.
-pub(crate) async fn unprotected<S, ResBody>(mut inner: S, request: Request<Body>) -> Result<Response<Body>, S::Error>
+pub(crate) async fn unprotected<S, ResBody>(
+    mut inner: S,
+    request: Request<Body>,
+) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
     let mut response = inner.call(request).await?.map(Body::new);
-    response.extensions_mut().insert(IdempotencyOutcome::Unprotected);
+    response
+        .extensions_mut()
+        .insert(IdempotencyOutcome::Unprotected);
     Ok(response)
 }
 
-async fn run<S, P, ResBody>(mut inner: S, request: Request<Body>, policy: &P, limit: usize) -> Handled<S::Error, ResBody>
+async fn run<S, P, ResBody>(
+    mut inner: S,
+    request: Request<Body>,
+    policy: &P,
+    limit: usize,
+) -> Handled<S::Error, ResBody>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
@@ -95,7 +112,10 @@ where
         let (parts, body) = response.into_parts();
         read_up_to(parts, Box::pin(body), limit).await
     };
-    AssertUnwindSafe(work).catch_unwind().await.unwrap_or(Handled::Panicked)
+    AssertUnwindSafe(work)
+        .catch_unwind()
+        .await
+        .unwrap_or(Handled::Panicked)
 }
 
 async fn read_up_to<E, B>(parts: Parts, mut body: Pin<Box<B>>, limit: usize) -> Handled<E, B>
@@ -172,7 +192,11 @@ async fn settle<St, Sc, P, F, E, B>(
         Handled::Final(parts, body) => {
             let stored = StoredResponse::capture(parts.status, &parts.headers, body.clone());
             let response = Response::from_parts(parts, Body::from(body));
-            (CompletedRecord::Response(stored), response, Completion::Stored)
+            (
+                CompletedRecord::Response(stored),
+                response,
+                Completion::Stored,
+            )
         }
         Handled::TooLarge(parts, read, rest) => {
             tracing::warn!(key = %lease.key(), "idempotency: response too large to store; key completes unreplayable");
@@ -180,10 +204,15 @@ async fn settle<St, Sc, P, F, E, B>(
                 status: parts.status,
                 created_at: SystemTime::now(),
             };
-            let read = stream::iter(read).map(|data| Ok::<_, BoxError>(http_body::Frame::data(data)));
+            let read =
+                stream::iter(read).map(|data| Ok::<_, BoxError>(http_body::Frame::data(data)));
             let rest = BodyStream::new(rest.map_err(Into::into));
             let body = Body::new(StreamBody::new(read.chain(rest)));
-            (record, Response::from_parts(parts, body), Completion::StoredUnreplayable)
+            (
+                record,
+                Response::from_parts(parts, body),
+                Completion::StoredUnreplayable,
+            )
         }
     };
     let record = Arc::new(record);

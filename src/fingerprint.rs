@@ -201,7 +201,11 @@ fn hash_head(parts: &Parts) -> FingerprintHasher {
 }
 
 fn is_json(parts: &Parts) -> bool {
-    let Some(ct) = parts.headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok()) else {
+    let Some(ct) = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+    else {
         return false;
     };
     let essence = ct.split(';').next().unwrap_or("").trim();

@@ -75,9 +75,9 @@ where
                     .insert(IdempotencyOutcome::Bypassed(*reason));
                 Poll::Ready(Ok(response))
             }
-            KindProj::Ready { response } => {
-                Poll::Ready(Ok(response.take().expect("ResponseFuture polled after completion")))
-            }
+            KindProj::Ready { response } => Poll::Ready(Ok(response
+                .take()
+                .expect("ResponseFuture polled after completion"))),
             KindProj::Guarded { future } => future.as_mut().poll(cx),
         }
     }

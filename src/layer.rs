@@ -7,8 +7,9 @@ use http::{Method, Response};
 use tower_layer::Layer;
 
 use crate::{
-    CachePolicy, DefaultCachePolicy, IdempotencyOutcome, RejectionKind, DefaultFingerprint, FingerprintStrategy, IdempotencyService,
-    NoScope, Rejection, ScopeExtractor, rejection::RenderRejection, store::Store,
+    CachePolicy, DefaultCachePolicy, DefaultFingerprint, FingerprintStrategy, IdempotencyOutcome,
+    IdempotencyService, NoScope, Rejection, RejectionKind, ScopeExtractor,
+    rejection::RenderRejection, store::Store,
 };
 
 /// Applies Stripe-style `Idempotency-Key` semantics to the requests of a

@@ -38,7 +38,11 @@ impl<St: Store> Lease<St> {
         let mut confirmed_at = Instant::now();
         loop {
             sleep(self.duration / 3).await;
-            match self.store.extend(&self.key, self.token, self.duration).await {
+            match self
+                .store
+                .extend(&self.key, self.token, self.duration)
+                .await
+            {
                 Ok(true) => confirmed_at = Instant::now(),
                 Ok(false) => return,
                 Err(error) => {
@@ -73,7 +77,9 @@ impl<St: Store> Lease<St> {
     pub(crate) async fn release(&self) {
         match self.store.release(&self.key, self.token).await {
             Ok(true) => {}
-            Ok(false) => tracing::warn!(key = %self.key, "idempotency: release refused, the lease was already lost"),
+            Ok(false) => {
+                tracing::warn!(key = %self.key, "idempotency: release refused, the lease was already lost")
+            }
             Err(error) => tracing::warn!(
                 key = %self.key, %error,
                 "idempotency: release failed; the key stays in flight until its lease expires"
@@ -82,21 +88,33 @@ impl<St: Store> Lease<St> {
     }
 
     /// One attempt to store the completed record.
-    pub(crate) async fn complete(&self, record: Arc<CompletedRecord>, retention: Duration) -> Result<bool, StoreError> {
-        self.store.complete(&self.key, self.token, record, retention).await
+    pub(crate) async fn complete(
+        &self,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        self.store
+            .complete(&self.key, self.token, record, retention)
+            .await
     }
 
     /// Keeps retrying the completion with backoff while the heartbeat holds
     /// the lease (SPEC §4), so a short store outage does not turn into a
     /// second execution.
-    pub(crate) async fn complete_in_background(&self, record: Arc<CompletedRecord>, retention: Duration) {
+    pub(crate) async fn complete_in_background(
+        &self,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) {
         let retry = async {
             let mut backoff = Duration::from_millis(50);
             loop {
                 sleep(backoff).await;
                 match self.complete(record.clone(), retention).await {
                     Ok(stored) => return stored,
-                    Err(error) => tracing::warn!(key = %self.key, %error, "idempotency: completion retry failed"),
+                    Err(error) => {
+                        tracing::warn!(key = %self.key, %error, "idempotency: completion retry failed")
+                    }
                 }
                 backoff = (backoff * 2).min(self.duration / 3);
             }

@@ -18,8 +18,12 @@ mod scope;
 mod service;
 pub mod store;
 
+#[cfg(feature = "redis")]
+pub use ::redis;
 pub use claim::IDEMPOTENT_REPLAYED;
-pub use fingerprint::{DefaultFingerprint, Fingerprint, FingerprintHasher, FingerprintStrategy, RawBodyFingerprint};
+pub use fingerprint::{
+    DefaultFingerprint, Fingerprint, FingerprintHasher, FingerprintStrategy, RawBodyFingerprint,
+};
 pub use future::ResponseFuture;
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey};
 pub use layer::IdempotencyLayer;
@@ -33,5 +37,3 @@ pub use service::IdempotencyService;
 pub use store::MemoryStore;
 #[cfg(feature = "redis")]
 pub use store::redis::RedisStore;
-#[cfg(feature = "redis")]
-pub use ::redis;

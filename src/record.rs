@@ -106,13 +106,16 @@ impl StoredResponse {
     }
 
     /// Decodes a block written by [`encode_headers`](Self::encode_headers).
-    pub fn decode_headers(mut block: &[u8]) -> Result<Vec<(HeaderName, HeaderValue)>, CorruptRecord> {
+    pub fn decode_headers(
+        mut block: &[u8],
+    ) -> Result<Vec<(HeaderName, HeaderValue)>, CorruptRecord> {
         let mut headers = Vec::new();
         while !block.is_empty() {
             let name = take_prefixed(&mut block, 2)?;
             let value = take_prefixed(&mut block, 4)?;
             let name = HeaderName::from_bytes(name).map_err(|_| CorruptRecord("header name"))?;
-            let value = HeaderValue::from_bytes(value).map_err(|_| CorruptRecord("header value"))?;
+            let value =
+                HeaderValue::from_bytes(value).map_err(|_| CorruptRecord("header value"))?;
             headers.push((name, value));
         }
         Ok(headers)
@@ -170,7 +173,8 @@ pub struct CorruptRecord(pub &'static str);
 
 /// Milliseconds since the Unix epoch, the wire form of `created_at`.
 pub(crate) fn to_unix_millis(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 pub(crate) fn from_unix_millis(ms: u64) -> SystemTime {

@@ -84,12 +84,14 @@ impl Rejection {
     /// The HTTP status of the rejection.
     pub fn status(&self) -> StatusCode {
         match self.kind {
-            RejectionKind::MissingKey | RejectionKind::InvalidKey(_) | RejectionKind::BodyUnreadable => {
-                StatusCode::BAD_REQUEST
-            }
+            RejectionKind::MissingKey
+            | RejectionKind::InvalidKey(_)
+            | RejectionKind::BodyUnreadable => StatusCode::BAD_REQUEST,
             RejectionKind::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             RejectionKind::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            RejectionKind::InFlight { .. } | RejectionKind::Unreplayable { .. } => StatusCode::CONFLICT,
+            RejectionKind::InFlight { .. } | RejectionKind::Unreplayable { .. } => {
+                StatusCode::CONFLICT
+            }
             RejectionKind::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             RejectionKind::HandlerPanicked => StatusCode::INTERNAL_SERVER_ERROR,
             RejectionKind::ResponseBodyFailed => StatusCode::BAD_GATEWAY,
@@ -99,9 +101,8 @@ impl Rejection {
     /// When the client should try again, for rejections that say so.
     pub fn retry_after(&self) -> Option<Duration> {
         match self.kind {
-            RejectionKind::InFlight { retry_after } | RejectionKind::StoreUnavailable { retry_after } => {
-                Some(retry_after)
-            }
+            RejectionKind::InFlight { retry_after }
+            | RejectionKind::StoreUnavailable { retry_after } => Some(retry_after),
             _ => None,
         }
     }
@@ -116,9 +117,13 @@ impl Rejection {
             RejectionKind::Mismatch => "urn:tower-idempotency:problem:key-reused",
             RejectionKind::InFlight { .. } => "urn:tower-idempotency:problem:in-flight",
             RejectionKind::Unreplayable { .. } => "urn:tower-idempotency:problem:unreplayable",
-            RejectionKind::StoreUnavailable { .. } => "urn:tower-idempotency:problem:store-unavailable",
+            RejectionKind::StoreUnavailable { .. } => {
+                "urn:tower-idempotency:problem:store-unavailable"
+            }
             RejectionKind::HandlerPanicked => "urn:tower-idempotency:problem:handler-panicked",
-            RejectionKind::ResponseBodyFailed => "urn:tower-idempotency:problem:response-body-failed",
+            RejectionKind::ResponseBodyFailed => {
+                "urn:tower-idempotency:problem:response-body-failed"
+            }
         }
     }
 

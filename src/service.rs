@@ -55,7 +55,8 @@ impl<S: std::fmt::Debug, St, Sc, P, F> std::fmt::Debug for IdempotencyService<S,
     }
 }
 
-impl<S, St, Sc, P, F, ReqBody, ResBody> Service<Request<ReqBody>> for IdempotencyService<S, St, Sc, P, F>
+impl<S, St, Sc, P, F, ReqBody, ResBody> Service<Request<ReqBody>>
+    for IdempotencyService<S, St, Sc, P, F>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send + 'static,
@@ -86,7 +87,9 @@ where
         let key = match (values.next(), values.next()) {
             (None, _) if config.require_key => return self.reject(RejectionKind::MissingKey),
             (None, _) => return self.bypass(req, BypassReason::NoKey),
-            (Some(_), Some(_)) => return self.reject(RejectionKind::InvalidKey(InvalidKey::Repeated)),
+            (Some(_), Some(_)) => {
+                return self.reject(RejectionKind::InvalidKey(InvalidKey::Repeated));
+            }
             (Some(value), None) => match IdempotencyKey::from_header(value) {
                 Ok(key) => key,
                 Err(why) => return self.reject(RejectionKind::InvalidKey(why)),
@@ -112,7 +115,11 @@ where
 }
 
 impl<S, St, Sc, P, F> IdempotencyService<S, St, Sc, P, F> {
-    fn bypass<ReqBody, ResBody>(&mut self, req: Request<ReqBody>, reason: BypassReason) -> ResponseFuture<S::Future, S::Error>
+    fn bypass<ReqBody, ResBody>(
+        &mut self,
+        req: Request<ReqBody>,
+        reason: BypassReason,
+    ) -> ResponseFuture<S::Future, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>>,
         ReqBody: http_body::Body<Data = Bytes> + Send + 'static,

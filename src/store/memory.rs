@@ -87,7 +87,13 @@ impl MemoryStore {
         self.inner
             .shards
             .iter()
-            .map(|s| lock(s).entries.values().filter(|e| e.expires_at > now).count())
+            .map(|s| {
+                lock(s)
+                    .entries
+                    .values()
+                    .filter(|e| e.expires_at > now)
+                    .count()
+            })
             .sum()
     }
 
@@ -102,7 +108,12 @@ impl MemoryStore {
     }
 
     /// Runs `f` on the in-flight entry held by `token`, if any.
-    fn with_own_claim(&self, key: &StorageKey, token: LeaseToken, f: impl FnOnce(&mut Shard)) -> bool {
+    fn with_own_claim(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        f: impl FnOnce(&mut Shard),
+    ) -> bool {
         let mut shard = self.shard(key);
         let now = Instant::now();
         let owned = matches!(
@@ -170,7 +181,12 @@ impl Store for MemoryStore {
         Ok(Claim::Acquired(token))
     }
 
-    async fn extend(&self, key: &StorageKey, token: LeaseToken, lease: Duration) -> Result<bool, StoreError> {
+    async fn extend(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
         Ok(self.with_own_claim(key, token, |shard| {
             if let Some(e) = shard.entries.get_mut(key) {
                 e.expires_at = Instant::now() + lease;

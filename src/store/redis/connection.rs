@@ -22,17 +22,27 @@ impl Connection {
     /// WAIT on the node that holds `key`: it counts the replicas that
     /// acknowledged this connection's writes to that node.
     #[cfg_attr(not(feature = "cluster"), allow(unused_variables))]
-    pub(super) async fn wait_for_replicas(&self, key: &str, replicas: usize, timeout_ms: u64) -> RedisResult<usize> {
+    pub(super) async fn wait_for_replicas(
+        &self,
+        key: &str,
+        replicas: usize,
+        timeout_ms: u64,
+    ) -> RedisResult<usize> {
         let mut wait = redis::cmd("WAIT");
         wait.arg(replicas).arg(timeout_ms);
         match self.clone() {
             Self::Single(mut c) => wait.query_async(&mut c).await,
             #[cfg(feature = "cluster")]
             Self::Cluster(mut c) => {
-                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+                use redis::cluster_routing::{
+                    Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr,
+                };
                 let route = Route::with_slot(Slot::for_key(key), SlotAddr::Master);
                 let value = c
-                    .route_command(wait, RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)))
+                    .route_command(
+                        wait,
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                    )
                     .await?;
                 Ok(redis::from_redis_value(value)?)
             }

@@ -176,7 +176,12 @@ impl RedisStore {
         }
     }
 
-    async fn run_fenced(&self, script: &Script, key: &StorageKey, args: &[&[u8]]) -> Result<bool, StoreError> {
+    async fn run_fenced(
+        &self,
+        script: &Script,
+        key: &StorageKey,
+        args: &[&[u8]],
+    ) -> Result<bool, StoreError> {
         let reply = self.run(script, &self.redis_key(key), args).await?;
         Ok(matches!(reply, Value::Int(1)))
     }
@@ -268,7 +273,10 @@ impl RedisStoreBuilder {
     }
 }
 
-async fn check_eviction_policy(connection: &Connection, check: EvictionPolicyCheck) -> Result<(), StoreError> {
+async fn check_eviction_policy(
+    connection: &Connection,
+    check: EvictionPolicyCheck,
+) -> Result<(), StoreError> {
     let mut get = redis::cmd("CONFIG");
     get.arg("GET").arg("maxmemory-policy");
     let replies = match connection.on_every_master(get).await {
@@ -280,7 +288,9 @@ async fn check_eviction_policy(connection: &Connection, check: EvictionPolicyChe
         }
     };
     let mut policies = Vec::new();
-    replies.iter().for_each(|r| collect_strings(r, &mut policies));
+    replies
+        .iter()
+        .for_each(|r| collect_strings(r, &mut policies));
     if let Some(policy) = policies.iter().find(|p| p.starts_with("allkeys-")) {
         let message = format!(
             "Redis maxmemory-policy is {policy}: it may silently evict idempotency records, and retries would execute again; use noeviction or a volatile-* policy"
@@ -297,27 +307,43 @@ fn collect_strings(value: &Value, out: &mut Vec<String>) {
     match value {
         Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
         Value::SimpleString(s) => out.push(s.clone()),
-        Value::Array(items) | Value::Set(items) => items.iter().for_each(|v| collect_strings(v, out)),
+        Value::Array(items) | Value::Set(items) => {
+            items.iter().for_each(|v| collect_strings(v, out))
+        }
         Value::Map(pairs) => pairs.iter().for_each(|(_, v)| collect_strings(v, out)),
         _ => {}
     }
 }
 
 impl Store for RedisStore {
-    async fn claim(&self, key: &StorageKey, fingerprint: &Fingerprint, lease: Duration) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
         let token = LeaseToken::generate();
         let lease_ms = millis(lease);
         let reply = self
             .run(
                 &CLAIM,
                 &self.redis_key(key),
-                &[fingerprint.as_bytes(), &token.to_bytes(), lease_ms.as_bytes()],
+                &[
+                    fingerprint.as_bytes(),
+                    &token.to_bytes(),
+                    lease_ms.as_bytes(),
+                ],
             )
             .await?;
         decode_claim(reply, token)
     }
 
-    async fn extend(&self, key: &StorageKey, token: LeaseToken, lease: Duration) -> Result<bool, StoreError> {
+    async fn extend(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
         let lease_ms = millis(lease);
         self.run_fenced(&EXTEND, key, &[&token.to_bytes(), lease_ms.as_bytes()])
             .await
@@ -351,7 +377,13 @@ impl Store for RedisStore {
             CompletedRecord::Unreplayable { status, created_at } => {
                 let status = status.as_u16().to_string();
                 let created = to_unix_millis(*created_at).to_string();
-                let args: [&[u8]; 5] = [&token, b"u", status.as_bytes(), created.as_bytes(), retention_ms.as_bytes()];
+                let args: [&[u8]; 5] = [
+                    &token,
+                    b"u",
+                    status.as_bytes(),
+                    created.as_bytes(),
+                    retention_ms.as_bytes(),
+                ];
                 self.run_fenced(&COMPLETE, key, &args).await?
             }
         };
@@ -369,10 +401,11 @@ impl Store for RedisStore {
 impl RedisStore {
     async fn wait_for_replicas(&self, key: &StorageKey, replicas: usize, timeout: Duration) {
         let redis_key = self.redis_key(key);
-        let wait = self
-            .inner
-            .connection
-            .wait_for_replicas(&redis_key, replicas, timeout.as_millis() as u64);
+        let wait = self.inner.connection.wait_for_replicas(
+            &redis_key,
+            replicas,
+            timeout.as_millis() as u64,
+        );
         match tokio::time::timeout(timeout + self.inner.timeout, wait).await {
             Ok(Ok(acked)) if acked >= replicas => {}
             Ok(Ok(acked)) => tracing::warn!(
@@ -422,7 +455,9 @@ fn decode_claim(reply: Value, token: LeaseToken) -> Result<Claim, StoreError> {
             let record = if tag == 4 {
                 let headers = StoredResponse::decode_headers(&next_bytes("headers")?)?;
                 let body = Bytes::from(next_bytes("body")?);
-                CompletedRecord::Response(StoredResponse::from_parts(status, headers, body, created_at))
+                CompletedRecord::Response(StoredResponse::from_parts(
+                    status, headers, body, created_at,
+                ))
             } else {
                 CompletedRecord::Unreplayable { status, created_at }
             };

@@ -1,0 +1,115 @@
+//! The application under test: handlers that count their executions with a
+//! per-test counter.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{
+    Router,
+    body::Bytes,
+    extract::{Path, Query, State},
+    http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+
+/// Counts handler executions for one test.
+#[derive(Clone, Default)]
+pub struct Counter(Arc<AtomicUsize>);
+
+impl Counter {
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    fn incr(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
+}
+
+/// The routes, unlayered. Every handler counts itself first.
+pub fn routes(counter: Counter) -> Router {
+    Router::new()
+        .route("/charges", post(charge).patch(charge).get(charge))
+        .route("/slow", post(slow))
+        .route("/panic-once", post(panic_once))
+        .route("/status/{code}", post(status))
+        .route("/big/{bytes}", post(big))
+        .with_state(counter)
+}
+
+/// A 201 with a Location, a repeated header, a cookie and an echo of the request.
+fn created(n: usize, method: &Method, uri: &Uri, body: &[u8]) -> Response {
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        header::LOCATION,
+        HeaderValue::from_str(&format!("/charges/ch_{n}")).unwrap(),
+    );
+    headers.append("x-multi", HeaderValue::from_static("first"));
+    headers.append("x-multi", HeaderValue::from_static("second"));
+    headers.append("x-multi", HeaderValue::from_static("third"));
+    headers.insert(
+        header::SET_COOKIE,
+        HeaderValue::from_static("session=secret"),
+    );
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    let body = serde_json::json!({
+        "execution": n,
+        "method": method.as_str(),
+        "uri": uri.to_string(),
+        "body": String::from_utf8_lossy(body),
+    });
+    (StatusCode::CREATED, headers, body.to_string()).into_response()
+}
+
+async fn charge(State(c): State<Counter>, method: Method, uri: Uri, body: Bytes) -> Response {
+    let n = c.incr();
+    created(n, &method, &uri, &body)
+}
+
+#[derive(serde::Deserialize)]
+struct Slow {
+    ms: u64,
+}
+
+async fn slow(
+    State(c): State<Counter>,
+    Query(q): Query<Slow>,
+    method: Method,
+    uri: Uri,
+    body: Bytes,
+) -> Response {
+    let n = c.incr();
+    tokio::time::sleep(Duration::from_millis(q.ms)).await;
+    created(n, &method, &uri, &body)
+}
+
+async fn panic_once(State(c): State<Counter>, method: Method, uri: Uri, body: Bytes) -> Response {
+    let n = c.incr();
+    if n == 1 {
+        panic!("the card processor exploded");
+    }
+    created(n, &method, &uri, &body)
+}
+
+async fn status(State(c): State<Counter>, Path(code): Path<u16>) -> Response {
+    let n = c.incr();
+    (
+        StatusCode::from_u16(code).unwrap(),
+        format!("status {code}, execution {n}"),
+    )
+        .into_response()
+}
+
+async fn big(State(c): State<Counter>, Path(bytes): Path<usize>) -> Response {
+    c.incr();
+    vec![b'x'; bytes].into_response()
+}

@@ -1,0 +1,68 @@
+//! The stores the behaviour suite runs against: memory, one Redis node, a
+//! Redis Cluster. Each `store()` call is a fresh namespace.
+
+use std::{
+    future::Future,
+    sync::atomic::{AtomicUsize, Ordering},
+};
+
+use tower_idempotency::{MemoryStore, RedisStore, store::Store};
+
+use super::{cluster::RedisCluster, redis_server::RedisServer};
+
+pub trait Backend {
+    type Store: Store;
+    fn store(&self) -> impl Future<Output = Self::Store>;
+}
+
+pub struct Memory;
+
+impl Backend for Memory {
+    type Store = MemoryStore;
+    async fn store(&self) -> MemoryStore {
+        MemoryStore::new()
+    }
+}
+
+fn fresh_prefix() -> String {
+    static SEQ: AtomicUsize = AtomicUsize::new(0);
+    format!("test{}:", SEQ.fetch_add(1, Ordering::Relaxed))
+}
+
+pub struct SingleRedis(pub RedisServer);
+
+impl SingleRedis {
+    pub fn start() -> Self {
+        Self(RedisServer::start())
+    }
+}
+
+impl Backend for SingleRedis {
+    type Store = RedisStore;
+    async fn store(&self) -> RedisStore {
+        RedisStore::builder()
+            .prefix(fresh_prefix())
+            .connect(&self.0.url())
+            .await
+            .expect("connect to the test redis-server")
+    }
+}
+
+pub struct Cluster(pub RedisCluster);
+
+impl Cluster {
+    pub fn start() -> Self {
+        Self(RedisCluster::start(3, 0))
+    }
+}
+
+impl Backend for Cluster {
+    type Store = RedisStore;
+    async fn store(&self) -> RedisStore {
+        RedisStore::builder()
+            .prefix(fresh_prefix())
+            .connect_cluster(self.0.urls())
+            .await
+            .expect("connect to the test cluster")
+    }
+}

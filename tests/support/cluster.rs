@@ -1,0 +1,109 @@
+//! A real local Redis Cluster: masters (and replicas) on free loopback ports,
+//! created with `redis-cli --cluster create`, torn down on drop.
+
+use std::{
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use super::redis_server::{RedisServer, free_port, raw_command, redis_cli_binary};
+
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// `masters` masters, each with `replicas_per_master` replicas.
+    pub fn start(masters: usize, replicas_per_master: usize) -> Self {
+        let total = masters * (1 + replicas_per_master);
+        let nodes: Vec<RedisServer> = (0..total)
+            .map(|_| {
+                RedisServer::start_on(
+                    free_port(),
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "1000",
+                        // A replica of a lost master is promoted even if it lagged.
+                        "--cluster-replica-validity-factor",
+                        "0",
+                    ],
+                )
+            })
+            .collect();
+        let addresses: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        let output = Command::new(redis_cli_binary())
+            .args(["--cluster", "create"])
+            .args(&addresses)
+            .args([
+                "--cluster-replicas",
+                &replicas_per_master.to_string(),
+                "--cluster-yes",
+            ])
+            .output()
+            .expect("run redis-cli --cluster create");
+        assert!(
+            output.status.success(),
+            "redis-cli --cluster create failed: {}",
+            String::from_utf8_lossy(&output.stdout)
+        );
+        let cluster = Self { nodes };
+        cluster.wait_until_ok(Duration::from_secs(30));
+        cluster
+    }
+
+    /// Seed URLs for the client.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.url()).collect()
+    }
+
+    /// Waits until every running node reports `cluster_state:ok` and agrees
+    /// that all 16384 slots are served.
+    pub fn wait_until_ok(&self, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let ok = self.running().all(|n| {
+                let info = raw_command(n.port(), &["CLUSTER", "INFO"]);
+                info.contains("cluster_state:ok") && info.contains("cluster_slots_ok:16384")
+            });
+            if ok {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "cluster did not reach cluster_state:ok in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn running(&self) -> impl Iterator<Item = &RedisServer> {
+        self.nodes.iter().filter(|n| n.is_running())
+    }
+
+    /// Ports of the nodes that are masters now.
+    pub fn master_ports(&self) -> Vec<u16> {
+        self.running()
+            .filter(|n| raw_command(n.port(), &["ROLE"]).starts_with("master"))
+            .map(|n| n.port())
+            .collect()
+    }
+
+    pub fn node_mut(&mut self, port: u16) -> &mut RedisServer {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port() == port)
+            .expect("no node on that port")
+    }
+
+    /// Keys stored on the node at `port`.
+    pub fn dbsize(port: u16) -> u64 {
+        raw_command(port, &["DBSIZE"]).trim().parse().unwrap()
+    }
+}

@@ -1,0 +1,10 @@
+//! Test support shared by the integration tests. Not every test file uses
+//! every helper.
+#![allow(dead_code)]
+
+pub mod app;
+pub mod backend;
+pub mod cluster;
+pub mod http;
+pub mod redis_server;
+pub mod suite;

@@ -1,0 +1,207 @@
+//! Real `redis-server` processes on free loopback ports, stopped on drop.
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    net::{TcpListener, TcpStream},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::atomic::{AtomicUsize, Ordering},
+    time::{Duration, Instant},
+};
+
+const INSTALL_HINT: &str = "redis-server was not found on PATH. The tests need a real Redis: \
+install it (Debian/Ubuntu: `sudo apt-get install redis-server`, macOS: `brew install redis`) and run the tests again.";
+
+/// The `redis-server` binary, or a panic that says how to install it.
+pub fn redis_server_binary() -> PathBuf {
+    find_on_path("redis-server").unwrap_or_else(|| panic!("{INSTALL_HINT}"))
+}
+
+pub fn redis_cli_binary() -> PathBuf {
+    find_on_path("redis-cli").unwrap_or_else(|| {
+        panic!(
+            "{}",
+            INSTALL_HINT.replace("redis-server was", "redis-cli was")
+        )
+    })
+}
+
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH")?)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// One `redis-server` child process with its own empty directory and no persistence.
+pub struct RedisServer {
+    port: u16,
+    dir: PathBuf,
+    args: Vec<String>,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra `redis-server` arguments, e.g. `["--maxmemory-policy", "allkeys-lru"]`.
+    pub fn start_with(args: &[&str]) -> Self {
+        Self::start_on(free_port(), args)
+    }
+
+    pub fn start_on(port: u16, args: &[&str]) -> Self {
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "tower-idempotency-test-{}-{}-{port}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut server = Self {
+            port,
+            dir,
+            args: args.iter().map(|s| s.to_string()).collect(),
+            child: None,
+        };
+        server.spawn();
+        server
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new(redis_server_binary())
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start redis-server: {e}"));
+        self.child = Some(child);
+        wait_until_ready(self.port);
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// SIGKILL: Redis disappears at once, as in a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts again on the same port (with no data: nothing is persisted).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// One command over a fresh raw connection; the reply as text.
+    pub fn command(&self, args: &[&str]) -> String {
+        raw_command(self.port, args)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn wait_until_ready(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if try_command(port, &["PING"]).is_ok_and(|reply| reply.contains("PONG")) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("redis-server on port {port} did not become ready within 10 s");
+}
+
+/// Sends one RESP command and returns the reply, flattened to text
+/// (bulk strings and arrays joined by newlines).
+pub fn raw_command(port: u16, args: &[&str]) -> String {
+    try_command(port, args).unwrap_or_else(|e| panic!("redis on port {port}: {e}"))
+}
+
+/// Like [`raw_command`], but a connection failure is an error, not a panic.
+pub fn try_command(port: u16, args: &[&str]) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let mut request = format!("*{}\r\n", args.len());
+    for arg in args {
+        request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+    }
+    stream.write_all(request.as_bytes())?;
+    let mut reader = BufReader::new(stream);
+    let mut out = String::new();
+    read_reply(&mut reader, &mut out);
+    Ok(out)
+}
+
+fn read_reply(reader: &mut impl BufRead, out: &mut String) {
+    let mut line = String::new();
+    reader.read_line(&mut line).expect("read redis reply");
+    let line = line.trim_end();
+    let (kind, rest) = line.split_at(1);
+    match kind {
+        "+" | ":" => {
+            out.push_str(rest);
+            out.push('\n');
+        }
+        "-" => panic!("redis error: {rest}"),
+        "$" => {
+            let len: i64 = rest.parse().unwrap();
+            if len >= 0 {
+                let mut buf = vec![0; len as usize + 2];
+                reader.read_exact(&mut buf).unwrap();
+                out.push_str(&String::from_utf8_lossy(&buf[..len as usize]));
+                out.push('\n');
+            }
+        }
+        "*" => {
+            let n: i64 = rest.parse().unwrap();
+            for _ in 0..n.max(0) {
+                read_reply(reader, out);
+            }
+        }
+        other => panic!("unexpected RESP type {other:?}"),
+    }
+}
+
+/// `INFO commandstats` as (command, calls) pairs, e.g. `("evalsha", 2)`.
+pub fn command_calls(port: u16) -> Vec<(String, u64)> {
+    raw_command(port, &["INFO", "commandstats"])
+        .lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter_map(|l| {
+            let (name, stats) = l.split_once(':')?;
+            let calls = stats.split(',').find_map(|kv| kv.strip_prefix("calls="))?;
+            Some((name.to_string(), calls.parse().ok()?))
+        })
+        .collect()
+}
