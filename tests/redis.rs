@@ -1,0 +1,397 @@
+//! What only a real Redis can show: TTLs, round trips counted by the server,
+//! outages, crashes of the application process, eviction policies, storms.
+
+mod support;
+
+use std::{
+    process::{Child, Command, Stdio},
+    time::Duration,
+};
+
+use axum::Router;
+use http::StatusCode;
+use tower_idempotency::{
+    Completion, IdempotencyLayer, IdempotencyOutcome, RedisStore,
+    store::{StoreError, redis::EvictionPolicyCheck},
+};
+
+use support::{
+    app::{Counter, routes},
+    http::{HttpClient, Server, oneshot, post},
+    redis_server::{RedisServer, command_calls, free_port},
+};
+
+const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
+
+async fn store(server: &RedisServer) -> RedisStore {
+    RedisStore::builder()
+        .command_timeout(Duration::from_millis(500))
+        .connect(&server.url())
+        .await
+        .expect("connect")
+}
+
+fn app(store: RedisStore) -> (Router, Counter) {
+    let counter = Counter::default();
+    (
+        routes(counter.clone()).layer(IdempotencyLayer::new(store)),
+        counter,
+    )
+}
+
+fn pttl(server: &RedisServer, key: &str) -> i64 {
+    server.command(&["PTTL", key]).trim().parse().unwrap()
+}
+
+#[tokio::test]
+async fn ttl_is_the_lease_in_flight_and_the_retention_once_complete() {
+    let server = RedisServer::start();
+    let counter = Counter::default();
+    let layer = IdempotencyLayer::new(store(&server).await).lease(Duration::from_secs(5));
+    let app = routes(counter.clone()).layer(layer);
+    let redis_key = "idempotency:0::k";
+
+    let slow = tokio::spawn({
+        let app = app.clone();
+        async move { oneshot(&app, post("/slow?ms=300", "k", CHARGE)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let in_flight = pttl(&server, redis_key);
+    assert!(
+        (1..=5_000).contains(&in_flight),
+        "in flight, PTTL is the lease: {in_flight}"
+    );
+
+    assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+    let completed = pttl(&server, redis_key);
+    let day_ms = 24 * 60 * 60 * 1000;
+    assert!(
+        completed > day_ms - 10_000 && completed <= day_ms,
+        "completed, PTTL is the 24 h retention: {completed}"
+    );
+}
+
+/// Commands the Lua scripts run inside Redis; `INFO commandstats` counts
+/// them too, but they are not round trips.
+const INSIDE_SCRIPTS: [&str; 6] = ["hmget", "hset", "hdel", "pexpire", "pttl", "del"];
+
+/// Round trips counted by the server itself, from `INFO commandstats`: the
+/// client-issued commands since `before`.
+fn calls_since(server: &RedisServer, before: &[(String, u64)]) -> Vec<(String, u64)> {
+    command_calls(server.port())
+        .into_iter()
+        .filter(|(name, _)| name != "info" && !INSIDE_SCRIPTS.contains(&name.as_str()))
+        .filter_map(|(name, calls)| {
+            let old = before
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map_or(0, |(_, c)| *c);
+            (calls > old).then(|| (name, calls - old))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn first_execution_costs_two_round_trips_and_a_replay_one() {
+    let server = RedisServer::start();
+    let (app, runs) = app(store(&server).await);
+
+    let before = command_calls(server.port());
+    let first = oneshot(&app, post("/charges", "k", CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(
+        calls_since(&server, &before),
+        [("evalsha".to_string(), 2)],
+        "first execution: claim + complete"
+    );
+
+    let before = command_calls(server.port());
+    assert!(
+        oneshot(&app, post("/charges", "k", CHARGE))
+            .await
+            .is_replay()
+    );
+    assert_eq!(
+        calls_since(&server, &before),
+        [("evalsha".to_string(), 1)],
+        "replay: the claim returns the record"
+    );
+    assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test]
+async fn redis_outage_fails_closed_and_recovers_without_restart() {
+    let mut server = RedisServer::start();
+    let (app, runs) = app(store(&server).await);
+    assert_eq!(
+        oneshot(&app, post("/charges", "before", CHARGE))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+
+    server.kill();
+    for i in 0..5 {
+        let reply = oneshot(&app, post("/charges", &format!("during-{i}"), CHARGE)).await;
+        reply.assert_problem(503);
+        assert_eq!(reply.header("retry-after"), Some("1"));
+    }
+    assert_eq!(runs.get(), 1, "no handler runs while Redis is away");
+
+    server.restart();
+    let mut recovered = None;
+    for _ in 0..50 {
+        let reply = oneshot(&app, post("/charges", "after", CHARGE)).await;
+        if reply.status == StatusCode::CREATED {
+            recovered = Some(reply);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        recovered.is_some(),
+        "the same app recovers once Redis is back"
+    );
+    assert!(
+        oneshot(&app, post("/charges", "after", CHARGE))
+            .await
+            .is_replay()
+    );
+    assert_eq!(runs.get(), 2);
+}
+
+#[tokio::test]
+async fn fail_open_runs_the_handler_unprotected_only_when_asked() {
+    let mut server = RedisServer::start();
+    let counter = Counter::default();
+    let layer = IdempotencyLayer::new(store(&server).await).fail_open(true);
+    let app = routes(counter.clone()).layer(layer);
+    server.kill();
+    let reply = oneshot(&app, post("/charges", "k", CHARGE)).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert_eq!(reply.outcome, Some(IdempotencyOutcome::Unprotected));
+    assert_eq!(counter.get(), 1);
+}
+
+#[tokio::test]
+async fn a_hung_redis_cannot_hang_requests_and_completion_is_retried() {
+    let server = RedisServer::start();
+    let store = RedisStore::builder()
+        .command_timeout(Duration::from_millis(200))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let counter = Counter::default();
+    let app =
+        routes(counter.clone()).layer(IdempotencyLayer::new(store).lease(Duration::from_secs(5)));
+
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move { oneshot(&app, post("/slow?ms=300", "k", CHARGE)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Redis stops answering while the handler runs: its completion times out.
+    server.command(&["CLIENT", "PAUSE", "1500", "ALL"]);
+    let first = first.await.unwrap();
+    assert_eq!(
+        first.status,
+        StatusCode::CREATED,
+        "the client gets its answer at once"
+    );
+    assert_eq!(
+        first.outcome,
+        Some(IdempotencyOutcome::Executed(Completion::Pending))
+    );
+
+    let during = oneshot(&app, post("/slow?ms=300", "k", CHARGE)).await;
+    during.assert_problem(503);
+
+    // Once Redis answers again, the background retry stores the record.
+    let mut replay = None;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let reply = oneshot(&app, post("/slow?ms=300", "k", CHARGE)).await;
+        if reply.status == StatusCode::CREATED {
+            replay = Some(reply);
+            break;
+        }
+        assert!(
+            matches!(reply.status.as_u16(), 503 | 409),
+            "{:?}",
+            reply.status
+        );
+    }
+    let replay = replay.expect("the record was stored after the pause");
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(
+        counter.get(),
+        1,
+        "a Redis blip never becomes a second execution"
+    );
+}
+
+#[tokio::test]
+async fn an_evicting_redis_is_refused_or_warned_about() {
+    let server =
+        RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]);
+    let refused = RedisStore::builder().connect(&server.url()).await;
+    match refused {
+        Err(StoreError::Misconfigured(message)) => {
+            assert!(message.contains("allkeys-lru"), "{message}")
+        }
+        other => panic!("allkeys-lru must be refused, got {other:?}"),
+    }
+    RedisStore::builder()
+        .eviction_policy_check(EvictionPolicyCheck::Warn)
+        .connect(&server.url())
+        .await
+        .expect("with Warn the store connects");
+
+    let safe =
+        RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru"]);
+    RedisStore::builder()
+        .connect(&safe.url())
+        .await
+        .expect("volatile-* is fine");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storm_of_200_requests_over_20_keys_executes_20_times() {
+    let server = RedisServer::start();
+    let layer =
+        IdempotencyLayer::new(store(&server).await).wait_for_in_flight(Duration::from_secs(10));
+    let counter = Counter::default();
+    let http = Server::start(routes(counter.clone()).layer(layer)).await;
+    let client = HttpClient::default();
+    let requests = (0..200).map(|i| {
+        let client = client.clone();
+        let mut req = post("/", &format!("storm-{}", i % 20), CHARGE);
+        *req.uri_mut() = http.url("/slow?ms=50").parse().unwrap();
+        tokio::spawn(async move { client.send(req).await })
+    });
+    let replies = futures_util::future::join_all(requests).await;
+    assert!(
+        replies
+            .iter()
+            .all(|r| r.as_ref().unwrap().status == StatusCode::CREATED)
+    );
+    assert_eq!(counter.get(), 20, "exactly one execution per key");
+    assert_eq!(server.command(&["DBSIZE"]).trim(), "20");
+}
+
+/// The `payments` example binary, built by `cargo test` beside the tests.
+fn payments_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("payments");
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests with `cargo test`, which builds the examples",
+        bin.display()
+    );
+    bin
+}
+
+struct Payments {
+    child: Child,
+    addr: String,
+}
+
+impl Payments {
+    fn start(redis_url: &str, port: u16) -> Self {
+        let addr = format!("127.0.0.1:{port}");
+        let mut child = Command::new(payments_binary())
+            .env("REDIS_URL", redis_url)
+            .env("BIND_ADDR", &addr)
+            .env("PROCESSOR_LATENCY_MS", "2000")
+            .env("IDEMPOTENCY_LEASE_MS", "1500")
+            .env("RUST_LOG", "off")
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start the payments example");
+        let mut line = String::new();
+        let stdout = child.stdout.take().unwrap();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).unwrap();
+        assert!(
+            line.starts_with("listening on"),
+            "unexpected first line: {line:?}"
+        );
+        Self { child, addr }
+    }
+}
+
+impl Drop for Payments {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn charge_request(addr: &str) -> http::Request<axum::body::Body> {
+    http::Request::post(format!("http://{addr}/v1/charges"))
+        .header("authorization", "Bearer acct_crash")
+        .header("idempotency-key", "crash-1")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(r#"{"amount":500,"currency":"usd"}"#))
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payments_process_killed_mid_handler_retry_waits_for_the_lease_then_executes() {
+    let redis = RedisServer::start();
+    let port = free_port();
+    let client = HttpClient::default();
+
+    let mut payments = Payments::start(&redis.url(), port);
+    let doomed = tokio::spawn({
+        let client = client.clone();
+        let addr = payments.addr.clone();
+        async move {
+            // The connection dies with the process; only the attempt matters.
+            let _ = tokio::time::timeout(Duration::from_secs(5), async move {
+                client.send(charge_request(&addr)).await
+            })
+            .await;
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    payments.child.kill().unwrap(); // SIGKILL, mid-handler
+    payments.child.wait().unwrap();
+    doomed.abort();
+
+    let payments = Payments::start(&redis.url(), port);
+    let retry = client.send(charge_request(&payments.addr)).await;
+    retry.assert_problem(409);
+    assert!(retry.header("retry-after").is_some());
+
+    // Once the dead process's lease expires, the retry executes.
+    let mut executed = None;
+    for _ in 0..60 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let reply = client.send(charge_request(&payments.addr)).await;
+        if reply.status != StatusCode::CONFLICT {
+            executed = Some(reply);
+            break;
+        }
+    }
+    let executed = executed.expect("the lease expired within a few seconds");
+    assert_eq!(executed.status, StatusCode::CREATED);
+    assert!(!executed.is_replay());
+
+    let list = http::Request::get(format!("http://{}/v1/charges", payments.addr))
+        .header("authorization", "Bearer acct_crash")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let charges = client.send(list).await.json();
+    assert_eq!(
+        charges.as_array().unwrap().len(),
+        1,
+        "the killed attempt never charged; the retry did once"
+    );
+}
