@@ -55,7 +55,29 @@ impl RedisCluster {
         );
         let cluster = Self { nodes };
         cluster.wait_until_ok(Duration::from_secs(30));
+        cluster.wait_for_replicas_online(replicas_per_master, Duration::from_secs(30));
         cluster
+    }
+
+    /// Waits until every master has this many replicas, each in sync.
+    fn wait_for_replicas_online(&self, per_master: usize, within: Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let masters = self.master_ports();
+            let synced = masters.iter().all(|&port| {
+                let info = raw_command(port, &["INFO", "replication"]);
+                info.contains(&format!("connected_slaves:{per_master}"))
+                    && info.matches("state=online").count() == per_master
+            });
+            if synced {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replicas did not come online in {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     /// Seed URLs for the client.
@@ -93,6 +115,19 @@ impl RedisCluster {
             .filter(|n| raw_command(n.port(), &["ROLE"]).starts_with("master"))
             .map(|n| n.port())
             .collect()
+    }
+
+    /// Waits until `masters` running nodes are masters again and the cluster is ok.
+    pub fn wait_for_masters(&self, masters: usize, within: Duration) {
+        let deadline = Instant::now() + within;
+        while self.master_ports().len() < masters {
+            assert!(
+                Instant::now() < deadline,
+                "no replica was promoted within {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.wait_until_ok(deadline.saturating_duration_since(Instant::now()));
     }
 
     pub fn node_mut(&mut self, port: u16) -> &mut RedisServer {

@@ -106,7 +106,16 @@ struct Inner {
     connection: Connection,
     prefix: String,
     timeout: Duration,
-    replicas: Option<(usize, Duration)>,
+    durable: Option<Durable>,
+}
+
+/// `WAIT` blocks the connection it is sent on until the replicas answer, so
+/// completions that wait get a connection of their own: claims never queue
+/// behind a `WAIT`.
+struct Durable {
+    connection: Connection,
+    replicas: usize,
+    timeout: Duration,
 }
 
 /// What to do when Redis may evict idempotency records.
@@ -164,26 +173,37 @@ impl RedisStore {
         k
     }
 
-    async fn run(&self, script: &Script, key: &str, args: &[&[u8]]) -> Result<Value, StoreError> {
+    /// One script call on one connection, bounded by the command timeout.
+    async fn run(
+        &self,
+        on: &Connection,
+        script: &Script,
+        key: &str,
+        args: &[&[u8]],
+    ) -> Result<Value, StoreError> {
         let mut invocation = script.key(key);
         for arg in args {
             invocation.arg(*arg);
         }
         let timeout = self.inner.timeout;
-        match tokio::time::timeout(timeout, self.inner.connection.invoke(&invocation)).await {
+        match tokio::time::timeout(timeout, on.invoke(&invocation)).await {
             Ok(reply) => Ok(reply?),
             Err(_) => Err(StoreError::Timeout(timeout)),
         }
     }
 
+    /// A fenced script: `1` when the token held the claim.
     async fn run_fenced(
         &self,
+        on: &Connection,
         script: &Script,
-        key: &StorageKey,
+        key: &str,
         args: &[&[u8]],
     ) -> Result<bool, StoreError> {
-        let reply = self.run(script, &self.redis_key(key), args).await?;
-        Ok(matches!(reply, Value::Int(1)))
+        Ok(matches!(
+            self.run(on, script, key, args).await?,
+            Value::Int(1)
+        ))
     }
 }
 
@@ -228,11 +248,27 @@ impl RedisStoreBuilder {
         let client = redis::Client::open(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.response_timeout()))
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(100));
-        let manager = redis::aio::ConnectionManager::new_with_config(client, config).await?;
-        self.finish(Connection::Single(manager)).await
+        let open = || async {
+            let manager =
+                redis::aio::ConnectionManager::new_with_config(client.clone(), config.clone())
+                    .await?;
+            Ok::<_, StoreError>(Connection::Single(manager))
+        };
+        let connection = open().await?;
+        let durable = match self.replicas {
+            Some(_) => Some(open().await?),
+            None => None,
+        };
+        self.finish(connection, durable).await
+    }
+
+    /// Our own per-call timeout bounds ordinary commands; the client's must
+    /// also let a `WAIT` run its course.
+    fn response_timeout(&self) -> Duration {
+        self.timeout + self.replicas.map_or(Duration::ZERO, |(_, wait)| wait)
     }
 
     /// Connects to a Redis Cluster through one or more seed nodes, e.g.
@@ -247,14 +283,22 @@ impl RedisStoreBuilder {
     {
         let client = redis::cluster::ClusterClientBuilder::new(nodes)
             .connection_timeout(self.timeout)
-            .response_timeout(self.timeout)
+            .response_timeout(self.response_timeout())
             .retries(2)
             .build()?;
-        let connection = client.get_async_connection().await?;
-        self.finish(Connection::Cluster(connection)).await
+        let connection = Connection::Cluster(client.get_async_connection().await?);
+        let durable = match self.replicas {
+            Some(_) => Some(Connection::Cluster(client.get_async_connection().await?)),
+            None => None,
+        };
+        self.finish(connection, durable).await
     }
 
-    async fn finish(self, connection: Connection) -> Result<RedisStore, StoreError> {
+    async fn finish(
+        self,
+        connection: Connection,
+        durable: Option<Connection>,
+    ) -> Result<RedisStore, StoreError> {
         check_eviction_policy(&connection, self.eviction).await?;
         // Load the scripts now so the first requests need no NOSCRIPT detour.
         for source in [CLAIM_LUA, EXTEND_LUA, COMPLETE_LUA, RELEASE_LUA] {
@@ -267,7 +311,13 @@ impl RedisStoreBuilder {
                 connection,
                 prefix: self.prefix,
                 timeout: self.timeout,
-                replicas: self.replicas,
+                durable: durable
+                    .zip(self.replicas)
+                    .map(|(connection, (replicas, timeout))| Durable {
+                        connection,
+                        replicas,
+                        timeout,
+                    }),
             }),
         })
     }
@@ -324,16 +374,13 @@ impl Store for RedisStore {
     ) -> Result<Claim, StoreError> {
         let token = LeaseToken::generate();
         let lease_ms = millis(lease);
+        let args: [&[u8]; 3] = [
+            fingerprint.as_bytes(),
+            &token.to_bytes(),
+            lease_ms.as_bytes(),
+        ];
         let reply = self
-            .run(
-                &CLAIM,
-                &self.redis_key(key),
-                &[
-                    fingerprint.as_bytes(),
-                    &token.to_bytes(),
-                    lease_ms.as_bytes(),
-                ],
-            )
+            .run(&self.inner.connection, &CLAIM, &self.redis_key(key), &args)
             .await?;
         decode_claim(reply, token)
     }
@@ -345,7 +392,8 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let lease_ms = millis(lease);
-        self.run_fenced(&EXTEND, key, &[&token.to_bytes(), lease_ms.as_bytes()])
+        let args: [&[u8]; 2] = [&token.to_bytes(), lease_ms.as_bytes()];
+        self.run_fenced(&self.inner.connection, &EXTEND, &self.redis_key(key), &args)
             .await
     }
 
@@ -358,6 +406,9 @@ impl Store for RedisStore {
     ) -> Result<bool, StoreError> {
         let retention_ms = millis(retention);
         let token = token.to_bytes();
+        let redis_key = self.redis_key(key);
+        let durable = self.inner.durable.as_ref();
+        let on = durable.map_or(&self.inner.connection, |d| &d.connection);
         let stored = match &*record {
             CompletedRecord::Response(r) => {
                 let status = r.status().as_u16().to_string();
@@ -372,7 +423,7 @@ impl Store for RedisStore {
                     &headers,
                     r.body(),
                 ];
-                self.run_fenced(&COMPLETE, key, &args).await?
+                self.run_fenced(on, &COMPLETE, &redis_key, &args).await?
             }
             CompletedRecord::Unreplayable { status, created_at } => {
                 let status = status.as_u16().to_string();
@@ -384,36 +435,42 @@ impl Store for RedisStore {
                     created.as_bytes(),
                     retention_ms.as_bytes(),
                 ];
-                self.run_fenced(&COMPLETE, key, &args).await?
+                self.run_fenced(on, &COMPLETE, &redis_key, &args).await?
             }
         };
-        if let (true, Some((replicas, timeout))) = (stored, self.inner.replicas) {
-            self.wait_for_replicas(key, replicas, timeout).await;
+        if let (true, Some(durable)) = (stored, durable) {
+            durable.wait(&redis_key).await;
         }
         Ok(stored)
     }
 
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
-        self.run_fenced(&RELEASE, key, &[&token.to_bytes()]).await
+        let args: [&[u8]; 1] = [&token.to_bytes()];
+        self.run_fenced(
+            &self.inner.connection,
+            &RELEASE,
+            &self.redis_key(key),
+            &args,
+        )
+        .await
     }
 }
 
-impl RedisStore {
-    async fn wait_for_replicas(&self, key: &StorageKey, replicas: usize, timeout: Duration) {
-        let redis_key = self.redis_key(key);
-        let wait = self.inner.connection.wait_for_replicas(
-            &redis_key,
-            replicas,
-            timeout.as_millis() as u64,
-        );
-        match tokio::time::timeout(timeout + self.inner.timeout, wait).await {
-            Ok(Ok(acked)) if acked >= replicas => {}
-            Ok(Ok(acked)) => tracing::warn!(
-                %key, acked, replicas,
+impl Durable {
+    async fn wait(&self, key: &str) {
+        let wait =
+            self.connection
+                .wait_for_replicas(key, self.replicas, self.timeout.as_millis() as u64);
+        let replicas = self.replicas;
+        match wait.await {
+            Ok(acked) if acked >= replicas => {}
+            Ok(acked) => tracing::warn!(
+                key,
+                acked,
+                replicas,
                 "idempotency: completion acknowledged by fewer replicas than asked; a failover now could lose it"
             ),
-            Ok(Err(error)) => tracing::warn!(%key, %error, "idempotency: WAIT failed"),
-            Err(_) => tracing::warn!(%key, "idempotency: WAIT timed out"),
+            Err(error) => tracing::warn!(key, %error, "idempotency: WAIT failed"),
         }
     }
 }
