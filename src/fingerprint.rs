@@ -113,12 +113,10 @@ pub struct DefaultFingerprint;
 impl FingerprintStrategy for DefaultFingerprint {
     fn fingerprint(&self, parts: &Parts, body: &[u8]) -> Fingerprint {
         let mut h = hash_head(parts);
-        if is_json(parts) {
-            if let Some(canonical) = canonical_json(body) {
-                h.field(b"json");
-                h.field(&canonical);
-                return h.finish();
-            }
+        if let Some(canonical) = is_json(parts).then(|| canonical_json(body)).flatten() {
+            h.field(b"json");
+            h.field(&canonical);
+            return h.finish();
         }
         h.field(b"raw");
         h.field(body);
