@@ -89,9 +89,10 @@ pub async fn oneshot(app: &Router, req: Request<Body>) -> Reply {
     }
 }
 
-/// A real server on 127.0.0.1:0, stopped on drop.
+/// A real server on 127.0.0.1:0, stopped on drop, with a real client.
 pub struct Server {
     pub addr: SocketAddr,
+    pub client: HttpClient,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -100,11 +101,22 @@ impl Server {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let task = tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-        Self { addr, task }
+        Self {
+            addr,
+            client: HttpClient::default(),
+            task,
+        }
     }
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
+    }
+
+    /// `post(path, key, body)` over HTTP.
+    pub async fn post(&self, path: &str, key: &str, body: &str) -> Reply {
+        let mut req = post(path, key, body);
+        *req.uri_mut() = self.url(path).parse().unwrap();
+        self.client.send(req).await
     }
 }
 

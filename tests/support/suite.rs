@@ -15,7 +15,7 @@ use tower_idempotency::{
 use super::{
     app::{Counter, routes},
     backend::Backend,
-    http::{HttpClient, Reply, Server, oneshot, post, request},
+    http::{Reply, Server, oneshot, post, request},
 };
 
 /// Every case, in one list: `behaviour_cases!(m)` expands to `m!(case, case, …)`.
@@ -404,21 +404,21 @@ pub async fn handler_error_releases_the_key<B: Backend>(b: &B) {
 pub async fn handler_panic_releases_the_key<B: Backend>(b: &B) {
     let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
     let server = Server::start(app).await;
-    let client = HttpClient::default();
-    let send = || {
-        let mut req = post(&server.url("/panic-once"), "k", CHARGE);
-        *req.uri_mut() = server.url("/panic-once").parse().unwrap();
-        client.send(req)
-    };
-    send().await.assert_problem(500);
-    let retry = send().await;
+    server
+        .post("/panic-once", "k", CHARGE)
+        .await
+        .assert_problem(500);
+    let retry = server.post("/panic-once", "k", CHARGE).await;
     assert_eq!(
         retry.status,
         StatusCode::CREATED,
         "the panic released the claim"
     );
     assert!(!retry.is_replay());
-    assert!(send().await.is_replay(), "the successful retry is stored");
+    assert!(
+        server.post("/panic-once", "k", CHARGE).await.is_replay(),
+        "the successful retry is stored"
+    );
     assert_eq!(runs.get(), 2);
 }
 
@@ -446,24 +446,16 @@ pub async fn oversized_response_is_sent_and_unreplayable<B: Backend>(b: &B) {
     assert_eq!(replay.body.len(), 1024);
 }
 
-async fn fire<const N: usize>(client: &HttpClient, url: &str, key: &str) -> Vec<Reply> {
-    let requests = (0..N).map(|_| {
-        let client = client.clone();
-        let mut req = post("/", key, CHARGE);
-        *req.uri_mut() = url.parse().unwrap();
-        tokio::spawn(async move { client.send(req).await })
-    });
-    let mut replies = Vec::with_capacity(N);
-    for r in futures_util::future::join_all(requests).await {
-        replies.push(r.unwrap());
-    }
-    replies
+/// `n` identical requests at once over HTTP.
+async fn fire(server: &Server, n: usize, path: &str, key: &str) -> Vec<Reply> {
+    let requests = (0..n).map(|_| server.post(path, key, CHARGE));
+    futures_util::future::join_all(requests).await
 }
 
 pub async fn concurrent_duplicates_execute_once<B: Backend>(b: &B) {
     let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
     let server = Server::start(app).await;
-    let replies = fire::<64>(&HttpClient::default(), &server.url("/slow?ms=200"), "same").await;
+    let replies = fire(&server, 64, "/slow?ms=200", "same").await;
     assert_eq!(runs.get(), 1, "64 concurrent duplicates, one execution");
     let created = replies
         .iter()
@@ -485,7 +477,7 @@ pub async fn concurrent_duplicates_wait_and_replay<B: Backend>(b: &B) {
     let layer = IdempotencyLayer::new(b.store().await).wait_for_in_flight(Duration::from_secs(10));
     let (app, runs) = app_with(layer);
     let server = Server::start(app).await;
-    let replies = fire::<64>(&HttpClient::default(), &server.url("/slow?ms=200"), "same").await;
+    let replies = fire(&server, 64, "/slow?ms=200", "same").await;
     assert_eq!(runs.get(), 1);
     assert!(replies.iter().all(|r| r.status == StatusCode::CREATED));
     assert_eq!(replies.iter().filter(|r| r.is_replay()).count(), 63);
@@ -506,9 +498,7 @@ pub async fn client_disconnect_does_not_cancel<B: Backend>(b: &B) {
     assert_eq!(runs.get(), 1, "the handler started");
     drop(socket); // the client hangs up mid-handler
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let mut req = post("/", "k", CHARGE);
-    *req.uri_mut() = server.url("/slow?ms=300").parse().unwrap();
-    let retry = HttpClient::default().send(req).await;
+    let retry = server.post("/slow?ms=300", "k", CHARGE).await;
     assert!(
         retry.is_replay(),
         "the detached handler finished and stored its response"
@@ -525,22 +515,21 @@ fn fingerprint_of(path: &str) -> tower_idempotency::Fingerprint {
 pub async fn expired_lease_lets_a_retry_execute<B: Backend>(b: &B) {
     let store = b.store().await;
     let (app, runs) = app_with(IdempotencyLayer::new(store.clone()));
+    let server = Server::start(app).await;
     // A process claimed the key with a short lease, then crashed.
     let key = StorageKey::new("", &IdempotencyKey::new("k").unwrap());
+    let lease = Duration::from_millis(300);
     let claim = store
-        .claim(
-            &key,
-            &fingerprint_of("/charges"),
-            Duration::from_millis(300),
-        )
+        .claim(&key, &fingerprint_of("/charges"), lease)
         .await
         .unwrap();
     assert!(matches!(claim, Claim::Acquired(_)));
-    let blocked = oneshot(&app, post("/charges", "k", CHARGE)).await;
+    let blocked = server.post("/charges", "k", CHARGE).await;
     blocked.assert_problem(409);
     assert_eq!(blocked.header("retry-after"), Some("1"));
+    assert_eq!(runs.get(), 0);
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let retry = oneshot(&app, post("/charges", "k", CHARGE)).await;
+    let retry = server.post("/charges", "k", CHARGE).await;
     assert_eq!(
         retry.status,
         StatusCode::CREATED,
@@ -552,23 +541,21 @@ pub async fn expired_lease_lets_a_retry_execute<B: Backend>(b: &B) {
 pub async fn heartbeat_keeps_a_slow_handler_claimed<B: Backend>(b: &B) {
     let layer = IdempotencyLayer::new(b.store().await).lease(Duration::from_millis(150));
     let (app, runs) = app_with(layer);
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move { oneshot(&app, post("/slow?ms=900", "k", CHARGE)).await }
-    });
-    // Probe well past several lease periods: the heartbeat must keep the claim.
-    for wait_ms in [300, 200, 200] {
-        tokio::time::sleep(Duration::from_millis(wait_ms)).await;
-        let dup = oneshot(&app, post("/slow?ms=900", "k", CHARGE)).await;
-        dup.assert_problem(409);
-    }
-    let first = first.await.unwrap();
+    let server = Server::start(app).await;
+    let first = server.post("/slow?ms=900", "k", CHARGE);
+    let probes = async {
+        // Probe well past several lease periods: the heartbeat must keep the claim.
+        for wait_ms in [300, 200, 200] {
+            tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+            server
+                .post("/slow?ms=900", "k", CHARGE)
+                .await
+                .assert_problem(409);
+        }
+    };
+    let (first, ()) = tokio::join!(first, probes);
     assert_eq!(first.status, StatusCode::CREATED);
-    assert!(
-        oneshot(&app, post("/slow?ms=900", "k", CHARGE))
-            .await
-            .is_replay()
-    );
+    assert!(server.post("/slow?ms=900", "k", CHARGE).await.is_replay());
     assert_eq!(runs.get(), 1, "the claim was never lost");
 }
 
