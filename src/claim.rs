@@ -73,7 +73,7 @@ where
                 let request = Request::from_parts(parts, Body::from(body));
                 return execute::detached(shared, inner, request, key, token).await;
             }
-            Ok(Claim::Completed(record)) => return Ok(replay(&shared, &key, &record)),
+            Ok(Claim::Completed { record, .. }) => return Ok(replay(&shared, &key, &record)),
             Ok(Claim::Mismatch) => {
                 tracing::info!(%key, "idempotency: key reused with different parameters");
                 return Ok(shared.rejection(RejectionKind::Mismatch));

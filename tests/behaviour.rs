@@ -1,5 +1,6 @@
-//! The layer's behaviour suite against the in-memory store and a real
-//! single-node Redis (each test starts its own `redis-server`). The Redis
+//! The layer's behaviour suite against the in-memory store, a real
+//! single-node Redis (each test starts its own `redis-server`), and the same
+//! Redis behind the in-process replay cache. The Redis
 //! Cluster run of the same suite is in `cluster.rs`.
 
 #[macro_use]
@@ -35,5 +36,20 @@ macro_rules! redis_tests {
     };
 }
 
+macro_rules! cached_redis_tests {
+    ($($case:ident),* $(,)?) => {
+        mod cached_redis {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+                async fn $case() {
+                    suite::$case(&backend::CachedRedis::start()).await;
+                }
+            )*
+        }
+    };
+}
+
 behaviour_cases!(memory_tests);
 behaviour_cases!(redis_tests);
+behaviour_cases!(cached_redis_tests);

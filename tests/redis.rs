@@ -12,7 +12,7 @@ use axum::Router;
 use http::StatusCode;
 use tower_idempotency::{
     Completion, IdempotencyLayer, IdempotencyOutcome, RedisStore,
-    store::{StoreError, redis::EvictionPolicyCheck},
+    store::{CachedStore, StoreError, redis::EvictionPolicyCheck},
 };
 
 use support::{
@@ -117,6 +117,56 @@ async fn first_execution_costs_two_round_trips_and_a_replay_one() {
         "replay: the claim returns the record"
     );
     assert_eq!(runs.get(), 1);
+}
+
+#[tokio::test]
+async fn cached_replays_cost_no_round_trip_and_respect_scope_fingerprint_and_size() {
+    let server = RedisServer::start();
+    let cached = CachedStore::new(store(&server).await, 64 * 1024);
+    let counter = Counter::default();
+    let app = routes(counter.clone()).layer(IdempotencyLayer::new(cached.clone()));
+
+    oneshot(&app, post("/charges", "k", CHARGE)).await;
+    let before = command_calls(server.port());
+    assert!(
+        oneshot(&app, post("/charges", "k", CHARGE))
+            .await
+            .is_replay()
+    );
+    assert_eq!(
+        calls_since(&server, &before),
+        [("evalsha".to_string(), 1)],
+        "the first replay fetches the record"
+    );
+    let before = command_calls(server.port());
+    for _ in 0..10 {
+        assert!(
+            oneshot(&app, post("/charges", "k", CHARGE))
+                .await
+                .is_replay()
+        );
+    }
+    oneshot(&app, post("/charges", "k", "{}"))
+        .await
+        .assert_problem(422);
+    assert_eq!(
+        calls_since(&server, &before),
+        [],
+        "later replays and mismatches are served from memory"
+    );
+    assert_eq!(counter.get(), 1);
+
+    // Bounded: 200 records of 1 KiB never exceed the 64 KiB budget.
+    for i in 0..200 {
+        let key = format!("big-{i}");
+        oneshot(&app, post("/big/1024", &key, "")).await;
+        oneshot(&app, post("/big/1024", &key, "")).await;
+    }
+    assert!(
+        cached.len() < 64,
+        "cached {} records in 64 KiB",
+        cached.len()
+    );
 }
 
 #[tokio::test]

@@ -167,7 +167,10 @@ impl Store for MemoryStore {
                     State::InFlight(_) => Claim::InFlight {
                         retry_after: entry.expires_at - now,
                     },
-                    State::Completed(record) => Claim::Completed(record.clone()),
+                    State::Completed(record) => Claim::Completed {
+                        record: record.clone(),
+                        expires_in: entry.expires_at - now,
+                    },
                 }
             });
         }

@@ -30,7 +30,7 @@
 //!             }
 //!             Some((stored, _)) if stored != fp => Claim::Mismatch,
 //!             Some((_, Err(_))) => Claim::InFlight { retry_after: Duration::from_secs(1) },
-//!             Some((_, Ok(record))) => Claim::Completed(record.clone()),
+//!             Some((_, Ok(record))) => Claim::Completed { record: record.clone(), expires_in: Duration::MAX },
 //!         })
 //!     }
 //!     async fn extend(&self, key: &StorageKey, token: LeaseToken, _lease: Duration) -> Result<bool, StoreError> {
@@ -59,11 +59,13 @@ use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use crate::{CompletedRecord, Fingerprint, IdempotencyKey};
 
+mod cached;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
 
+pub use cached::CachedStore;
 #[cfg(feature = "memory")]
 pub use memory::MemoryStore;
 
@@ -78,7 +80,7 @@ pub trait Store: Clone + Send + Sync + 'static {
     ///   return [`Claim::Acquired`] with a fresh token;
     /// - a different fingerprint: [`Claim::Mismatch`];
     /// - in flight: [`Claim::InFlight`] with the remaining lease;
-    /// - completed: [`Claim::Completed`] with the record.
+    /// - completed: [`Claim::Completed`] with the record and its remaining TTL.
     fn claim(
         &self,
         key: &StorageKey,
@@ -127,7 +129,13 @@ pub enum Claim {
     /// The key was used with a different fingerprint.
     Mismatch,
     /// The key is completed with the same fingerprint: replay this.
-    Completed(Arc<CompletedRecord>),
+    Completed {
+        /// The stored outcome.
+        record: Arc<CompletedRecord>,
+        /// How long the store keeps it (its remaining TTL); a cache of
+        /// completed records must not keep it longer.
+        expires_in: Duration,
+    },
 }
 
 /// The address of a record: an unambiguous encoding of *(scope, key)*.

@@ -6,7 +6,10 @@ use std::{
     sync::atomic::{AtomicUsize, Ordering},
 };
 
-use tower_idempotency::{MemoryStore, RedisStore, store::Store};
+use tower_idempotency::{
+    MemoryStore, RedisStore,
+    store::{CachedStore, Store},
+};
 
 use super::{cluster::RedisCluster, redis_server::RedisServer};
 
@@ -45,6 +48,22 @@ impl Backend for SingleRedis {
             .connect(&self.0.url())
             .await
             .expect("connect to the test redis-server")
+    }
+}
+
+/// One Redis node behind the in-process replay cache.
+pub struct CachedRedis(pub SingleRedis);
+
+impl CachedRedis {
+    pub fn start() -> Self {
+        Self(SingleRedis::start())
+    }
+}
+
+impl Backend for CachedRedis {
+    type Store = CachedStore<RedisStore>;
+    async fn store(&self) -> CachedStore<RedisStore> {
+        CachedStore::new(self.0.store().await, 1 << 20)
     }
 }
 

@@ -625,7 +625,7 @@ pub async fn fencing_refuses_a_stale_holder<B: Backend>(b: &B) {
     );
     assert!(matches!(
         store.claim(&key, &fp, lease).await.unwrap(),
-        Claim::Completed(_)
+        Claim::Completed { .. }
     ));
 }
 

@@ -5,7 +5,8 @@
 -- f = fingerprint, t = token, st = status, ca = created at (ms),
 -- h = header block, b = body.
 -- Reply: {1} acquired | {2, pttl} in flight | {3} mismatch
---      | {4, status, created_at, headers, body} completed | {5, status, created_at} unreplayable
+--      | {4, pttl, status, created_at, headers, body} completed
+--      | {5, pttl, status, created_at} unreplayable
 local key = KEYS[1]
 local cur = redis.call('HMGET', key, 's', 'f')
 if not cur[1] then
@@ -16,12 +17,13 @@ end
 if cur[2] ~= ARGV[1] then
   return {3}
 end
+local pttl = redis.call('PTTL', key)
 if cur[1] == 'i' then
-  return {2, redis.call('PTTL', key)}
+  return {2, pttl}
 end
 if cur[1] == 'u' then
   local r = redis.call('HMGET', key, 'st', 'ca')
-  return {5, r[1], r[2]}
+  return {5, pttl, r[1], r[2]}
 end
 local r = redis.call('HMGET', key, 'st', 'ca', 'h', 'b')
-return {4, r[1], r[2], r[3], r[4]}
+return {4, pttl, r[1], r[2], r[3], r[4]}

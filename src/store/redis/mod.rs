@@ -486,30 +486,28 @@ fn decode_claim(reply: Value, token: LeaseToken) -> Result<Claim, StoreError> {
         return Err(corrupt("claim reply is not an array"));
     };
     let mut items = items.into_iter();
-    let tag = match items.next() {
-        Some(Value::Int(tag)) => tag,
-        _ => return Err(corrupt("claim reply has no tag")),
+    let mut next_int = |what| match items.next() {
+        Some(Value::Int(n)) => Ok(n),
+        _ => Err(corrupt(what)),
     };
+    let tag = next_int("claim reply has no tag")?;
+    if tag == 1 {
+        return Ok(Claim::Acquired(token));
+    }
+    if tag == 3 {
+        return Ok(Claim::Mismatch);
+    }
+    let ttl = Duration::from_millis(next_int("record without TTL")?.max(0) as u64);
     let mut next_bytes = |what| match items.next() {
         Some(Value::BulkString(b)) => Ok(b),
         _ => Err(corrupt(what)),
     };
-    Ok(match tag {
-        1 => Claim::Acquired(token),
-        2 => {
-            let pttl = match items.next() {
-                Some(Value::Int(ms)) => ms.max(0) as u64,
-                _ => return Err(corrupt("in-flight record without TTL")),
-            };
-            Claim::InFlight {
-                retry_after: Duration::from_millis(pttl),
-            }
-        }
-        3 => Claim::Mismatch,
+    let record = match tag {
+        2 => return Ok(Claim::InFlight { retry_after: ttl }),
         4 | 5 => {
             let status = parse_status(&next_bytes("status")?)?;
             let created_at = from_unix_millis(parse_number(&next_bytes("created_at")?)?);
-            let record = if tag == 4 {
+            if tag == 4 {
                 let headers = StoredResponse::decode_headers(&next_bytes("headers")?)?;
                 let body = Bytes::from(next_bytes("body")?);
                 CompletedRecord::Response(StoredResponse::from_parts(
@@ -517,10 +515,13 @@ fn decode_claim(reply: Value, token: LeaseToken) -> Result<Claim, StoreError> {
                 ))
             } else {
                 CompletedRecord::Unreplayable { status, created_at }
-            };
-            Claim::Completed(Arc::new(record))
+            }
         }
         _ => return Err(corrupt("unknown claim tag")),
+    };
+    Ok(Claim::Completed {
+        record: Arc::new(record),
+        expires_in: ttl,
     })
 }
 

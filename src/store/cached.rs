@@ -1,0 +1,174 @@
+//! An in-process cache of completed records in front of any store.
+
+use std::{sync::Arc, time::Duration};
+
+use quick_cache::{Weighter, sync::Cache};
+use tokio::time::Instant;
+
+use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
+use crate::{CompletedRecord, Fingerprint};
+
+/// Serves replays from memory: a bounded cache of completed records in front
+/// of another store (typically [`RedisStore`](crate::RedisStore)).
+///
+/// A completed record never changes until it expires, so once a claim has
+/// returned one, later replays of that key in this process are answered
+/// without a round trip. The cache is safe because it keeps exactly what the
+/// store decided:
+///
+/// - entries are addressed by the [`StorageKey`], which encodes the scope, so
+///   one tenant never gets another's record;
+/// - each entry keeps the record's fingerprint: a retry with different
+///   parameters is still a mismatch (`422`), never a replay;
+/// - each entry expires no later than the store's copy (its remaining TTL,
+///   counted from before the claim was sent);
+/// - in-flight claims are never cached; every claim, extension, completion and
+///   release still goes to the store.
+///
+/// Memory is bounded by `max_bytes`, counting each record's body and headers;
+/// the least valuable entries are evicted first (CLOCK-Pro, from
+/// [`quick_cache`]).
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+/// use tower_idempotency::{IdempotencyLayer, RedisStore, store::CachedStore};
+///
+/// let redis = RedisStore::builder().connect("redis://127.0.0.1:6379").await?;
+/// let layer = IdempotencyLayer::new(CachedStore::new(redis, 64 * 1024 * 1024));
+/// # let _ = layer; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct CachedStore<St> {
+    inner: St,
+    cache: Arc<Cache<StorageKey, Entry, RecordWeight>>,
+}
+
+#[derive(Clone)]
+struct Entry {
+    fingerprint: Fingerprint,
+    record: Arc<CompletedRecord>,
+    expires_at: Instant,
+}
+
+#[derive(Clone)]
+struct RecordWeight;
+
+impl Weighter<StorageKey, Entry> for RecordWeight {
+    fn weight(&self, key: &StorageKey, entry: &Entry) -> u64 {
+        let record = match &*entry.record {
+            CompletedRecord::Response(r) => {
+                r.body().len()
+                    + r.headers()
+                        .iter()
+                        .map(|(n, v)| n.as_str().len() + v.len() + 32)
+                        .sum::<usize>()
+            }
+            CompletedRecord::Unreplayable { .. } => 0,
+        };
+        // Plus the key and the bookkeeping of an entry.
+        (record + key.as_str().len() + 128) as u64
+    }
+}
+
+impl<St> CachedStore<St> {
+    /// Caches up to `max_bytes` of completed records in front of `inner`.
+    pub fn new(inner: St, max_bytes: u64) -> Self {
+        // quick_cache sizes its tables from an item estimate; assume ~1 KiB records.
+        let estimated_items = (max_bytes / 1024).clamp(16, 1 << 20) as usize;
+        Self {
+            inner,
+            cache: Arc::new(Cache::with_weighter(
+                estimated_items,
+                max_bytes,
+                RecordWeight,
+            )),
+        }
+    }
+
+    /// The store behind the cache.
+    pub fn inner(&self) -> &St {
+        &self.inner
+    }
+
+    /// The number of cached records (expired ones included until evicted).
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// `true` when nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty()
+    }
+}
+
+impl<St: std::fmt::Debug> std::fmt::Debug for CachedStore<St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CachedStore")
+            .field("inner", &self.inner)
+            .field("cached", &self.cache.len())
+            .field("weight", &self.cache.weight())
+            .finish()
+    }
+}
+
+impl<St: Store> Store for CachedStore<St> {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let now = Instant::now();
+        if let Some(entry) = self.cache.get(key) {
+            if entry.expires_at > now {
+                return Ok(if entry.fingerprint == *fingerprint {
+                    Claim::Completed {
+                        record: entry.record,
+                        expires_in: entry.expires_at - now,
+                    }
+                } else {
+                    Claim::Mismatch
+                });
+            }
+            self.cache.remove(key);
+        }
+        let claim = self.inner.claim(key, fingerprint, lease).await?;
+        if let Claim::Completed { record, expires_in } = &claim {
+            // Counted from before the request was sent, so never later than the store's expiry.
+            if let Some(expires_at) = now.checked_add(*expires_in) {
+                let entry = Entry {
+                    fingerprint: *fingerprint,
+                    record: record.clone(),
+                    expires_at,
+                };
+                self.cache.insert(key.clone(), entry);
+            }
+        }
+        Ok(claim)
+    }
+
+    async fn extend(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.extend(key, token, lease).await
+    }
+
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        self.inner.complete(key, token, record, retention).await
+    }
+
+    async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
+        self.inner.release(key, token).await
+    }
+}
