@@ -14,6 +14,7 @@ use crate::{
     CachePolicy, CompletedRecord, FingerprintStrategy, IdempotencyKey, IdempotencyOutcome,
     RejectionKind, execute,
     layer::Shared,
+    lease::Lease,
     store::{Claim, StorageKey, Store},
 };
 
@@ -71,7 +72,8 @@ where
         match shared.store.claim(&key, &fingerprint, config.lease).await {
             Ok(Claim::Acquired(token)) => {
                 let request = Request::from_parts(parts, Body::from(body));
-                return execute::detached(shared, inner, request, key, token).await;
+                let lease = Lease::new(shared.store.clone(), key, token, fingerprint, config.lease);
+                return execute::detached(shared, inner, request, lease).await;
             }
             Ok(Claim::Completed { record, .. }) => return Ok(replay(&shared, &key, &record)),
             Ok(Claim::Mismatch) => {

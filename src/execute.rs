@@ -13,10 +13,7 @@ use tower_service::Service;
 
 use crate::{
     CachePolicy, CompletedRecord, Completion, IdempotencyOutcome, RejectionKind, StoredResponse,
-    claim::BoxError,
-    layer::Shared,
-    lease::Lease,
-    store::{LeaseToken, StorageKey, Store},
+    claim::BoxError, layer::Shared, lease::Lease, store::Store,
 };
 
 /// What the handler produced, read as far as the layer needs.
@@ -38,8 +35,7 @@ pub(crate) async fn detached<S, St, Sc, P, F, ResBody>(
     shared: Arc<Shared<St, Sc, P, F>>,
     inner: S,
     request: Request<Body>,
-    key: StorageKey,
-    token: LeaseToken,
+    lease: Lease<St>,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -56,7 +52,6 @@ where
     let task_shared = shared.clone();
     tokio::spawn(async move {
         let shared = task_shared;
-        let lease = Lease::new(shared.store.clone(), key, token, shared.config.lease);
         let handled = lease
             .hold_while(run(
                 inner,

@@ -6,7 +6,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 use tokio::time::{Instant, sleep};
 
 use crate::{
-    CompletedRecord,
+    CompletedRecord, Fingerprint,
     store::{LeaseToken, StorageKey, Store, StoreError},
 };
 
@@ -14,15 +14,23 @@ pub(crate) struct Lease<St> {
     store: St,
     key: StorageKey,
     token: LeaseToken,
+    fingerprint: Fingerprint,
     duration: Duration,
 }
 
 impl<St: Store> Lease<St> {
-    pub(crate) fn new(store: St, key: StorageKey, token: LeaseToken, duration: Duration) -> Self {
+    pub(crate) fn new(
+        store: St,
+        key: StorageKey,
+        token: LeaseToken,
+        fingerprint: Fingerprint,
+        duration: Duration,
+    ) -> Self {
         Self {
             store,
             key,
             token,
+            fingerprint,
             duration,
         }
     }
@@ -94,7 +102,7 @@ impl<St: Store> Lease<St> {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         self.store
-            .complete(&self.key, self.token, record, retention)
+            .complete(&self.key, self.token, &self.fingerprint, record, retention)
             .await
     }
 

@@ -11,9 +11,9 @@ use crate::{CompletedRecord, Fingerprint};
 /// Serves replays from memory: a bounded cache of completed records in front
 /// of another store (typically [`RedisStore`](crate::RedisStore)).
 ///
-/// A completed record never changes until it expires, so once a claim has
-/// returned one, later replays of that key in this process are answered
-/// without a round trip. The cache is safe because it keeps exactly what the
+/// A completed record never changes until it expires, so once this process
+/// has completed a key, or a claim has returned its record, later replays of
+/// that key in this process are answered without a round trip. The cache is safe because it keeps exactly what the
 /// store decided:
 ///
 /// - entries are addressed by the [`StorageKey`], which encodes the scope, so
@@ -113,6 +113,28 @@ impl<St: std::fmt::Debug> std::fmt::Debug for CachedStore<St> {
     }
 }
 
+impl<St> CachedStore<St> {
+    /// Caches a completed record until `ttl` after `sent`, the moment the
+    /// store was asked: never later than the store's own expiry.
+    fn remember(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        record: Arc<CompletedRecord>,
+        sent: Instant,
+        ttl: Duration,
+    ) {
+        if let Some(expires_at) = sent.checked_add(ttl) {
+            let entry = Entry {
+                fingerprint: *fingerprint,
+                record,
+                expires_at,
+            };
+            self.cache.insert(key.clone(), entry);
+        }
+    }
+}
+
 impl<St: Store> Store for CachedStore<St> {
     async fn claim(
         &self,
@@ -136,15 +158,7 @@ impl<St: Store> Store for CachedStore<St> {
         }
         let claim = self.inner.claim(key, fingerprint, lease).await?;
         if let Claim::Completed { record, expires_in } = &claim {
-            // Counted from before the request was sent, so never later than the store's expiry.
-            if let Some(expires_at) = now.checked_add(*expires_in) {
-                let entry = Entry {
-                    fingerprint: *fingerprint,
-                    record: record.clone(),
-                    expires_at,
-                };
-                self.cache.insert(key.clone(), entry);
-            }
+            self.remember(key, fingerprint, record.clone(), now, *expires_in);
         }
         Ok(claim)
     }
@@ -162,10 +176,19 @@ impl<St: Store> Store for CachedStore<St> {
         &self,
         key: &StorageKey,
         token: LeaseToken,
+        fingerprint: &Fingerprint,
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        self.inner.complete(key, token, record, retention).await
+        let now = Instant::now();
+        let stored = self
+            .inner
+            .complete(key, token, fingerprint, record.clone(), retention)
+            .await?;
+        if stored {
+            self.remember(key, fingerprint, record, now, retention);
+        }
+        Ok(stored)
     }
 
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {

@@ -201,6 +201,7 @@ impl Store for MemoryStore {
         &self,
         key: &StorageKey,
         token: LeaseToken,
+        _fingerprint: &Fingerprint,
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {

@@ -36,7 +36,7 @@
 //!     async fn extend(&self, key: &StorageKey, token: LeaseToken, _lease: Duration) -> Result<bool, StoreError> {
 //!         Ok(matches!(self.0.lock().unwrap().get(key), Some((_, Err(t))) if *t == token))
 //!     }
-//!     async fn complete(&self, key: &StorageKey, token: LeaseToken, record: Arc<CompletedRecord>, _retention: Duration) -> Result<bool, StoreError> {
+//!     async fn complete(&self, key: &StorageKey, token: LeaseToken, _fp: &Fingerprint, record: Arc<CompletedRecord>, _retention: Duration) -> Result<bool, StoreError> {
 //!         let mut map = self.0.lock().unwrap();
 //!         match map.get_mut(key) {
 //!             Some((_, state @ Err(_))) if *state == Err(token) => { *state = Ok(record); Ok(true) }
@@ -97,12 +97,14 @@ pub trait Store: Clone + Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Replaces the in-flight claim with the completed record, kept for
-    /// `retention`, if `token` still holds the claim. Returns whether it did.
+    /// Replaces the in-flight claim with the completed record (the answer to
+    /// requests with this `fingerprint`), kept for `retention`, if `token`
+    /// still holds the claim. Returns whether it did.
     fn complete(
         &self,
         key: &StorageKey,
         token: LeaseToken,
+        fingerprint: &Fingerprint,
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;

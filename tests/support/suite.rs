@@ -587,7 +587,7 @@ pub async fn fencing_refuses_a_stale_holder<B: Backend>(b: &B) {
     );
     assert!(
         !store
-            .complete(&key, stale, record.clone(), day)
+            .complete(&key, stale, &fp, record.clone(), day)
             .await
             .unwrap(),
         "stale complete refused"
@@ -611,12 +611,12 @@ pub async fn fencing_refuses_a_stale_holder<B: Backend>(b: &B) {
     );
     assert!(
         store
-            .complete(&key, fresh, record.clone(), day)
+            .complete(&key, fresh, &fp, record.clone(), day)
             .await
             .unwrap()
     );
     assert!(
-        !store.complete(&key, fresh, record, day).await.unwrap(),
+        !store.complete(&key, fresh, &fp, record, day).await.unwrap(),
         "a record completes once"
     );
     assert!(

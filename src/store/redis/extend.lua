@@ -1,7 +1,7 @@
 -- Extend the in-flight claim on KEYS[1] if lease token ARGV[1] holds it.
 -- ARGV[2] lease in milliseconds. Reply: 1 extended, 0 not the holder.
-local cur = redis.call('HMGET', KEYS[1], 's', 't')
-if cur[1] ~= 'i' or cur[2] ~= ARGV[1] then
+local cur = redis.call('GET', KEYS[1])
+if not cur or string.byte(cur, 1) ~= 105 or string.sub(cur, 34, 49) ~= ARGV[1] then
   return 0
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])

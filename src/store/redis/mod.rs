@@ -12,13 +12,15 @@
 //!
 //! # Layout
 //!
-//! One hash per record at `{prefix}{scope length}:{scope}:{key}`, with binary
-//! fields: `s` state (`i` in flight, `r` response, `u` unreplayable), `f`
-//! fingerprint (32 bytes), `t` lease token (16 bytes, in flight only), `st`
-//! status, `ca` created-at (Unix ms), `h` header block (see
-//! [`StoredResponse::encode_headers`](crate::StoredResponse::encode_headers)),
-//! `b` body bytes. An in-flight record's TTL is the lease; a completed
-//! record's TTL is the retention (`PEXPIRE`), so nothing needs a sweeper.
+//! One binary string per record at `{prefix}{scope length}:{scope}:{key}`:
+//! a state byte (`i` in flight, `r` response, `u` unreplayable), the 32-byte
+//! fingerprint, then the 16-byte lease token (in flight) or the status,
+//! created-at, header block (see
+//! [`StoredResponse::encode_headers`](crate::StoredResponse::encode_headers))
+//! and the body bytes — no JSON or base64 anywhere. Each script reads and
+//! writes it with one command; the claim is a single `SET NX GET`, so Redis
+//! **7.0 or newer** is required. An in-flight record's TTL is the lease; a
+//! completed record's TTL is the retention (`PX`), so nothing needs a sweeper.
 //!
 //! # Eviction
 //!
@@ -47,6 +49,7 @@
 //! delay on every first execution, and it is not a consensus guarantee: Redis
 //! can still lose acknowledged writes in rare failover races.
 
+mod blob;
 mod connection;
 
 use std::{
@@ -54,16 +57,11 @@ use std::{
     time::Duration,
 };
 
-use bytes::Bytes;
-use http::StatusCode;
 use redis::{Script, Value};
 
 use self::connection::Connection;
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
-use crate::{
-    CompletedRecord, CorruptRecord, Fingerprint, StoredResponse,
-    record::{from_unix_millis, to_unix_millis},
-};
+use crate::{CompletedRecord, CorruptRecord, Fingerprint};
 
 const CLAIM_LUA: &str = include_str!("claim.lua");
 const EXTEND_LUA: &str = include_str!("extend.lua");
@@ -374,11 +372,8 @@ impl Store for RedisStore {
     ) -> Result<Claim, StoreError> {
         let token = LeaseToken::generate();
         let lease_ms = millis(lease);
-        let args: [&[u8]; 3] = [
-            fingerprint.as_bytes(),
-            &token.to_bytes(),
-            lease_ms.as_bytes(),
-        ];
+        let claim = blob::in_flight(fingerprint, token);
+        let args: [&[u8]; 3] = [&claim, fingerprint.as_bytes(), lease_ms.as_bytes()];
         let reply = self
             .run(&self.inner.connection, &CLAIM, &self.redis_key(key), &args)
             .await?;
@@ -401,43 +396,17 @@ impl Store for RedisStore {
         &self,
         key: &StorageKey,
         token: LeaseToken,
+        fingerprint: &Fingerprint,
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let retention_ms = millis(retention);
-        let token = token.to_bytes();
         let redis_key = self.redis_key(key);
         let durable = self.inner.durable.as_ref();
         let on = durable.map_or(&self.inner.connection, |d| &d.connection);
-        let stored = match &*record {
-            CompletedRecord::Response(r) => {
-                let status = r.status().as_u16().to_string();
-                let created = to_unix_millis(r.created_at()).to_string();
-                let headers = r.encode_headers();
-                let args: [&[u8]; 7] = [
-                    &token,
-                    b"r",
-                    status.as_bytes(),
-                    created.as_bytes(),
-                    retention_ms.as_bytes(),
-                    &headers,
-                    r.body(),
-                ];
-                self.run_fenced(on, &COMPLETE, &redis_key, &args).await?
-            }
-            CompletedRecord::Unreplayable { status, created_at } => {
-                let status = status.as_u16().to_string();
-                let created = to_unix_millis(*created_at).to_string();
-                let args: [&[u8]; 5] = [
-                    &token,
-                    b"u",
-                    status.as_bytes(),
-                    created.as_bytes(),
-                    retention_ms.as_bytes(),
-                ];
-                self.run_fenced(on, &COMPLETE, &redis_key, &args).await?
-            }
-        };
+        let retention_ms = millis(retention);
+        let completed = blob::completed(fingerprint, &record);
+        let args: [&[u8]; 3] = [&token.to_bytes(), &completed, retention_ms.as_bytes()];
+        let stored = self.run_fenced(on, &COMPLETE, &redis_key, &args).await?;
         if let (true, Some(durable)) = (stored, durable) {
             durable.wait(&redis_key).await;
         }
@@ -498,45 +467,14 @@ fn decode_claim(reply: Value, token: LeaseToken) -> Result<Claim, StoreError> {
         return Ok(Claim::Mismatch);
     }
     let ttl = Duration::from_millis(next_int("record without TTL")?.max(0) as u64);
-    let mut next_bytes = |what| match items.next() {
-        Some(Value::BulkString(b)) => Ok(b),
-        _ => Err(corrupt(what)),
-    };
-    let record = match tag {
-        2 => return Ok(Claim::InFlight { retry_after: ttl }),
-        4 | 5 => {
-            let status = parse_status(&next_bytes("status")?)?;
-            let created_at = from_unix_millis(parse_number(&next_bytes("created_at")?)?);
-            if tag == 4 {
-                let headers = StoredResponse::decode_headers(&next_bytes("headers")?)?;
-                let body = Bytes::from(next_bytes("body")?);
-                CompletedRecord::Response(StoredResponse::from_parts(
-                    status, headers, body, created_at,
-                ))
-            } else {
-                CompletedRecord::Unreplayable { status, created_at }
-            }
-        }
-        _ => return Err(corrupt("unknown claim tag")),
-    };
-    Ok(Claim::Completed {
-        record: Arc::new(record),
-        expires_in: ttl,
-    })
-}
-
-fn parse_number(bytes: &[u8]) -> Result<u64, StoreError> {
-    std::str::from_utf8(bytes)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .ok_or(StoreError::Corrupt(CorruptRecord("number")))
-}
-
-fn parse_status(bytes: &[u8]) -> Result<StatusCode, StoreError> {
-    u16::try_from(parse_number(bytes)?)
-        .ok()
-        .and_then(|s| StatusCode::from_u16(s).ok())
-        .ok_or(StoreError::Corrupt(CorruptRecord("status")))
+    match (tag, items.next()) {
+        (2, _) => Ok(Claim::InFlight { retry_after: ttl }),
+        (4, Some(Value::BulkString(record))) => Ok(Claim::Completed {
+            record: Arc::new(blob::decode_completed(record)?),
+            expires_in: ttl,
+        }),
+        _ => Err(corrupt("unknown claim reply")),
+    }
 }
 
 impl From<redis::RedisError> for StoreError {
