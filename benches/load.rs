@@ -218,6 +218,25 @@ struct Run {
     p50_ms: f64,
     p99_ms: f64,
     errors: u64,
+    /// CPU time of this process (the servers, not wrk or Redis) per request.
+    cpu_us: f64,
+}
+
+/// User + system CPU time of this process so far, in µs (Linux; 0 elsewhere).
+fn process_cpu_us() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name, which is parenthesised and may hold spaces.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .collect();
+    let ticks: f64 = fields.get(11..13).map_or(0.0, |t| {
+        t.iter().filter_map(|v| v.parse::<f64>().ok()).sum()
+    });
+    ticks * 1e6 / 100.0 // USER_HZ is 100 on Linux
 }
 
 fn wrk(variant: &Variant, run_id: &str, secs: u64, connections: u32) -> Run {
@@ -244,6 +263,15 @@ fn wrk(variant: &Variant, run_id: &str, secs: u64, connections: u32) -> Run {
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "wrk failed: {text}");
     parse_wrk(&text)
+}
+
+/// One measured run: wrk's numbers plus this process's CPU per request.
+fn measure(variant: &Variant, run_id: &str, secs: u64, connections: u32) -> Run {
+    let cpu_before = process_cpu_us();
+    let mut run = wrk(variant, run_id, secs, connections);
+    let requests = run.rps * secs as f64;
+    run.cpu_us = (process_cpu_us() - cpu_before) / requests.max(1.0);
+    run
 }
 
 fn parse_wrk(text: &str) -> Run {
@@ -275,6 +303,20 @@ fn parse_wrk(text: &str) -> Run {
         }
     }
     run
+}
+
+fn print_header() {
+    println!(
+        "{:<22} {:>10} {:>9} {:>9} {:>8} {:>11} {:>7}",
+        "variant", "req/s", "p50 ms", "p99 ms", "x bare", "cpu us/req", "errors"
+    );
+}
+
+fn print_row(name: &str, run: &Run, ratio: f64) {
+    println!(
+        "{:<22} {:>10.0} {:>9.3} {:>9.3} {:>8.3} {:>11.1} {:>7}",
+        name, run.rps, run.p50_ms, run.p99_ms, ratio, run.cpu_us, run.errors
+    );
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -321,13 +363,10 @@ fn main() {
     let mut results: Vec<Vec<Run>> = vec![Vec::new(); variants.len()];
     for round in 1..=rounds {
         println!("\nround {round}");
-        println!(
-            "{:<22} {:>10} {:>9} {:>9} {:>8} {:>7}",
-            "variant", "req/s", "p50 ms", "p99 ms", "x bare", "errors"
-        );
+        print_header();
         let mut bare_rps = 0.0;
         for (i, v) in variants.iter().enumerate() {
-            let run = wrk(
+            let run = measure(
                 v,
                 &format!("r{nonce}-{round}-{}", v.name),
                 secs,
@@ -336,35 +375,25 @@ fn main() {
             if v.name == "bare" {
                 bare_rps = run.rps;
             }
-            println!(
-                "{:<22} {:>10.0} {:>9.3} {:>9.3} {:>8.3} {:>7}",
-                v.name,
-                run.rps,
-                run.p50_ms,
-                run.p99_ms,
-                run.rps / bare_rps,
-                run.errors
-            );
+            print_row(v.name, &run, run.rps / bare_rps);
             results[i].push(run);
         }
     }
 
-    println!("\nmedian over {rounds} rounds (ratio = median of the per-round ratios to bare)");
-    println!(
-        "{:<22} {:>10} {:>9} {:>9} {:>8}",
-        "variant", "req/s", "p50 ms", "p99 ms", "x bare"
-    );
+    println!("\nmedian over {rounds} rounds (ratio: median of the per-round ratios to bare)");
+    print_header();
     let bare: Vec<f64> = results[0].iter().map(|r| r.rps).collect();
     for (v, runs) in variants.iter().zip(&results) {
+        let med = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
+        let run = Run {
+            rps: med(|r| r.rps),
+            p50_ms: med(|r| r.p50_ms),
+            p99_ms: med(|r| r.p99_ms),
+            cpu_us: med(|r| r.cpu_us),
+            errors: runs.iter().map(|r| r.errors).sum(),
+        };
         let ratio = median(runs.iter().zip(&bare).map(|(r, b)| r.rps / b).collect());
-        println!(
-            "{:<22} {:>10.0} {:>9.3} {:>9.3} {:>8.3}",
-            v.name,
-            median(runs.iter().map(|r| r.rps).collect()),
-            median(runs.iter().map(|r| r.p50_ms).collect()),
-            median(runs.iter().map(|r| r.p99_ms).collect()),
-            ratio
-        );
+        print_row(v.name, &run, ratio);
     }
     let errors: u64 = results.iter().flatten().map(|r| r.errors).sum();
     assert_eq!(

@@ -1,14 +1,20 @@
 //! Running the handler under a claim, detached from the client connection
 //! (SPEC §2.5), and storing or releasing its outcome (SPEC §2.6, §3).
 
-use std::{panic::AssertUnwindSafe, pin::Pin, sync::Arc, time::SystemTime};
+use std::{
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll, ready},
+    time::SystemTime,
+};
 
 use axum::body::Body;
 use bytes::{Bytes, BytesMut};
 use futures_util::{FutureExt, StreamExt, stream};
 use http::{Request, Response, response::Parts};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
-use tokio::sync::oneshot;
 use tower_service::Service;
 
 use crate::{
@@ -17,16 +23,16 @@ use crate::{
 };
 
 /// What the handler produced, read as far as the layer needs.
-enum Handled<E, B> {
+enum Handled<E> {
     Panicked,
     Failed(E),
     BodyFailed,
     /// Not final per the cache policy.
-    NotFinal(Response<B>),
+    NotFinal(Response<Body>),
     /// Final, with its whole body.
     Final(Parts, Bytes),
     /// Final, but the body outgrew the storable limit: what was read, and the rest.
-    TooLarge(Parts, Vec<Bytes>, Pin<Box<B>>),
+    TooLarge(Parts, Vec<Bytes>, Body),
 }
 
 /// Runs the handler on its own task, so that a client hanging up cannot
@@ -48,10 +54,7 @@ where
     P: CachePolicy,
     F: Send + Sync + 'static,
 {
-    let (reply, response) = oneshot::channel();
-    let task_shared = shared.clone();
-    tokio::spawn(async move {
-        let shared = task_shared;
+    Detached::new(async move {
         let handled = lease
             .hold_while(run(
                 inner,
@@ -60,12 +63,55 @@ where
                 shared.config.max_stored_body,
             ))
             .await;
-        settle(&shared, &lease, handled, reply).await;
-    });
-    // Only a panic outside the handler (in the layer itself) drops `reply`.
-    response
-        .await
-        .unwrap_or_else(|_| Ok(shared.rejection(RejectionKind::HandlerPanicked)))
+        settle(&shared, lease, handled).await
+    })
+    .await
+}
+
+/// A future that finishes even if its caller stops waiting: it runs inline
+/// while the client waits (no task, no channel), and if it is dropped before
+/// it is done — the client hung up — the rest of it moves to a spawned task.
+/// The box keeps it pinned in place through the move.
+struct Detached<T: 'static> {
+    work: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
+}
+
+impl<T: Send + 'static> Detached<T> {
+    fn new(work: impl Future<Output = T> + Send + 'static) -> Self {
+        Self {
+            work: Some(Box::pin(work)),
+        }
+    }
+}
+
+impl<T: 'static> Future for Detached<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let work = self
+            .work
+            .as_mut()
+            .expect("Detached polled after completion");
+        let output = ready!(work.as_mut().poll(cx));
+        self.work = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<T: 'static> Drop for Detached<T> {
+    fn drop(&mut self) {
+        let Some(work) = self.work.take() else { return };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    work.await;
+                });
+            }
+            Err(_) => tracing::error!(
+                "idempotency: a request was dropped outside a Tokio runtime; its handler cannot finish and its key stays in flight until the lease expires"
+            ),
+        }
+    }
 }
 
 /// Runs the handler when the store is down and the layer fails open.
@@ -90,22 +136,24 @@ async fn run<S, P, ResBody>(
     request: Request<Body>,
     policy: &P,
     limit: usize,
-) -> Handled<S::Error, ResBody>
+) -> Handled<S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
     P: CachePolicy,
 {
     let work = async move {
         let response = match inner.call(request).await {
-            Ok(response) => response,
+            // `Body::new` only boxes bodies that are not already an axum `Body`.
+            Ok(response) => response.map(Body::new),
             Err(error) => return Handled::Failed(error),
         };
         if !policy.should_store(response.status(), response.headers()) {
             return Handled::NotFinal(response);
         }
         let (parts, body) = response.into_parts();
-        read_up_to(parts, Box::pin(body), limit).await
+        read_up_to(parts, body, limit).await
     };
     AssertUnwindSafe(work)
         .catch_unwind()
@@ -113,35 +161,38 @@ where
         .unwrap_or(Handled::Panicked)
 }
 
-async fn read_up_to<E, B>(parts: Parts, mut body: Pin<Box<B>>, limit: usize) -> Handled<E, B>
-where
-    B: http_body::Body<Data = Bytes>,
-{
-    let mut chunks = Vec::new();
+async fn read_up_to<E>(parts: Parts, mut body: Body, limit: usize) -> Handled<E> {
+    // Most bodies are one chunk: keep it without copying or a Vec.
+    let mut first: Option<Bytes> = None;
+    let mut more: Vec<Bytes> = Vec::new();
     let mut len = 0;
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
             return Handled::BodyFailed;
         };
         // Trailers are not stored; a replay has none.
-        if let Ok(data) = frame.into_data() {
-            len += data.len();
-            chunks.push(data);
-            if len > limit {
-                return Handled::TooLarge(parts, chunks, body);
-            }
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        len += data.len();
+        match first {
+            None => first = Some(data),
+            Some(_) => more.push(data),
+        }
+        if len > limit {
+            let read = first.into_iter().chain(more).collect();
+            return Handled::TooLarge(parts, read, body);
         }
     }
-    let body = match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().expect("one chunk"),
-        _ => chunks
-            .iter()
-            .fold(BytesMut::with_capacity(len), |mut all, c| {
-                all.extend_from_slice(c);
-                all
-            })
-            .freeze(),
+    let body = match (first, more.is_empty()) {
+        (None, _) => Bytes::new(),
+        (Some(only), true) => only,
+        (Some(first), false) => {
+            let mut all = BytesMut::with_capacity(len);
+            all.extend_from_slice(&first);
+            more.iter().for_each(|chunk| all.extend_from_slice(chunk));
+            all.freeze()
+        }
     };
     Handled::Final(parts, body)
 }
@@ -149,40 +200,34 @@ where
 /// Stores or releases the outcome, then sends the response (SPEC §2.6: stored
 /// before the client sees it; SPEC §4: if storing fails, the response goes
 /// out at once and the completion is retried while the lease holds).
-async fn settle<St, Sc, P, F, E, B>(
+async fn settle<St, Sc, P, F, E>(
     shared: &Shared<St, Sc, P, F>,
-    lease: &Lease<St>,
-    handled: Handled<E, B>,
-    reply: oneshot::Sender<Result<Response<Body>, E>>,
-) where
+    lease: Lease<St>,
+    handled: Handled<E>,
+) -> Result<Response<Body>, E>
+where
     St: Store,
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
 {
     let (record, response, completion) = match handled {
         Handled::Panicked => {
             tracing::error!(key = %lease.key(), "idempotency: handler panicked; key released");
             lease.release().await;
-            let _ = reply.send(Ok(shared.rejection(RejectionKind::HandlerPanicked)));
-            return;
+            return Ok(shared.rejection(RejectionKind::HandlerPanicked));
         }
         Handled::Failed(error) => {
             tracing::warn!(key = %lease.key(), "idempotency: handler failed; key released");
             lease.release().await;
-            let _ = reply.send(Err(error));
-            return;
+            return Err(error);
         }
         Handled::BodyFailed => {
             tracing::warn!(key = %lease.key(), "idempotency: response body failed; key released");
             lease.release().await;
-            let _ = reply.send(Ok(shared.rejection(RejectionKind::ResponseBodyFailed)));
-            return;
+            return Ok(shared.rejection(RejectionKind::ResponseBodyFailed));
         }
         Handled::NotFinal(response) => {
             tracing::debug!(key = %lease.key(), status = %response.status(), "idempotency: response not final; key released");
             lease.release().await;
-            let _ = reply.send(Ok(executed(response.map(Body::new), Completion::Released)));
-            return;
+            return Ok(executed(response, Completion::Released));
         }
         Handled::Final(parts, body) => {
             let stored = StoredResponse::capture(parts.status, &parts.headers, body.clone());
@@ -200,8 +245,8 @@ async fn settle<St, Sc, P, F, E, B>(
                 created_at: SystemTime::now(),
             };
             let read =
-                stream::iter(read).map(|data| Ok::<_, BoxError>(http_body::Frame::data(data)));
-            let rest = BodyStream::new(rest.map_err(Into::into));
+                stream::iter(read).map(|data| Ok::<_, axum::Error>(http_body::Frame::data(data)));
+            let rest = BodyStream::new(rest);
             let body = Body::new(StreamBody::new(read.chain(rest)));
             (
                 record,
@@ -215,19 +260,19 @@ async fn settle<St, Sc, P, F, E, B>(
     match lease.complete(record.clone(), retention).await {
         Ok(true) => {
             tracing::debug!(key = %lease.key(), ?completion, "idempotency: executed");
-            let _ = reply.send(Ok(executed(response, completion)));
+            Ok(executed(response, completion))
         }
         Ok(false) => {
             tracing::error!(
                 key = %lease.key(),
                 "idempotency: lease lost before completion; response sent but not stored, a retry may execute again"
             );
-            let _ = reply.send(Ok(executed(response, Completion::LeaseLost)));
+            Ok(executed(response, Completion::LeaseLost))
         }
         Err(error) => {
             tracing::warn!(key = %lease.key(), %error, "idempotency: completion failed; retrying in the background");
-            let _ = reply.send(Ok(executed(response, Completion::Pending)));
-            lease.complete_in_background(record, retention).await;
+            tokio::spawn(async move { lease.complete_in_background(record, retention).await });
+            Ok(executed(response, Completion::Pending))
         }
     }
 }

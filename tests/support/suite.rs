@@ -42,6 +42,7 @@ macro_rules! behaviour_cases {
             concurrent_duplicates_execute_once,
             concurrent_duplicates_wait_and_replay,
             client_disconnect_does_not_cancel,
+            dropped_response_future_still_completes,
             expired_lease_lets_a_retry_execute,
             heartbeat_keeps_a_slow_handler_claimed,
             fencing_refuses_a_stale_holder,
@@ -502,6 +503,28 @@ pub async fn client_disconnect_does_not_cancel<B: Backend>(b: &B) {
     assert!(
         retry.is_replay(),
         "the detached handler finished and stored its response"
+    );
+    assert_eq!(runs.get(), 1);
+}
+
+/// The same, without a network: the caller drops the response future.
+pub async fn dropped_response_future_still_completes<B: Backend>(b: &B) {
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(100),
+        oneshot(&app, post("/slow?ms=300", "k", CHARGE)),
+    )
+    .await;
+    assert!(
+        abandoned.is_err(),
+        "the caller gave up while the handler ran"
+    );
+    assert_eq!(runs.get(), 1);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let retry = oneshot(&app, post("/slow?ms=300", "k", CHARGE)).await;
+    assert!(
+        retry.is_replay(),
+        "the handler finished on its own and stored its response"
     );
     assert_eq!(runs.get(), 1);
 }
