@@ -12,13 +12,14 @@ use tokio::time::Instant;
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
 use crate::{CompletedRecord, Fingerprint};
 
-/// Enough shards that two cores rarely wait for each other's lock.
-const SHARDS: usize = 16;
+/// Enough shards that cores rarely wait for each other's lock, and that
+/// growing one shard's table (a copy of it) stays a short pause.
+const SHARDS: usize = 64;
 
 /// An in-process [`Store`]: the default, so examples and tests run with
 /// nothing installed.
 ///
-/// Claims are decided under a short-lived mutex (one of 16 shards, picked by
+/// Claims are decided under a short-lived mutex (one of 64 shards, picked by
 /// key), so concurrent requests on one key are serialised exactly. Records
 /// expire at their TTL without a sweeper thread: an expired record counts as
 /// absent the moment its deadline passes, and a shard drops all its expired
@@ -51,10 +52,18 @@ pub struct MemoryStore {
     inner: Arc<Inner>,
 }
 
-#[derive(Default)]
 struct Inner {
     hasher: RandomState,
     shards: [Mutex<Shard>; SHARDS],
+}
+
+impl Default for Inner {
+    fn default() -> Self {
+        Self {
+            hasher: RandomState::new(),
+            shards: std::array::from_fn(|_| Mutex::default()),
+        }
+    }
 }
 
 #[derive(Default)]

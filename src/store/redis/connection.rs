@@ -1,6 +1,6 @@
 //! One handle over a single node or a cluster, so the protocol code exists once.
 
-use redis::{Cmd, RedisResult, ScriptInvocation, Value, aio::ConnectionManager};
+use redis::{Cmd, RedisResult, Script, Value, aio::ConnectionManager};
 
 #[derive(Clone)]
 pub(super) enum Connection {
@@ -10,12 +10,41 @@ pub(super) enum Connection {
 }
 
 impl Connection {
-    /// EVALSHA, loading the script on NOSCRIPT (a restarted or promoted node).
-    pub(super) async fn invoke(&self, invocation: &ScriptInvocation<'_>) -> RedisResult<Value> {
+    /// `EVALSHA script 1 key args…`, built as one command (no per-argument
+    /// buffers); on NOSCRIPT (a restarted or promoted node) the script is
+    /// loaded and run again.
+    pub(super) async fn eval(
+        &self,
+        script: &Script,
+        key: &str,
+        args: &[&[u8]],
+    ) -> RedisResult<Value> {
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha.arg(script.get_hash()).arg(1).arg(key);
+        args.iter().for_each(|a| {
+            evalsha.arg(*a);
+        });
+        match self.query(&evalsha).await {
+            Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+                let mut invocation = script.key(key);
+                args.iter().for_each(|a| {
+                    invocation.arg(*a);
+                });
+                match self.clone() {
+                    Self::Single(mut c) => invocation.invoke_async(&mut c).await,
+                    #[cfg(feature = "cluster")]
+                    Self::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+                }
+            }
+            reply => reply,
+        }
+    }
+
+    async fn query(&self, cmd: &Cmd) -> RedisResult<Value> {
         match self.clone() {
-            Self::Single(mut c) => invocation.invoke_async(&mut c).await,
+            Self::Single(mut c) => cmd.query_async(&mut c).await,
             #[cfg(feature = "cluster")]
-            Self::Cluster(mut c) => invocation.invoke_async(&mut c).await,
+            Self::Cluster(mut c) => cmd.query_async(&mut c).await,
         }
     }
 

@@ -179,12 +179,8 @@ impl RedisStore {
         key: &str,
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
-        let mut invocation = script.key(key);
-        for arg in args {
-            invocation.arg(*arg);
-        }
         let timeout = self.inner.timeout;
-        match tokio::time::timeout(timeout, on.invoke(&invocation)).await {
+        match tokio::time::timeout(timeout, on.eval(script, key, args)).await {
             Ok(reply) => Ok(reply?),
             Err(_) => Err(StoreError::Timeout(timeout)),
         }
