@@ -37,12 +37,15 @@ enum Handled<E> {
 
 /// Runs the handler on its own task, so that a client hanging up cannot
 /// cancel it between the side effect and the completion.
-pub(crate) async fn detached<S, St, Sc, P, F, ResBody>(
+///
+/// A plain function rather than an `async fn`, so the caller's future holds
+/// only the small [`Detached`] handle, not a second copy of the arguments.
+pub(crate) fn detached<S, St, Sc, P, F, ResBody>(
     shared: Arc<Shared<St, Sc, P, F>>,
     inner: S,
     request: Request<Body>,
     lease: Lease<St>,
-) -> Result<Response<Body>, S::Error>
+) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
@@ -55,17 +58,18 @@ where
     F: Send + Sync + 'static,
 {
     Detached::new(async move {
-        let handled = lease
-            .hold_while(run(
+        // Scoped, so that `settle` can reuse the space of the finished work.
+        let handled = {
+            let work = std::pin::pin!(run(
                 inner,
                 request,
                 &shared.policy,
-                shared.config.max_stored_body,
-            ))
-            .await;
+                shared.config.max_stored_body
+            ));
+            lease.hold_while(work).await
+        };
         settle(&shared, lease, handled).await
     })
-    .await
 }
 
 /// A future that finishes even if its caller stops waiting: it runs inline

@@ -1,7 +1,7 @@
 //! A held claim: heartbeats, release and completion, all fenced by the
 //! lease token (SPEC §2.5, §2.6, §4).
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use tokio::time::{Instant, sleep};
 
@@ -44,13 +44,14 @@ impl<St: Store> Lease<St> {
     /// because the store is unreachable).
     async fn heartbeat(&self) {
         let mut confirmed_at = Instant::now();
+        // A timer entry is large; boxed, it keeps every request's future small.
+        let mut tick = Box::pin(sleep(self.duration / 3));
         loop {
-            sleep(self.duration / 3).await;
-            match self
-                .store
-                .extend(&self.key, self.token, self.duration)
-                .await
-            {
+            tick.as_mut().await;
+            tick.as_mut().reset(Instant::now() + self.duration / 3);
+            // Boxed: a store's future can be large, and this one is rare, so
+            // it should not weigh on every request's future.
+            match Box::pin(self.store.extend(&self.key, self.token, self.duration)).await {
                 Ok(true) => confirmed_at = Instant::now(),
                 Ok(false) => return,
                 Err(error) => {
@@ -63,13 +64,13 @@ impl<St: Store> Lease<St> {
         }
     }
 
-    /// Runs `work` to completion while the heartbeat keeps the claim.
-    pub(crate) async fn hold_while<T>(&self, work: impl Future<Output = T>) -> T {
-        let work = std::pin::pin!(work);
-        let mut work = work;
+    /// Runs `work` to completion while the heartbeat keeps the claim. It takes
+    /// the work already pinned, so this future holds a pointer, not a second
+    /// copy of it.
+    pub(crate) async fn hold_while<F: Future>(&self, mut work: Pin<&mut F>) -> F::Output {
         tokio::select! {
             biased;
-            output = &mut work => output,
+            output = work.as_mut() => output,
             () = self.heartbeat() => {
                 tracing::error!(
                     key = %self.key,
@@ -83,7 +84,8 @@ impl<St: Store> Lease<St> {
     /// Deletes the claim so the key may be retried. A failure only delays the
     /// retry until the lease expires, so it is logged, not retried.
     pub(crate) async fn release(&self) {
-        match self.store.release(&self.key, self.token).await {
+        // Boxed, like `extend`: rare, and a store's future can be large.
+        match Box::pin(self.store.release(&self.key, self.token)).await {
             Ok(true) => {}
             Ok(false) => {
                 tracing::warn!(key = %self.key, "idempotency: release refused, the lease was already lost")
