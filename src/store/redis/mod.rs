@@ -289,6 +289,7 @@ impl RedisStoreBuilder {
         connection: Connection,
         durable: Option<Connection>,
     ) -> Result<RedisStore, StoreError> {
+        check_version(&connection).await?;
         check_eviction_policy(&connection, self.eviction).await?;
         // Load the scripts now so the first requests need no NOSCRIPT detour.
         for source in [CLAIM_LUA, EXTEND_LUA, COMPLETE_LUA, RELEASE_LUA] {
@@ -311,6 +312,32 @@ impl RedisStoreBuilder {
             }),
         })
     }
+}
+
+/// The claim script's `SET … NX GET` needs Redis 7.0; fail at start-up, not
+/// on every request.
+async fn check_version(connection: &Connection) -> Result<(), StoreError> {
+    let mut info = redis::cmd("INFO");
+    info.arg("server");
+    let mut replies = Vec::new();
+    connection
+        .on_every_master(info)
+        .await?
+        .iter()
+        .for_each(|r| collect_strings(r, &mut replies));
+    for reply in &replies {
+        let version = reply.lines().find_map(|l| l.strip_prefix("redis_version:"));
+        let major = version.and_then(|v| v.split('.').next()?.trim().parse::<u32>().ok());
+        if let (Some(version), Some(major)) = (version, major)
+            && major < 7
+        {
+            return Err(StoreError::Misconfigured(format!(
+                "Redis {} is too old: the idempotency store needs Redis 7.0 or newer (SET NX GET)",
+                version.trim()
+            )));
+        }
+    }
+    Ok(())
 }
 
 async fn check_eviction_policy(
