@@ -131,8 +131,9 @@ fn request(key: &str) -> Request<Body> {
 
 /// The layer's own cost in process: bare router vs the same router layered.
 fn layer_overhead(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+    // One thread, as a server worker runs a request: a multi-thread runtime
+    // would add a cross-thread wake-up per iteration to both sides.
+    let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();

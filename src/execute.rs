@@ -35,8 +35,9 @@ enum Handled<E> {
     TooLarge(Parts, Vec<Bytes>, Body),
 }
 
-/// Runs the handler on its own task, so that a client hanging up cannot
-/// cancel it between the side effect and the completion.
+/// Runs the handler under the lease, then stores or releases its outcome,
+/// detached from the caller (see [`Detached`]), so that a client hanging up
+/// cannot cancel it between the side effect and the completion.
 ///
 /// A plain function rather than an `async fn`, so the caller's future holds
 /// only the small [`Detached`] handle, not a second copy of the arguments.
