@@ -8,48 +8,21 @@ mod support;
 
 use support::{backend, suite};
 
-macro_rules! memory_tests {
-    ($($case:ident),* $(,)?) => {
-        mod memory {
+/// One test per case, in module `$module`, each against a fresh `$backend`.
+macro_rules! tests_for {
+    ($module:ident, $backend:expr; $($case:ident),* $(,)?) => {
+        mod $module {
             use super::*;
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $case() {
-                    suite::$case(&backend::Memory).await;
+                    suite::$case(&$backend).await;
                 }
             )*
         }
     };
 }
 
-macro_rules! redis_tests {
-    ($($case:ident),* $(,)?) => {
-        mod redis {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    suite::$case(&backend::SingleRedis::start()).await;
-                }
-            )*
-        }
-    };
-}
-
-macro_rules! cached_redis_tests {
-    ($($case:ident),* $(,)?) => {
-        mod cached_redis {
-            use super::*;
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-                async fn $case() {
-                    suite::$case(&backend::CachedRedis::start()).await;
-                }
-            )*
-        }
-    };
-}
-
-behaviour_cases!(memory_tests);
-behaviour_cases!(redis_tests);
-behaviour_cases!(cached_redis_tests);
+behaviour_cases!(tests_for, memory, backend::Memory);
+behaviour_cases!(tests_for, redis, backend::SingleRedis::start());
+behaviour_cases!(tests_for, cached_redis, backend::CachedRedis::start());

@@ -18,7 +18,7 @@ use support::{
 };
 
 macro_rules! cluster_suite {
-    ($($case:ident),* $(,)?) => {
+    (; $($case:ident),* $(,)?) => {
         /// One cluster for the whole suite (starting one takes seconds); each
         /// case gets a fresh key prefix.
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -18,11 +18,12 @@ use super::{
     http::{Reply, Server, oneshot, post, request},
 };
 
-/// Every case, in one list: `behaviour_cases!(m)` expands to `m!(case, case, …)`.
+/// Every case, in one list: `behaviour_cases!(m, args…)` expands to
+/// `m!(args…; case, case, …)`.
 #[macro_export]
 macro_rules! behaviour_cases {
-    ($run:ident) => {
-        $run!(
+    ($run:ident $(, $($arg:tt)+)?) => {
+        $run!($($($arg)+)?;
             replay_is_byte_identical,
             mismatch_on_body_path_query_and_method,
             canonical_json_variants_replay,
