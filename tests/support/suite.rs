@@ -563,23 +563,24 @@ pub async fn expired_lease_lets_a_retry_execute<B: Backend>(b: &B) {
 }
 
 pub async fn heartbeat_keeps_a_slow_handler_claimed<B: Backend>(b: &B) {
-    let layer = IdempotencyLayer::new(b.store().await).lease(Duration::from_millis(150));
+    // A 1.5 s handler under a 300 ms lease: five lease periods.
+    let layer = IdempotencyLayer::new(b.store().await).lease(Duration::from_millis(300));
     let (app, runs) = app_with(layer);
     let server = Server::start(app).await;
-    let first = server.post("/slow?ms=900", "k", CHARGE);
+    let first = server.post("/slow?ms=1500", "k", CHARGE);
     let probes = async {
         // Probe well past several lease periods: the heartbeat must keep the claim.
-        for wait_ms in [300, 200, 200] {
+        for wait_ms in [500, 400, 400] {
             tokio::time::sleep(Duration::from_millis(wait_ms)).await;
             server
-                .post("/slow?ms=900", "k", CHARGE)
+                .post("/slow?ms=1500", "k", CHARGE)
                 .await
                 .assert_problem(409);
         }
     };
     let (first, ()) = tokio::join!(first, probes);
     assert_eq!(first.status, StatusCode::CREATED);
-    assert!(server.post("/slow?ms=900", "k", CHARGE).await.is_replay());
+    assert!(server.post("/slow?ms=1500", "k", CHARGE).await.is_replay());
     assert_eq!(runs.get(), 1, "the claim was never lost");
 }
 
