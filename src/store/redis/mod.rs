@@ -47,7 +47,10 @@
 //! response goes out only once `n` replicas acknowledged (or the timeout
 //! passed, which is logged). It costs one more round trip plus the replication
 //! delay on every first execution, and it is not a consensus guarantee: Redis
-//! can still lose acknowledged writes in rare failover races.
+//! can still lose acknowledged writes in rare failover races. `WAIT` blocks
+//! the connection it is sent on, so completions that wait use a connection of
+//! their own (claims never queue behind them) and wait one after another: with
+//! slow or missing replicas, completions queue for up to the timeout each.
 
 mod blob;
 mod connection;
