@@ -120,7 +120,8 @@ async fn first_execution_costs_two_round_trips_and_a_replay_one() {
 }
 
 #[tokio::test]
-async fn cached_replays_cost_no_round_trip_and_respect_scope_fingerprint_and_size() {
+async fn cached_replays_cost_no_round_trip_check_the_fingerprint_and_stay_bounded() {
+    // Scope isolation with the cache is covered by the `cached_redis` behaviour suite.
     let server = RedisServer::start();
     let cached = CachedStore::new(store(&server).await, 64 * 1024);
     let counter = Counter::default();
