@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::redis_server::{RedisServer, free_port, raw_command, redis_cli_binary};
+use super::redis_server::{RedisServer, raw_command, redis_cli_binary};
 
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
@@ -18,20 +18,17 @@ impl RedisCluster {
         let total = masters * (1 + replicas_per_master);
         let nodes: Vec<RedisServer> = (0..total)
             .map(|_| {
-                RedisServer::start_on(
-                    free_port(),
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        "nodes.conf",
-                        "--cluster-node-timeout",
-                        "1000",
-                        // A replica of a lost master is promoted even if it lagged.
-                        "--cluster-replica-validity-factor",
-                        "0",
-                    ],
-                )
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                    // A replica of a lost master is promoted even if it lagged.
+                    "--cluster-replica-validity-factor",
+                    "0",
+                ])
             })
             .collect();
         let addresses: Vec<String> = nodes

@@ -54,12 +54,20 @@ impl RedisServer {
         Self::start_with(&[])
     }
 
-    /// Starts a server with extra `redis-server` arguments, e.g. `["--maxmemory-policy", "allkeys-lru"]`.
+    /// Starts a server with extra `redis-server` arguments, e.g.
+    /// `["--maxmemory-policy", "allkeys-lru"]`, on a free port. A port can be
+    /// taken between choosing and binding it (tests run in parallel), so a
+    /// server that did not come up as ours is retried on another port.
     pub fn start_with(args: &[&str]) -> Self {
-        Self::start_on(free_port(), args)
+        for _ in 0..5 {
+            if let Some(server) = Self::try_start_on(free_port(), args) {
+                return server;
+            }
+        }
+        panic!("could not start redis-server on a free port in 5 attempts");
     }
 
-    pub fn start_on(port: u16, args: &[&str]) -> Self {
+    fn try_start_on(port: u16, args: &[&str]) -> Option<Self> {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "tower-idempotency-test-{}-{}-{port}",
@@ -73,11 +81,12 @@ impl RedisServer {
             args: args.iter().map(|s| s.to_string()).collect(),
             child: None,
         };
-        server.spawn();
-        server
+        server.spawn().then_some(server)
     }
 
-    fn spawn(&mut self) {
+    /// Starts the process and waits until the server on the port is this very
+    /// process (another test's server may hold the port). `false` if not.
+    fn spawn(&mut self) -> bool {
         let child = Command::new(redis_server_binary())
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
@@ -88,8 +97,29 @@ impl RedisServer {
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start redis-server: {e}"));
+        let pid = child.id();
         self.child = Some(child);
-        wait_until_ready(self.port);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(Ok(Some(_exited))) = self.child.as_mut().map(Child::try_wait) {
+                self.child = None;
+                return false;
+            }
+            if let Ok(info) = try_command(self.port, &["INFO", "server"]) {
+                let ours = info
+                    .lines()
+                    .any(|l| l.trim() == format!("process_id:{pid}"));
+                if !ours {
+                    self.kill();
+                }
+                return ours;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!(
+            "redis-server on port {} did not become ready within 10 s",
+            self.port
+        );
     }
 
     pub fn port(&self) -> u16 {
@@ -115,7 +145,11 @@ impl RedisServer {
     /// Starts again on the same port (with no data: nothing is persisted).
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        assert!(
+            self.spawn(),
+            "redis-server did not restart on port {}",
+            self.port
+        );
     }
 
     /// One command over a fresh raw connection; the reply as text.
@@ -129,17 +163,6 @@ impl Drop for RedisServer {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-fn wait_until_ready(port: u16) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if try_command(port, &["PING"]).is_ok_and(|reply| reply.contains("PONG")) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("redis-server on port {port} did not become ready within 10 s");
 }
 
 /// Sends one RESP command and returns the reply, flattened to text
