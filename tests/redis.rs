@@ -181,6 +181,49 @@ async fn cached_replays_cost_no_round_trip_check_the_fingerprint_and_stay_bounde
     );
 }
 
+/// The layer-level view of fencing: a request whose claim vanished (here
+/// deleted, as if its lease expired during a long pause) and was taken by a
+/// newer request finishes later, and its completion must not overwrite the
+/// newer record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_late_completion_never_overwrites_the_newer_record() {
+    let server = RedisServer::start();
+    let (app, runs) = app(store(&server).await);
+    let redis_key = "idempotency:0::k";
+
+    let stale = tokio::spawn({
+        let app = app.clone();
+        async move { oneshot(&app, post("/slow?ms=600", "k", CHARGE)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        server.command(&["DEL", redis_key]).trim(),
+        "1",
+        "the claim existed"
+    );
+    let newer = tokio::spawn({
+        let app = app.clone();
+        async move { oneshot(&app, post("/slow?ms=600", "k", CHARGE)).await }
+    });
+
+    let stale = stale.await.unwrap();
+    assert_eq!(
+        stale.outcome,
+        Some(IdempotencyOutcome::Executed(Completion::LeaseLost)),
+        "the stale request's completion was refused"
+    );
+    let newer = newer.await.unwrap();
+    assert_eq!(
+        newer.outcome,
+        Some(IdempotencyOutcome::Executed(Completion::Stored))
+    );
+    let retry = oneshot(&app, post("/slow?ms=600", "k", CHARGE)).await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.body, newer.body, "the newer record survived");
+    assert_ne!(retry.body, stale.body);
+    assert_eq!(runs.get(), 2);
+}
+
 #[tokio::test]
 async fn redis_outage_fails_closed_and_recovers_without_restart() {
     let mut server = RedisServer::start();
