@@ -119,6 +119,16 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # Panics
     ///
     /// If `methods` is empty.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use http::Method;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).methods([Method::POST, Method::PUT]);
+    /// # let _ = layer;
+    /// ```
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.config.methods = methods.into_iter().collect();
         assert!(
@@ -130,6 +140,15 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
 
     /// Reject guarded requests without an `Idempotency-Key` with `400`
     /// (default: let them through unprotected).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).require_key(true);
+    /// # let _ = layer;
+    /// ```
     pub fn require_key(mut self, require: bool) -> Self {
         self.config.require_key = require;
         self
@@ -141,6 +160,17 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # Panics
     ///
     /// If `retention` is under one second.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // Keep responses for 7 days.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).retention(Duration::from_secs(7 * 86_400));
+    /// # let _ = layer;
+    /// ```
     pub fn retention(mut self, retention: Duration) -> Self {
         assert!(
             retention >= Duration::from_secs(1),
@@ -158,6 +188,16 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # Panics
     ///
     /// If `lease` is under 30 ms (heartbeats could not keep up).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).lease(Duration::from_secs(10));
+    /// # let _ = layer;
+    /// ```
     pub fn lease(mut self, lease: Duration) -> Self {
         assert!(
             lease >= Duration::from_millis(30),
@@ -169,6 +209,15 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
 
     /// The largest request body the layer buffers to fingerprint (default
     /// 1 MiB); larger requests get `413` and are not run.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).max_request_body(64 * 1024);
+    /// # let _ = layer;
+    /// ```
     pub fn max_request_body(mut self, bytes: usize) -> Self {
         self.config.max_request_body = bytes;
         self
@@ -177,6 +226,15 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// The largest response body the layer stores (default 1 MiB). A larger
     /// response still reaches the client, and the key completes as
     /// unreplayable: retries get `409` saying so, never a second execution.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).max_stored_body(256 * 1024);
+    /// # let _ = layer;
+    /// ```
     pub fn max_stored_body(mut self, bytes: usize) -> Self {
         self.config.max_stored_body = bytes;
         self
@@ -186,6 +244,16 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// request wait up to `timeout` for the first to finish, then replay its
     /// response (or run, if the first released the key). Still `409` after
     /// the wait.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).wait_for_in_flight(Duration::from_secs(5));
+    /// # let _ = layer;
+    /// ```
     pub fn wait_for_in_flight(mut self, timeout: Duration) -> Self {
         self.config.in_flight_wait = Some(timeout);
         self
@@ -194,6 +262,16 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// **Dangerous.** When the store cannot be reached, run the handler
     /// without protection instead of answering `503` (default: fail closed).
     /// Duplicates arriving during an outage may then execute twice.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // Only for endpoints where a duplicate is cheaper than an outage.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).fail_open(true);
+    /// # let _ = layer;
+    /// ```
     pub fn fail_open(mut self, fail_open: bool) -> Self {
         self.config.fail_open = fail_open;
         self
@@ -201,6 +279,16 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
 
     /// The `Retry-After` sent with `503` when the store is unreachable
     /// (default 1 s).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).unavailable_retry_after(Duration::from_secs(5));
+    /// # let _ = layer;
+    /// ```
     pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
         self.config.unavailable_retry_after = after;
         self

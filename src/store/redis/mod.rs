@@ -215,6 +215,13 @@ impl std::fmt::Debug for RedisStore {
 
 impl RedisStoreBuilder {
     /// The prefix of every Redis key the store writes (default `idempotency:`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let builder = tower_idempotency::RedisStore::builder().prefix("payments:idem:");
+    /// # let _ = builder;
+    /// ```
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
         self
@@ -222,12 +229,30 @@ impl RedisStoreBuilder {
 
     /// The longest any Redis call may take before the request gets `503`
     /// (default 1 s).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let builder = tower_idempotency::RedisStore::builder().command_timeout(Duration::from_millis(250));
+    /// # let _ = builder;
+    /// ```
     pub fn command_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
     /// What to do under an `allkeys-*` eviction policy (default: refuse).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{RedisStore, store::redis::EvictionPolicyCheck};
+    ///
+    /// let builder = RedisStore::builder().eviction_policy_check(EvictionPolicyCheck::Warn);
+    /// # let _ = builder;
+    /// ```
     pub fn eviction_policy_check(mut self, check: EvictionPolicyCheck) -> Self {
         self.eviction = check;
         self
@@ -235,12 +260,30 @@ impl RedisStoreBuilder {
 
     /// After each completion, wait up to `timeout` for `replicas` replicas to
     /// acknowledge it (`WAIT`). See the [module docs](self) for the trade-off.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// // Each completion waits up to 100 ms for one replica.
+    /// let builder = tower_idempotency::RedisStore::builder().wait_for_replicas(1, Duration::from_millis(100));
+    /// # let _ = builder;
+    /// ```
     pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
         self.replicas = Some((replicas, timeout));
         self
     }
 
     /// Connects to a single Redis node, e.g. `redis://127.0.0.1:6379`.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+    /// let store = tower_idempotency::RedisStore::builder().connect("redis://127.0.0.1:6379").await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
         let client = redis::Client::open(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()
@@ -266,6 +309,16 @@ impl RedisStoreBuilder {
     /// Connects to a Redis Cluster through one or more seed nodes, e.g.
     /// `["redis://127.0.0.1:7000"]`. The client follows `MOVED`/`ASK`
     /// redirects and topology changes.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+    /// let store = tower_idempotency::RedisStore::builder()
+    ///     .connect_cluster(["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"])
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
     #[cfg(feature = "cluster")]
     #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
     pub async fn connect_cluster<I, T>(self, nodes: I) -> Result<RedisStore, StoreError>
