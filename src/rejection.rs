@@ -204,7 +204,7 @@ impl Rejection {
 
 /// Whole seconds, rounded up, at least 1: `Retry-After: 0` would invite a
 /// tight retry loop.
-pub(crate) fn retry_after_secs(d: Duration) -> u64 {
+fn retry_after_secs(d: Duration) -> u64 {
     d.as_millis().div_ceil(1000).max(1) as u64
 }
 

@@ -24,9 +24,10 @@ use crate::{
 /// The service produced by [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
 /// Its responses carry an [`IdempotencyOutcome`](crate::IdempotencyOutcome)
-/// extension. Guarded requests run the inner service on a spawned task
-/// (detached from the client connection), so the inner service must be
-/// `Clone + Send + 'static`, as axum routers are.
+/// extension. A guarded request's handler is detached from the client
+/// connection: if the client hangs up, the rest of the work moves to a spawned
+/// Tokio task and still completes, so the inner service and its future must be
+/// `Send + 'static` (and the service `Clone`), as axum routers are.
 pub struct IdempotencyService<S, St, Sc, P, F> {
     inner: S,
     shared: Arc<Shared<St, Sc, P, F>>,
