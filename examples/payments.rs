@@ -255,17 +255,27 @@ fn fastrand_id() -> String {
         .collect()
 }
 
+/// An RFC 9457 problem, members in the RFC's order.
+#[derive(Serialize)]
+struct Problem<'a> {
+    r#type: &'a str,
+    title: &'a str,
+    status: u16,
+    detail: &'a str,
+}
+
 fn problem(status: StatusCode, title: &str, detail: &str) -> Response {
-    let body = serde_json::json!({
-        "type": "about:blank",
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail,
-    });
+    let body = Problem {
+        r#type: "about:blank",
+        title,
+        status: status.as_u16(),
+        detail,
+    };
+    let body = serde_json::to_string(&body).expect("a problem serialises");
     (
         status,
         [(header::CONTENT_TYPE, "application/problem+json")],
-        body.to_string(),
+        body,
     )
         .into_response()
 }
