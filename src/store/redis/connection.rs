@@ -1,6 +1,26 @@
 //! One handle over a single node or a cluster, so the protocol code exists once.
 
-use redis::{Cmd, RedisResult, Script, Value, aio::ConnectionManager};
+use redis::{Cmd, RedisResult, Value, aio::ConnectionManager};
+
+/// A Lua script: its source, to load it, and its SHA-1, to call it.
+pub(super) struct Lua {
+    source: &'static str,
+    sha1: String,
+}
+
+impl Lua {
+    pub(super) fn new(source: &'static str) -> Self {
+        let sha1 = redis::Script::new(source).get_hash().to_owned();
+        Self { source, sha1 }
+    }
+
+    /// `SCRIPT LOAD` of this script.
+    pub(super) fn load(&self) -> Cmd {
+        let mut load = redis::cmd("SCRIPT");
+        load.arg("LOAD").arg(self.source);
+        load
+    }
+}
 
 #[derive(Clone)]
 pub(super) enum Connection {
@@ -13,28 +33,16 @@ impl Connection {
     /// `EVALSHA script 1 key args…`, built as one command (no per-argument
     /// buffers); on NOSCRIPT (a restarted or promoted node) the script is
     /// loaded and run again.
-    pub(super) async fn eval(
-        &self,
-        script: &Script,
-        key: &str,
-        args: &[&[u8]],
-    ) -> RedisResult<Value> {
+    pub(super) async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> RedisResult<Value> {
         let mut evalsha = redis::cmd("EVALSHA");
-        evalsha.arg(script.get_hash()).arg(1).arg(key);
+        evalsha.arg(&lua.sha1).arg(1).arg(key);
         args.iter().for_each(|a| {
             evalsha.arg(*a);
         });
         match self.query(&evalsha).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
-                let mut invocation = script.key(key);
-                args.iter().for_each(|a| {
-                    invocation.arg(*a);
-                });
-                match self.clone() {
-                    Self::Single(mut c) => invocation.invoke_async(&mut c).await,
-                    #[cfg(feature = "cluster")]
-                    Self::Cluster(mut c) => invocation.invoke_async(&mut c).await,
-                }
+                self.query(&lua.load()).await?;
+                self.query(&evalsha).await
             }
             reply => reply,
         }

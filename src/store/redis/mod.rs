@@ -60,21 +60,16 @@ use std::{
     time::Duration,
 };
 
-use redis::{Script, Value};
+use redis::Value;
 
-use self::connection::Connection;
+use self::connection::{Connection, Lua};
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
 use crate::{CompletedRecord, CorruptRecord, Fingerprint};
 
-const CLAIM_LUA: &str = include_str!("claim.lua");
-const EXTEND_LUA: &str = include_str!("extend.lua");
-const COMPLETE_LUA: &str = include_str!("complete.lua");
-const RELEASE_LUA: &str = include_str!("release.lua");
-
-static CLAIM: LazyLock<Script> = LazyLock::new(|| Script::new(CLAIM_LUA));
-static EXTEND: LazyLock<Script> = LazyLock::new(|| Script::new(EXTEND_LUA));
-static COMPLETE: LazyLock<Script> = LazyLock::new(|| Script::new(COMPLETE_LUA));
-static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
+static CLAIM: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("claim.lua")));
+static EXTEND: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("extend.lua")));
+static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("complete.lua")));
+static RELEASE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("release.lua")));
 
 /// A [`Store`] on Redis or Redis Cluster. See the [module docs](self) for the
 /// protocol, the data layout and the failure behaviour.
@@ -178,7 +173,7 @@ impl RedisStore {
     async fn run(
         &self,
         on: &Connection,
-        script: &Script,
+        script: &Lua,
         key: &str,
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
@@ -193,7 +188,7 @@ impl RedisStore {
     async fn run_fenced(
         &self,
         on: &Connection,
-        script: &Script,
+        script: &Lua,
         key: &str,
         args: &[&[u8]],
     ) -> Result<bool, StoreError> {
@@ -348,10 +343,8 @@ impl RedisStoreBuilder {
         check_version(&connection).await?;
         check_eviction_policy(&connection, self.eviction).await?;
         // Load the scripts now so the first requests need no NOSCRIPT detour.
-        for source in [CLAIM_LUA, EXTEND_LUA, COMPLETE_LUA, RELEASE_LUA] {
-            let mut load = redis::cmd("SCRIPT");
-            load.arg("LOAD").arg(source);
-            connection.on_every_master(load).await?;
+        for lua in [&*CLAIM, &*EXTEND, &*COMPLETE, &*RELEASE] {
+            connection.on_every_master(lua.load()).await?;
         }
         Ok(RedisStore {
             inner: Arc::new(Inner {
