@@ -58,20 +58,34 @@ proptest! {
         let base = fp(&m, &p, &q, &body);
         if m != m2 { prop_assert_ne!(base, fp(&m2, &p, &q, &body)); }
         if p != p2 { prop_assert_ne!(base, fp(&m, &p2, &q, &body)); }
+        // Parameters sorted by name only: values of one name keep their order.
         let sorted = |q: &str| {
             let mut v: Vec<String> = q.split('&').filter(|s| !s.is_empty()).map(str::to_owned).collect();
-            v.sort();
+            v.sort_by(|a, b| a.split('=').next().cmp(&b.split('=').next()));
             v
         };
         if sorted(&q) != sorted(&q2) { prop_assert_ne!(base, fp(&m, &p, &q2, &body)); }
         if body != body2 { prop_assert_ne!(base, fp(&m, &p, &q, &body2)); }
     }
 
+    /// The order of differently named parameters does not matter.
     #[test]
-    fn query_parameter_order_does_not_matter(m in method(), p in path(), q in query()) {
-        let mut params: Vec<&str> = q.split('&').collect();
-        params.reverse();
-        prop_assert_eq!(fp(&m, &p, &q, b""), fp(&m, &p, &params.join("&"), b""));
+    fn query_parameter_order_does_not_matter(m in method(), p in path(), names in prop::collection::btree_set("[a-z]{1,4}", 0..5), v in "[a-z0-9]{0,4}") {
+        let params: Vec<String> = names.iter().map(|n| format!("{n}={v}")).collect();
+        let reversed: Vec<String> = params.iter().rev().cloned().collect();
+        prop_assert_eq!(fp(&m, &p, &params.join("&"), b""), fp(&m, &p, &reversed.join("&"), b""));
+    }
+
+    /// Values of a repeated name keep their order: `x=1&x=2` is not `x=2&x=1`
+    /// (last-wins and list semantics both tell them apart).
+    #[test]
+    fn repeated_parameters_keep_their_order(name in "[a-z]{1,4}", a in "[a-z0-9]{0,4}", b in "[a-z0-9]{0,4}", other in "[A-Z]{1,3}") {
+        prop_assume!(a != b);
+        let q = |first: &str, second: &str| format!("{name}={first}&{other}=1&{name}={second}");
+        prop_assert_ne!(fp(&Method::POST, "/x", &q(&a, &b), b""), fp(&Method::POST, "/x", &q(&b, &a), b""));
+        // Interleaving other names around them is free.
+        let moved = format!("{other}=1&{name}={a}&{name}={b}");
+        prop_assert_eq!(fp(&Method::POST, "/x", &q(&a, &b), b""), fp(&Method::POST, "/x", &moved, b""));
     }
 
     /// Moving bytes between adjacent fields never keeps the hash.
@@ -118,5 +132,86 @@ proptest! {
                 RawBodyFingerprint.fingerprint(&json, reversed.as_bytes())
             );
         }
+    }
+}
+
+fn json_fp(body: &str) -> Fingerprint {
+    DefaultFingerprint.fingerprint(
+        &parts(&Method::POST, "/v1/charges", "", true),
+        body.as_bytes(),
+    )
+}
+
+#[test]
+fn repeated_query_parameters_are_not_sorted_by_value() {
+    assert_ne!(
+        fp(&Method::POST, "/x", "x=1&x=2", b""),
+        fp(&Method::POST, "/x", "x=2&x=1", b"")
+    );
+    assert_eq!(
+        fp(&Method::POST, "/x", "b=1&a=2", b""),
+        fp(&Method::POST, "/x", "a=2&b=1", b"")
+    );
+}
+
+/// Different numbers are different requests, however close they are as
+/// `f64`s: a handler may read them exactly (wei amounts exceed `u64`).
+#[test]
+fn numbers_are_compared_exactly() {
+    for (a, b) in [
+        ("1e20", "100000000000000000001"),
+        ("0.1", "0.10000000000000001"),
+        ("18446744073709551616", "18446744073709551617"),
+        ("9007199254740993", "9007199254740992"),
+        ("1e400", "1e401"),
+        ("-1e-400", "1e-400"),
+        (
+            "123456789012345678901234567890",
+            "123456789012345678901234567891",
+        ),
+    ] {
+        let doc = |n: &str| format!(r#"{{"amount":{n},"currency":"eth"}}"#);
+        assert_ne!(
+            json_fp(&doc(a)),
+            json_fp(&doc(b)),
+            "{a} and {b} are different amounts"
+        );
+    }
+}
+
+/// One number, many spellings: the same request.
+#[test]
+fn spellings_of_one_number_are_the_same_request() {
+    for group in [
+        &["1", "1.0", "1e0", "10e-1", "0.1e1", "1.000E+0", "100e-2"][..],
+        &["0", "-0", "0.0", "0e10", "-0.000E-3"],
+        &["1e20", "100000000000000000000", "100000000000000000000.000"],
+        &["-12.5", "-1.25e1", "-125E-1", "-0.125e2"],
+        &["18446744073709551616", "1.8446744073709551616e19"],
+    ] {
+        let doc = |n: &str| format!(r#"{{"amount":{n}}}"#);
+        for spelling in group {
+            assert_eq!(
+                json_fp(&doc(group[0])),
+                json_fp(&doc(spelling)),
+                "{} and {spelling}",
+                group[0]
+            );
+        }
+    }
+}
+
+#[test]
+fn invalid_numbers_are_not_json() {
+    // Hashed raw: a different spelling of invalid JSON is a different request.
+    for bad in [
+        "01", "1.", ".5", "+1", "1e", "-", "0x10", "1e+", "NaN", "Infinity",
+    ] {
+        let doc = format!(r#"{{"amount":{bad}}}"#);
+        let raw = RawBodyFingerprint.fingerprint(
+            &parts(&Method::POST, "/v1/charges", "", true),
+            doc.as_bytes(),
+        );
+        assert_eq!(json_fp(&doc), raw, "{bad} is not a JSON number");
     }
 }
