@@ -68,21 +68,22 @@ async fn main() {
         )
         .init();
 
-    let settings = Settings::from_env();
+    let settings = Settings::from_env().unwrap_or_else(|why| exit_with(&why));
+    // The URLs may carry a password: they are never logged.
     let app = if let Ok(nodes) = env::var("REDIS_CLUSTER_NODES") {
         let nodes: Vec<String> = nodes.split(',').map(|n| n.trim().to_owned()).collect();
         let store = RedisStore::builder()
             .connect_cluster(nodes)
             .await
-            .expect("cannot connect to the Redis Cluster in REDIS_CLUSTER_NODES");
-        tracing::info!("store: Redis Cluster");
+            .unwrap_or_else(|e| exit_with(&format!("REDIS_CLUSTER_NODES: {e}")));
+        tracing::info!("store: Redis Cluster (REDIS_CLUSTER_NODES)");
         app(store, &settings)
     } else if let Ok(url) = env::var("REDIS_URL") {
         let store = RedisStore::builder()
             .connect(&url)
             .await
-            .expect("cannot connect to Redis at REDIS_URL");
-        tracing::info!("store: Redis at {url}");
+            .unwrap_or_else(|e| exit_with(&format!("REDIS_URL: {e}")));
+        tracing::info!("store: Redis (REDIS_URL)");
         app(store, &settings)
     } else {
         tracing::info!("store: in-memory (set REDIS_URL for Redis)");
@@ -91,7 +92,12 @@ async fn main() {
 
     let listener = tokio::net::TcpListener::bind(&settings.bind_addr)
         .await
-        .unwrap_or_else(|e| panic!("cannot bind {}: {e}", settings.bind_addr));
+        .unwrap_or_else(|e| {
+            exit_with(&format!(
+                "BIND_ADDR: cannot bind {}: {e}",
+                settings.bind_addr
+            ))
+        });
     println!("listening on http://{}", listener.local_addr().unwrap());
     axum::serve(listener, app).await.unwrap();
 }
@@ -105,20 +111,51 @@ struct Settings {
 }
 
 impl Settings {
-    fn from_env() -> Self {
-        fn number(name: &str, default: u64) -> u64 {
-            env::var(name).map_or(default, |v| {
-                v.parse()
-                    .unwrap_or_else(|_| panic!("{name} must be a whole number, got {v:?}"))
+    /// The settings, or a message that names the variable to fix.
+    fn from_env() -> Result<Self, String> {
+        fn number(
+            name: &str,
+            default: u64,
+            range: std::ops::RangeInclusive<u64>,
+        ) -> Result<u64, String> {
+            let Ok(v) = env::var(name) else {
+                return Ok(default);
+            };
+            v.parse().ok().filter(|n| range.contains(n)).ok_or_else(|| {
+                format!(
+                    "{name} must be a whole number from {} to {}, got {v:?}",
+                    range.start(),
+                    range.end()
+                )
             })
         }
-        Self {
+        let max_lease_ms = tower_idempotency::MAX_LEASE.as_millis() as u64;
+        let max_ttl_secs = tower_idempotency::MAX_RETENTION.as_secs();
+        Ok(Self {
             bind_addr: env::var("BIND_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into()),
-            processor_latency: Duration::from_millis(number("PROCESSOR_LATENCY_MS", 0)),
-            lease: Duration::from_millis(number("IDEMPOTENCY_LEASE_MS", 30_000)),
-            retention: Duration::from_secs(number("IDEMPOTENCY_TTL_SECS", 86_400)),
-        }
+            processor_latency: Duration::from_millis(number(
+                "PROCESSOR_LATENCY_MS",
+                0,
+                0..=600_000,
+            )?),
+            lease: Duration::from_millis(number(
+                "IDEMPOTENCY_LEASE_MS",
+                30_000,
+                30..=max_lease_ms,
+            )?),
+            retention: Duration::from_secs(number(
+                "IDEMPOTENCY_TTL_SECS",
+                86_400,
+                1..=max_ttl_secs,
+            )?),
+        })
     }
+}
+
+/// A configuration mistake: say what to fix and stop, before serving.
+fn exit_with(message: &str) -> ! {
+    eprintln!("payments: {message}");
+    std::process::exit(2)
 }
 
 fn app<St: Store>(store: St, settings: &Settings) -> Router {

@@ -1,4 +1,4 @@
-//! The claim protocol of SPEC §2.3–§2.4, the one place that decides what a
+//! The claim protocol, the one place that decides what a
 //! guarded request gets: a replay, a rejection, or an execution.
 
 use std::{sync::Arc, time::Duration};
@@ -104,7 +104,7 @@ where
     }
 }
 
-/// Buffers the request body up to `limit` bytes (SPEC §2.3).
+/// Buffers the request body up to `limit` bytes; larger is `413`.
 async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, RejectionKind>
 where
     B: http_body::Body<Data = Bytes>,
@@ -120,7 +120,7 @@ where
     }
 }
 
-/// SPEC §2.7: the stored status, headers (in order) and body, plus
+/// The stored status, headers (in order) and body, plus
 /// `Idempotent-Replayed: true`.
 fn replay<St, Sc, P, F>(
     shared: &Shared<St, Sc, P, F>,

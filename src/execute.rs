@@ -1,12 +1,12 @@
-//! Running the handler under a claim, detached from the client connection
-//! (SPEC §2.5), and storing or releasing its outcome (SPEC §2.6, §3).
+//! Running the handler under a claim, detached from the client connection,
+//! and storing or releasing its outcome.
 
 use std::{
     future::Future,
     panic::AssertUnwindSafe,
     pin::Pin,
     sync::Arc,
-    task::{Context, Poll, ready},
+    task::{Context, Poll},
     time::SystemTime,
 };
 
@@ -93,13 +93,15 @@ impl<T: 'static> Future for Detached<T> {
     type Output = T;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        let work = self
-            .work
-            .as_mut()
-            .expect("Detached polled after completion");
-        let output = ready!(work.as_mut().poll(cx));
-        self.work = None;
-        Poll::Ready(output)
+        // Taken out while it runs: if it panics, it unwinds with the panic
+        // instead of being spawned again by `drop` (a future that panicked
+        // must never be polled again).
+        let mut work = self.work.take().expect("Detached polled after completion");
+        let poll = work.as_mut().poll(cx);
+        if poll.is_pending() {
+            self.work = Some(work);
+        }
+        poll
     }
 }
 
@@ -202,8 +204,8 @@ async fn read_up_to<E>(parts: Parts, mut body: Body, limit: usize) -> Handled<E>
     Handled::Final(parts, body)
 }
 
-/// Stores or releases the outcome, then sends the response (SPEC §2.6: stored
-/// before the client sees it; SPEC §4: if storing fails, the response goes
+/// Stores or releases the outcome, then sends the response (stored before
+/// the client sees it; if storing fails, the response goes
 /// out at once and the completion is retried while the lease holds).
 async fn settle<St, Sc, P, F, E>(
     shared: &Shared<St, Sc, P, F>,
@@ -287,4 +289,61 @@ fn executed(mut response: Response<Body>, completion: Completion) -> Response<Bo
         .extensions_mut()
         .insert(IdempotencyOutcome::Executed(completion));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        panic::AssertUnwindSafe,
+        sync::{
+            Arc,
+            atomic::{AtomicUsize, Ordering},
+        },
+    };
+
+    use futures_util::FutureExt;
+
+    use super::Detached;
+    use std::future::Future;
+
+    #[tokio::test]
+    async fn a_panicked_future_is_never_polled_again() {
+        let polls = Arc::new(AtomicUsize::new(0));
+        let detached = Detached::new({
+            let polls = polls.clone();
+            std::future::poll_fn(move |_| -> std::task::Poll<()> {
+                polls.fetch_add(1, Ordering::SeqCst);
+                panic!("the store panicked")
+            })
+        });
+        // The caller sees the panic, and drops the future while unwinding.
+        let caught = AssertUnwindSafe(detached).catch_unwind().await;
+        assert!(caught.is_err());
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            polls.load(Ordering::SeqCst),
+            1,
+            "not spawned again after its panic"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dropped_future_finishes_on_a_task() {
+        let (done, finished) = tokio::sync::oneshot::channel();
+        let detached = Detached::new(async move {
+            tokio::task::yield_now().await;
+            let _ = done.send(());
+        });
+        // Polled once, then dropped: the client hung up.
+        let mut detached = Box::pin(detached);
+        let waker = futures_util::task::noop_waker();
+        let polled = detached
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(&waker));
+        assert!(polled.is_pending());
+        drop(detached);
+        finished.await.expect("the rest of the work ran on a task");
+    }
 }

@@ -28,11 +28,14 @@ use crate::{
 /// use http::request::Parts;
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
 ///
+/// /// Put in the request's extensions by your authentication middleware.
+/// #[derive(Clone)]
+/// struct AccountId(String);
+///
 /// let idempotency = IdempotencyLayer::new(MemoryStore::new())
 ///     .require_key(true)
-///     .scope_with(|parts: &Parts| {
-///         parts.headers.get("authorization")?.to_str().ok().map(str::to_owned)
-///     })
+///     // Each account has its own keys: never replay one tenant's response to another.
+///     .scope_with(|parts: &Parts| parts.extensions.get::<AccountId>().map(|a| a.0.clone()))
 ///     .retention(Duration::from_secs(24 * 60 * 60))
 ///     .lease(Duration::from_secs(30));
 ///
@@ -49,6 +52,15 @@ pub struct IdempotencyLayer<St, Sc = NoScope, P = DefaultCachePolicy, F = Defaul
     config: Config,
     render: RenderRejection,
 }
+
+/// The longest [`IdempotencyLayer::retention`]: a year. "Keep forever" is not
+/// something every store can honour, and no client retries for longer.
+pub const MAX_RETENTION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// The longest [`IdempotencyLayer::lease`]: a day. The lease is how long a
+/// crashed process blocks its keys; the heartbeat keeps slow handlers claimed
+/// whatever its length.
+pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Plain settings, read on every request.
 #[derive(Clone, Debug)]
@@ -86,7 +98,7 @@ impl<St, Sc, P, F> Shared<St, Sc, P, F> {
 }
 
 impl<St: Store> IdempotencyLayer<St> {
-    /// A layer over `store` with the defaults of SPEC §2–§4: guards `POST` and
+    /// A layer over `store` with the defaults: guards `POST` and
     /// `PATCH`, key optional, one global scope (see [`NoScope`]: set a scope
     /// for multi-tenant APIs), 24 h retention, 30 s lease, 1 MiB request and
     /// stored-response limits, `409` for in-flight duplicates, fail closed.
@@ -159,7 +171,8 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     ///
     /// # Panics
     ///
-    /// If `retention` is under one second.
+    /// When the layer is configured, never at run time: if `retention` is
+    /// under one second or over [`MAX_RETENTION`] (a year).
     ///
     /// # Examples
     ///
@@ -176,6 +189,11 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
             retention >= Duration::from_secs(1),
             "IdempotencyLayer::retention must be at least 1 s (got {retention:?})"
         );
+        assert!(
+            retention <= MAX_RETENTION,
+            "IdempotencyLayer::retention must be at most MAX_RETENTION (365 days), got {retention:?}: \
+             records cannot be kept forever; use the longest time a client may retry"
+        );
         self.config.retention = retention;
         self
     }
@@ -187,7 +205,8 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     ///
     /// # Panics
     ///
-    /// If `lease` is under 30 ms (heartbeats could not keep up).
+    /// When the layer is configured, never at run time: if `lease` is under
+    /// 30 ms (heartbeats could not keep up) or over [`MAX_LEASE`] (a day).
     ///
     /// # Examples
     ///
@@ -202,6 +221,11 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
         assert!(
             lease >= Duration::from_millis(30),
             "IdempotencyLayer::lease must be at least 30 ms (got {lease:?})"
+        );
+        assert!(
+            lease <= MAX_LEASE,
+            "IdempotencyLayer::lease must be at most MAX_LEASE (24 hours), got {lease:?}: \
+             a crashed process blocks its keys this long"
         );
         self.config.lease = lease;
         self

@@ -1,5 +1,5 @@
 //! A held claim: heartbeats, release and completion, all fenced by the
-//! lease token (SPEC §2.5, §2.6, §4).
+//! lease token.
 
 use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
@@ -109,13 +109,15 @@ impl<St: Store> Lease<St> {
     }
 
     /// Keeps retrying the completion with backoff while the heartbeat holds
-    /// the lease (SPEC §4), so a short store outage does not turn into a
-    /// second execution.
+    /// the lease, so a short store outage does not turn into a second
+    /// execution. Bounded: after one lease of failures it stops, the claim
+    /// expires within one more lease, and the outcome is logged once.
     pub(crate) async fn complete_in_background(
         &self,
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) {
+        let deadline = Instant::now() + self.duration;
         let retry = async {
             let mut backoff = Duration::from_millis(50);
             loop {
@@ -123,7 +125,7 @@ impl<St: Store> Lease<St> {
                 match self.complete(record.clone(), retention).await {
                     Ok(stored) => return stored,
                     Err(error) => {
-                        tracing::warn!(key = %self.key, %error, "idempotency: completion retry failed")
+                        tracing::debug!(key = %self.key, %error, "idempotency: completion retry failed")
                     }
                 }
                 backoff = (backoff * 2).min(self.duration / 3);
@@ -131,16 +133,22 @@ impl<St: Store> Lease<St> {
         };
         let stored = tokio::select! {
             biased;
-            stored = retry => stored,
-            () = self.heartbeat() => false,
+            stored = tokio::time::timeout_at(deadline, retry) => stored.ok(),
+            () = self.heartbeat() => Some(false),
         };
-        if stored {
-            tracing::info!(key = %self.key, "idempotency: completion stored after retrying");
-        } else {
-            tracing::error!(
+        match stored {
+            Some(true) => {
+                tracing::info!(key = %self.key, "idempotency: completion stored after retrying")
+            }
+            Some(false) => tracing::error!(
                 key = %self.key,
                 "idempotency: lease lost before the completion could be stored; a retry may execute again"
-            );
+            ),
+            None => tracing::error!(
+                key = %self.key,
+                lease = ?self.duration,
+                "idempotency: completion could not be stored within one lease; the claim expires and a retry may execute again"
+            ),
         }
     }
 }

@@ -27,7 +27,7 @@ pub use fingerprint::{
 };
 pub use future::ResponseFuture;
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey};
-pub use layer::IdempotencyLayer;
+pub use layer::{IdempotencyLayer, MAX_LEASE, MAX_RETENTION};
 pub use outcome::{BypassReason, Completion, IdempotencyOutcome};
 pub use policy::{And, CachePolicy, DefaultCachePolicy, StoreAll};
 pub use record::{CompletedRecord, CorruptRecord, StoredResponse};

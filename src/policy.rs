@@ -41,19 +41,35 @@ where
     }
 }
 
-/// The default policy (SPEC §3): store every response except those that say
-/// "nothing was done, try again": `408`, `425`, `429`, `502`, `503`, `504`.
+/// The default policy: store every response except those that say "nothing
+/// was done, try again": `408`, `425`, `429`, `502`, `503`, `504`.
+///
+/// Other client errors (`400`, `401`, `404`, `409`, `422`, …) **are** stored,
+/// as Stripe does: they are the answer to these parameters, and a retry with
+/// the same key replays them. A client that fixes its request must use a new
+/// key. One consequence: a first request without `Content-Type:
+/// application/json` that got `400`, retried with the header, is a different
+/// request under the same key and gets `422`. If your clients correct and
+/// resend under one key, release client errors instead, as below.
 ///
 /// # Examples
 ///
 /// ```
 /// use http::{HeaderMap, StatusCode};
-/// use tower_idempotency::{CachePolicy, DefaultCachePolicy};
+/// use tower_idempotency::{CachePolicy, DefaultCachePolicy, IdempotencyLayer, MemoryStore};
 ///
 /// let h = HeaderMap::new();
 /// assert!(DefaultCachePolicy.should_store(StatusCode::CREATED, &h));
+/// assert!(DefaultCachePolicy.should_store(StatusCode::BAD_REQUEST, &h));
 /// assert!(DefaultCachePolicy.should_store(StatusCode::INTERNAL_SERVER_ERROR, &h));
 /// assert!(!DefaultCachePolicy.should_store(StatusCode::TOO_MANY_REQUESTS, &h));
+///
+/// // Store no 4xx: a rejected request releases its key, so the client may
+/// // correct it and retry under the same key.
+/// let policy = DefaultCachePolicy.and(|status: StatusCode, _: &HeaderMap| !status.is_client_error());
+/// assert!(!policy.should_store(StatusCode::BAD_REQUEST, &h));
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).cache_when(policy);
+/// # let _ = layer;
 /// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultCachePolicy;

@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
-/// A response stored for replay (SPEC §2.6): status, headers and body.
+/// A response stored for replay: status, headers and body.
 ///
 /// Headers that must not be replayed — hop-by-hop headers, `Set-Cookie`,
 /// `Content-Length` (recomputed) and `Date` — are dropped when the response is
@@ -131,7 +131,7 @@ fn take_prefixed<'a>(block: &mut &'a [u8], width: usize) -> Result<&'a [u8], Cor
     Ok(field)
 }
 
-/// SPEC §2.7: hop-by-hop headers, `Set-Cookie`, `Content-Length` and `Date`
+/// Hop-by-hop headers, `Set-Cookie`, `Content-Length` (recomputed) and `Date`
 /// are never replayed.
 fn is_replayable(name: &HeaderName) -> bool {
     !matches!(
@@ -151,7 +151,7 @@ fn is_replayable(name: &HeaderName) -> bool {
 }
 
 /// The final state of a key: a response to replay, or only the fact that a
-/// response was sent that was too large to store (SPEC §3).
+/// response was sent that was too large to store.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CompletedRecord {
     /// The response, replayed to every matching retry.

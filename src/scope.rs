@@ -2,7 +2,13 @@
 //!
 //! Records are addressed by *(scope, key)*, so two tenants using the same key
 //! never see each other's responses. The scope is usually the authenticated
-//! account.
+//! account, set in the request's extensions by the authentication middleware
+//! in front of the layer.
+//!
+//! The scope never leaves the process raw: store key names and logs carry its
+//! SHA-256 (see [`StorageKey`](crate::store::StorageKey)). Still, prefer a
+//! stable account id to anything derived from a credential: a rotated API key
+//! would otherwise start a new scope, and its retries would execute again.
 
 use http::request::Parts;
 

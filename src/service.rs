@@ -1,4 +1,5 @@
-//! The middleware service: the cheap, synchronous decisions of SPEC §2.1–§2.2.
+//! The middleware service: the cheap, synchronous decisions (method, key,
+//! scope).
 //! Everything that awaits lives in [`crate::claim`].
 
 use std::{

@@ -14,6 +14,7 @@ use support::{
     backend::{self, Backend},
     cluster::RedisCluster,
     http::{oneshot, post},
+    redis_server::raw_command,
     suite,
 };
 
@@ -123,4 +124,52 @@ async fn completed_records_survive_a_master_failover_with_wait() {
             .is_replay()
     );
     assert_eq!(counter.get(), 61);
+}
+
+/// The command timeout on a cluster is the documented one, and a claim the
+/// cluster runs after that timeout is released rather than blocking the key
+/// for a lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cluster_timeouts_are_the_documented_ones_and_late_claims_are_released() {
+    let cluster = RedisCluster::start(3, 0);
+    let pause_every_master = || {
+        for port in cluster.master_ports() {
+            raw_command(port, &["CLIENT", "PAUSE", "1500", "ALL"]);
+        }
+    };
+    let store = |timeout| {
+        RedisStore::builder()
+            .command_timeout(timeout)
+            .connect_cluster(cluster.urls())
+    };
+    let counter = Counter::default();
+
+    let patient = store(Duration::from_secs(3)).await.unwrap();
+    let app = routes(counter.clone()).layer(IdempotencyLayer::new(patient));
+    pause_every_master();
+    let reply = oneshot(&app, post("/charges", "patient", CHARGE)).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::CREATED,
+        "a 1.5 s stall is within the 3 s timeout"
+    );
+
+    let hasty = store(Duration::from_millis(300)).await.unwrap();
+    let app = routes(counter.clone()).layer(IdempotencyLayer::new(hasty));
+    pause_every_master();
+    oneshot(&app, post("/charges", "late", CHARGE))
+        .await
+        .assert_problem(503);
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let mut executed = false;
+    for _ in 0..30 {
+        let reply = oneshot(&app, post("/charges", "late", CHARGE)).await;
+        if reply.status == StatusCode::CREATED {
+            executed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(executed, "the late claim was released: the retry executes");
+    assert_eq!(counter.get(), 2);
 }

@@ -3,21 +3,19 @@
 
 mod support;
 
-use std::{
-    process::{Child, Command, Stdio},
-    time::Duration,
-};
+use std::time::Duration;
 
 use axum::Router;
 use http::StatusCode;
 use tower_idempotency::{
-    Completion, IdempotencyLayer, IdempotencyOutcome, RedisStore,
-    store::{CachedStore, StoreError, redis::EvictionPolicyCheck},
+    Completion, IdempotencyKey, IdempotencyLayer, IdempotencyOutcome, RedisStore,
+    store::{CachedStore, StorageKey},
 };
 
 use support::{
     app::{Counter, routes},
     http::{HttpClient, Server, oneshot, post},
+    payments::Payments,
     redis_server::{RedisServer, command_calls, free_port},
 };
 
@@ -39,6 +37,11 @@ fn app(store: RedisStore) -> (Router, Counter) {
     )
 }
 
+/// The Redis key of `key` in the default (global) scope.
+fn redis_key_of(store: &RedisStore, key: &str) -> String {
+    store.redis_key(&StorageKey::new("", &IdempotencyKey::new(key).unwrap()))
+}
+
 fn pttl(server: &RedisServer, key: &str) -> i64 {
     server.command(&["PTTL", key]).trim().parse().unwrap()
 }
@@ -47,9 +50,10 @@ fn pttl(server: &RedisServer, key: &str) -> i64 {
 async fn ttl_is_the_lease_in_flight_and_the_retention_once_complete() {
     let server = RedisServer::start();
     let counter = Counter::default();
-    let layer = IdempotencyLayer::new(store(&server).await).lease(Duration::from_secs(5));
+    let store = store(&server).await;
+    let redis_key = &redis_key_of(&store, "k");
+    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(5));
     let app = routes(counter.clone()).layer(layer);
-    let redis_key = "idempotency:0::k";
 
     let slow = tokio::spawn({
         let app = app.clone();
@@ -188,8 +192,9 @@ async fn cached_replays_cost_no_round_trip_check_the_fingerprint_and_stay_bounde
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_late_completion_never_overwrites_the_newer_record() {
     let server = RedisServer::start();
-    let (app, runs) = app(store(&server).await);
-    let redis_key = "idempotency:0::k";
+    let store = store(&server).await;
+    let redis_key = &redis_key_of(&store, "k");
+    let (app, runs) = app(store);
 
     let stale = tokio::spawn({
         let app = app.clone();
@@ -336,31 +341,6 @@ async fn a_hung_redis_cannot_hang_requests_and_completion_is_retried() {
     );
 }
 
-#[tokio::test]
-async fn an_evicting_redis_is_refused_or_warned_about() {
-    let server =
-        RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"]);
-    let refused = RedisStore::builder().connect(&server.url()).await;
-    match refused {
-        Err(StoreError::Misconfigured(message)) => {
-            assert!(message.contains("allkeys-lru"), "{message}")
-        }
-        other => panic!("allkeys-lru must be refused, got {other:?}"),
-    }
-    RedisStore::builder()
-        .eviction_policy_check(EvictionPolicyCheck::Warn)
-        .connect(&server.url())
-        .await
-        .expect("with Warn the store connects");
-
-    let safe =
-        RedisServer::start_with(&["--maxmemory", "64mb", "--maxmemory-policy", "volatile-lru"]);
-    RedisStore::builder()
-        .connect(&safe.url())
-        .await
-        .expect("volatile-* is fine");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_of_200_requests_over_20_keys_executes_20_times() {
     let server = RedisServer::start();
@@ -376,57 +356,15 @@ async fn storm_of_200_requests_over_20_keys_executes_20_times() {
     assert_eq!(server.command(&["DBSIZE"]).trim(), "20");
 }
 
-/// The `payments` example binary, built by `cargo test` beside the tests.
-fn payments_binary() -> std::path::PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("payments");
-    assert!(
-        bin.exists(),
-        "{} is missing: run the tests with `cargo test`, which builds the examples",
-        bin.display()
-    );
-    bin
-}
-
-struct Payments {
-    child: Child,
-    addr: String,
-}
-
-impl Payments {
-    fn start(redis_url: &str, port: u16) -> Self {
-        let addr = format!("127.0.0.1:{port}");
-        let mut child = Command::new(payments_binary())
-            .env("REDIS_URL", redis_url)
-            .env("BIND_ADDR", &addr)
-            .env("PROCESSOR_LATENCY_MS", "2000")
-            .env("IDEMPOTENCY_LEASE_MS", "1500")
-            .env("RUST_LOG", "off")
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start the payments example");
-        let mut line = String::new();
-        let stdout = child.stdout.take().unwrap();
-        std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line).unwrap();
-        assert!(
-            line.starts_with("listening on"),
-            "unexpected first line: {line:?}"
-        );
-        Self { child, addr }
-    }
-}
-
-impl Drop for Payments {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+fn start_payments(redis_url: &str, port: u16) -> Payments {
+    Payments::start(
+        port,
+        &[
+            ("REDIS_URL", redis_url),
+            ("PROCESSOR_LATENCY_MS", "2000"),
+            ("IDEMPOTENCY_LEASE_MS", "1500"),
+        ],
+    )
 }
 
 fn charge_request(addr: &str) -> http::Request<axum::body::Body> {
@@ -444,7 +382,7 @@ async fn payments_process_killed_mid_handler_retry_waits_for_the_lease_then_exec
     let port = free_port();
     let client = HttpClient::default();
 
-    let mut payments = Payments::start(&redis.url(), port);
+    let mut payments = start_payments(&redis.url(), port);
     let doomed = tokio::spawn({
         let client = client.clone();
         let addr = payments.addr.clone();
@@ -461,7 +399,7 @@ async fn payments_process_killed_mid_handler_retry_waits_for_the_lease_then_exec
     payments.child.wait().unwrap();
     doomed.abort();
 
-    let payments = Payments::start(&redis.url(), port);
+    let payments = start_payments(&redis.url(), port);
     let retry = client.send(charge_request(&payments.addr)).await;
     retry.assert_problem(409);
     assert!(retry.header("retry-after").is_some());

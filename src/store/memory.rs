@@ -16,6 +16,15 @@ use crate::{CompletedRecord, Fingerprint};
 /// growing one shard's table (a copy of it) stays a short pause.
 const SHARDS: usize = 64;
 
+/// Deadlines further out than this are kept at this distance: the store
+/// lives no longer than its process, and `Instant` cannot represent every
+/// `Duration`.
+const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+fn deadline(now: Instant, after: Duration) -> Instant {
+    now + after.min(MAX_TTL)
+}
+
 /// An in-process [`Store`]: the default, so examples and tests run with
 /// nothing installed.
 ///
@@ -30,7 +39,8 @@ const SHARDS: usize = 64;
 /// within the retention period, each holding at most the storable response
 /// limit (1 MiB by default) plus headers. There is no cap on the number of
 /// keys; if clients can mint unlimited keys, size the retention accordingly or
-/// use the Redis store with a `maxmemory` and a `volatile-*` policy.
+/// use the Redis store (whose `maxmemory` with `noeviction` turns a full store
+/// into `503`s rather than lost records).
 ///
 /// State lives in this process only: it is lost on restart and not shared
 /// between replicas of a service. Use Redis in production.
@@ -186,7 +196,7 @@ impl Store for MemoryStore {
         let token = LeaseToken::generate();
         let entry = Entry {
             fingerprint: *fingerprint,
-            expires_at: now + lease,
+            expires_at: deadline(now, lease),
             state: State::InFlight(token),
         };
         shard.insert(key.clone(), entry, now);
@@ -201,7 +211,7 @@ impl Store for MemoryStore {
     ) -> Result<bool, StoreError> {
         Ok(self.with_own_claim(key, token, |shard| {
             if let Some(e) = shard.entries.get_mut(key) {
-                e.expires_at = Instant::now() + lease;
+                e.expires_at = deadline(Instant::now(), lease);
             }
         }))
     }
@@ -214,12 +224,18 @@ impl Store for MemoryStore {
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        Ok(self.with_own_claim(key, token, |shard| {
+        let stored = self.with_own_claim(key, token, |shard| {
             if let Some(e) = shard.entries.get_mut(key) {
-                e.expires_at = Instant::now() + retention;
-                e.state = State::Completed(record);
+                e.expires_at = deadline(Instant::now(), retention);
+                e.state = State::Completed(record.clone());
             }
-        }))
+        });
+        // A completion repeated after it was applied is stored, not refused.
+        Ok(stored
+            || matches!(
+                self.shard(key).entries.get(key),
+                Some(Entry { state: State::Completed(done), .. }) if Arc::ptr_eq(done, &record)
+            ))
     }
 
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {

@@ -1,6 +1,6 @@
 //! Stores: where claims and completed records live.
 //!
-//! A store implements the claim protocol of SPEC §2.4–§2.6 as four atomic
+//! A store implements the claim protocol (claim, extend, complete, release) as four atomic
 //! operations. [`Store::claim`] decides everything in one step and, for a
 //! completed key, returns the record itself so that a replay costs one round
 //! trip. [`Store::extend`], [`Store::complete`] and [`Store::release`] act only
@@ -55,9 +55,14 @@
 //! # let _ = layer;
 //! ```
 
-use std::{fmt, future::Future, sync::Arc, time::Duration};
+use std::{
+    fmt::{self, Write},
+    future::Future,
+    sync::Arc,
+    time::Duration,
+};
 
-use crate::{CompletedRecord, Fingerprint, IdempotencyKey};
+use crate::{CompletedRecord, Fingerprint, FingerprintHasher, IdempotencyKey};
 
 mod cached;
 #[cfg(feature = "memory")]
@@ -100,6 +105,11 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// Replaces the in-flight claim with the completed record (the answer to
     /// requests with this `fingerprint`), kept for `retention`, if `token`
     /// still holds the claim. Returns whether it did.
+    ///
+    /// The layer retries a completion that failed (e.g. timed out). A store
+    /// where the failed attempt may still have been applied must answer
+    /// `true` when the key already holds this very record, so that the retry
+    /// does not report a lost lease.
     fn complete(
         &self,
         key: &StorageKey,
@@ -142,8 +152,10 @@ pub enum Claim {
 
 /// The address of a record: an unambiguous encoding of *(scope, key)*.
 ///
-/// The scope is length-prefixed, so scope `a:b` with key `c` and scope `a`
-/// with key `b:c` never collide.
+/// The scope never appears raw: it is replaced by its SHA-256, so a scope
+/// derived from a credential cannot leak into store key names or logs (which
+/// show this key). The hash has a fixed length, so scope `a:b` with key `c`
+/// and scope `a` with key `b:c` never collide.
 ///
 /// # Examples
 ///
@@ -152,15 +164,22 @@ pub enum Claim {
 ///
 /// let k = |scope: &str, key: &str| StorageKey::new(scope, &IdempotencyKey::new(key).unwrap());
 /// assert_ne!(k("a:b", "c"), k("a", "b:c"));
-/// assert_eq!(k("acct_1", "order-42").as_str(), "6:acct_1:order-42");
+/// let key = k("acct_1", "order-42");
+/// assert!(key.as_str().ends_with(":order-42"));
+/// assert!(!key.as_str().contains("acct_1"));
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct StorageKey(Arc<str>);
 
 impl StorageKey {
-    /// Encodes a scope and a key as `{scope length}:{scope}:{key}`.
+    /// Encodes a scope and a key as `{hex SHA-256 of the scope}:{key}`.
     pub fn new(scope: &str, key: &IdempotencyKey) -> Self {
-        Self(format!("{}:{scope}:{key}", scope.len()).into())
+        let mut hasher = FingerprintHasher::new("tower-idempotency/scope/v1");
+        hasher.field(scope.as_bytes());
+        let mut encoded = String::with_capacity(64 + 1 + key.as_str().len());
+        // `Fingerprint`'s `Display` is lowercase hex.
+        write!(encoded, "{}:{key}", hasher.finish()).expect("writing to a String cannot fail");
+        Self(encoded.into())
     }
 
     /// The encoded key.
@@ -236,7 +255,8 @@ pub enum StoreError {
     #[error(transparent)]
     Corrupt(#[from] crate::CorruptRecord),
     /// The store is configured in a way that would lose records (e.g. Redis
-    /// with an `allkeys-*` eviction policy).
+    /// with a `maxmemory-policy` other than `noeviction`), or was asked for
+    /// something it cannot represent.
     #[error("idempotency store misconfigured: {0}")]
     Misconfigured(String),
 }

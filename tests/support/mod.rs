@@ -6,5 +6,7 @@ pub mod app;
 pub mod backend;
 pub mod cluster;
 pub mod http;
+pub mod logs;
+pub mod payments;
 pub mod redis_server;
 pub mod suite;

@@ -641,8 +641,19 @@ pub async fn fencing_refuses_a_stale_holder<B: Backend>(b: &B) {
             .unwrap()
     );
     assert!(
-        !store.complete(&key, fresh, &fp, record, day).await.unwrap(),
-        "a record completes once"
+        store
+            .complete(&key, fresh, &fp, record.clone(), day)
+            .await
+            .unwrap(),
+        "a completion repeated after it was applied (its reply lost) is stored, not refused"
+    );
+    let other = Arc::new(tower_idempotency::CompletedRecord::Unreplayable {
+        status: StatusCode::CREATED,
+        created_at: std::time::SystemTime::now(),
+    });
+    assert!(
+        !store.complete(&key, fresh, &fp, other, day).await.unwrap(),
+        "a record completes once: another record never replaces it"
     );
     assert!(
         !store.release(&key, fresh).await.unwrap(),

@@ -2,6 +2,9 @@
 -- kept ARGV[3] milliseconds, if lease token ARGV[1] holds the claim.
 -- Reply: 1 stored, 0 not the holder (fenced).
 local cur = redis.call('GET', KEYS[1])
+if cur == ARGV[2] then
+  return 1 -- this very completion, applied by an earlier attempt whose reply was lost
+end
 if not cur or string.byte(cur, 1) ~= 105 or string.sub(cur, 34, 49) ~= ARGV[1] then
   return 0
 end

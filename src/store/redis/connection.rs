@@ -14,6 +14,17 @@ impl Lua {
         Self { source, sha1 }
     }
 
+    /// `EVALSHA` of this script on one key: an owned command, so a call can
+    /// outlive its caller (see `RedisStore::claim`).
+    pub(super) fn evalsha(&self, key: &str, args: &[&[u8]]) -> Cmd {
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha.arg(&self.sha1).arg(1).arg(key);
+        args.iter().for_each(|a| {
+            evalsha.arg(*a);
+        });
+        evalsha
+    }
+
     /// `SCRIPT LOAD` of this script.
     pub(super) fn load(&self) -> Cmd {
         let mut load = redis::cmd("SCRIPT");
@@ -34,15 +45,15 @@ impl Connection {
     /// buffers); on NOSCRIPT (a restarted or promoted node) the script is
     /// loaded and run again.
     pub(super) async fn eval(&self, lua: &Lua, key: &str, args: &[&[u8]]) -> RedisResult<Value> {
-        let mut evalsha = redis::cmd("EVALSHA");
-        evalsha.arg(&lua.sha1).arg(1).arg(key);
-        args.iter().for_each(|a| {
-            evalsha.arg(*a);
-        });
-        match self.query(&evalsha).await {
+        self.eval_cmd(lua, &lua.evalsha(key, args)).await
+    }
+
+    /// Runs a command built by [`Lua::evalsha`].
+    pub(super) async fn eval_cmd(&self, lua: &Lua, evalsha: &Cmd) -> RedisResult<Value> {
+        match self.query(evalsha).await {
             Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
                 self.query(&lua.load()).await?;
-                self.query(&evalsha).await
+                self.query(evalsha).await
             }
             reply => reply,
         }

@@ -24,18 +24,28 @@
 //!
 //! # Eviction
 //!
-//! Under an `allkeys-*` `maxmemory-policy` Redis may silently delete
-//! idempotency records, and a retry would then execute again. On connect the
-//! store reads `maxmemory-policy` (on every master of a cluster) and, by
-//! default, refuses to start; see [`EvictionPolicyCheck`]. Use `noeviction` or
-//! a `volatile-*` policy.
+//! Every record has a TTL, so under **any** `maxmemory-policy` other than
+//! `noeviction` Redis may delete records when memory runs short — `allkeys-*`
+//! and `volatile-*` alike (`volatile-ttl` evicts in-flight claims first, since
+//! their TTL is the shortest). A deleted record means the retry executes
+//! again. On connect the store reads `maxmemory` and `maxmemory-policy` (on
+//! every master of a cluster) and refuses to start unless the policy is
+//! `noeviction` or there is no memory limit (`maxmemory 0`). Under
+//! `noeviction` a full Redis rejects new claims, so requests get `503` (fail
+//! closed) instead of executing twice. Where `CONFIG` is disabled (many
+//! managed services) the policy cannot be read and the store refuses too.
+//! [`EvictionPolicyCheck::Warn`] opts out of both refusals explicitly.
 //!
 //! # Outages
 //!
-//! Every call is bounded by a timeout (default 1 s). When Redis cannot be
-//! reached the layer answers `503` and does not run the handler (fail closed).
-//! The connection reconnects by itself when Redis comes back; no restart is
-//! needed.
+//! Every call is bounded by the command timeout (default 1 s), and that
+//! timeout is the one in force. When Redis cannot be reached the layer answers
+//! `503` and does not run the handler (fail closed). A claim whose reply did
+//! not arrive in time may still be applied by Redis later (a stalled server
+//! runs the queued command when it wakes); the store keeps waiting for that
+//! reply in the background, for up to one lease, and releases such a claim at
+//! once, so it does not block the key for a whole lease. The connection
+//! reconnects by itself when Redis comes back; no restart is needed.
 //!
 //! # Durability and failover
 //!
@@ -70,6 +80,11 @@ static CLAIM: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("claim.lua"
 static EXTEND: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("extend.lua")));
 static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("complete.lua")));
 static RELEASE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("release.lua")));
+
+/// How long a cluster connection keeps waiting for a reply that our own
+/// timeout gave up on: the default lease.
+#[cfg(feature = "cluster")]
+const LATE_REPLY_WAIT: Duration = Duration::from_secs(30);
 
 /// A [`Store`] on Redis or Redis Cluster. See the [module docs](self) for the
 /// protocol, the data layout and the failure behaviour.
@@ -114,14 +129,32 @@ struct Durable {
     timeout: Duration,
 }
 
-/// What to do when Redis may evict idempotency records.
+/// What to do when Redis may evict idempotency records: a `maxmemory-policy`
+/// other than `noeviction` with a `maxmemory` limit, or a policy that cannot
+/// be read (`CONFIG` disabled).
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+/// use tower_idempotency::{RedisStore, store::redis::EvictionPolicyCheck};
+///
+/// // A managed Redis whose CONFIG command is disabled, set to noeviction in
+/// // its console: the store cannot check, so say that you did.
+/// let store = RedisStore::builder()
+///     .eviction_policy_check(EvictionPolicyCheck::Warn)
+///     .connect("rediss://managed.example:6379")
+///     .await?;
+/// # let _ = store; Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum EvictionPolicyCheck {
-    /// Refuse to connect under an `allkeys-*` policy (the default).
+    /// Refuse to connect (the default).
     #[default]
     Refuse,
-    /// Log an error and connect anyway.
+    /// Log an error and connect anyway: an explicit opt-out, for when you have
+    /// made sure by other means that Redis will not evict records.
     Warn,
 }
 
@@ -238,7 +271,8 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// What to do under an `allkeys-*` eviction policy (default: refuse).
+    /// What to do when Redis may evict records, or its eviction policy cannot
+    /// be read (default: refuse to connect). See [`EvictionPolicyCheck`].
     ///
     /// # Examples
     ///
@@ -283,8 +317,11 @@ impl RedisStoreBuilder {
         let client = redis::Client::open(url)?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
-            // No client-level response timeout: `run` bounds every call itself,
-            // and the client's own timer costs ~9 µs of CPU per request.
+            // No client-level response timeout (redis-rs defaults to 500 ms,
+            // which silently capped ours): every call is bounded by
+            // `command_timeout` here, and a late claim reply must still arrive
+            // (see `claim`). The client's own timer also costs ~9 µs of CPU.
+            .set_response_timeout(None)
             .set_number_of_retries(1)
             .set_max_delay(Duration::from_millis(100));
         let open = || async {
@@ -321,10 +358,13 @@ impl RedisStoreBuilder {
         I: IntoIterator<Item = T>,
         T: redis::IntoConnectionInfo,
     {
+        let wait = self.replicas.map_or(Duration::ZERO, |(_, wait)| wait);
         let client = redis::cluster::ClusterClientBuilder::new(nodes)
             .connection_timeout(self.timeout)
-            // The cluster client needs one; it must let a `WAIT` run its course.
-            .response_timeout(self.timeout + self.replicas.map_or(Duration::ZERO, |(_, wait)| wait))
+            // The cluster client needs one. Ours (`command_timeout`) bounds
+            // every call; this one must be longer, so that a `WAIT` runs its
+            // course and a late claim reply still arrives (see `claim`).
+            .response_timeout(self.timeout.max(LATE_REPLY_WAIT) + wait)
             .retries(2)
             .build()?;
         let connection = Connection::Cluster(client.get_async_connection().await?);
@@ -393,30 +433,61 @@ async fn check_eviction_policy(
     connection: &Connection,
     check: EvictionPolicyCheck,
 ) -> Result<(), StoreError> {
-    let mut get = redis::cmd("CONFIG");
-    get.arg("GET").arg("maxmemory-policy");
-    let replies = match connection.on_every_master(get).await {
-        Ok(replies) => replies,
-        Err(error) => {
-            // Managed services often disable CONFIG; say so instead of failing.
-            tracing::warn!(%error, "idempotency: cannot read maxmemory-policy; make sure it is not allkeys-*");
-            return Ok(());
+    let opt_out = "or, if you have made sure by other means, opt out with \
+        `RedisStore::builder().eviction_policy_check(EvictionPolicyCheck::Warn)`";
+    let (policies, limits) = match (
+        config_get(connection, "maxmemory-policy").await,
+        config_get(connection, "maxmemory").await,
+    ) {
+        (Ok(policies), Ok(limits)) => (policies, limits),
+        (Err(error), _) | (_, Err(error)) => {
+            let message = format!(
+                "cannot read the Redis maxmemory-policy ({error}); CONFIG may be disabled, as on many \
+                 managed services. Idempotency records are safe from eviction only under \
+                 `maxmemory-policy noeviction` (or without a maxmemory limit): set it, {opt_out}"
+            );
+            return refuse_or_warn(check, message);
         }
     };
-    let mut policies = Vec::new();
-    replies
-        .iter()
-        .for_each(|r| collect_strings(r, &mut policies));
-    if let Some(policy) = policies.iter().find(|p| p.starts_with("allkeys-")) {
+    let evicting = policies.iter().find(|policy| *policy != "noeviction");
+    let limited = limits.iter().any(|limit| limit != "0");
+    if let (Some(policy), true) = (evicting, limited) {
         let message = format!(
-            "Redis maxmemory-policy is {policy}: it may silently evict idempotency records, and retries would execute again; use noeviction or a volatile-* policy"
+            "Redis maxmemory-policy is {policy}: every idempotency record has a TTL, so Redis may \
+             evict records when memory runs short (volatile-ttl evicts in-flight claims first), \
+             and their retries would execute again. Set `maxmemory-policy noeviction` (or remove \
+             the maxmemory limit), {opt_out}"
         );
-        match check {
-            EvictionPolicyCheck::Refuse => return Err(StoreError::Misconfigured(message)),
-            EvictionPolicyCheck::Warn => tracing::error!("idempotency: {message}"),
-        }
+        return refuse_or_warn(check, message);
     }
     Ok(())
+}
+
+fn refuse_or_warn(check: EvictionPolicyCheck, message: String) -> Result<(), StoreError> {
+    match check {
+        EvictionPolicyCheck::Refuse => Err(StoreError::Misconfigured(message)),
+        EvictionPolicyCheck::Warn => {
+            tracing::error!("idempotency: {message}");
+            Ok(())
+        }
+    }
+}
+
+/// `CONFIG GET name` on every master: the values.
+async fn config_get(connection: &Connection, name: &str) -> Result<Vec<String>, StoreError> {
+    let mut get = redis::cmd("CONFIG");
+    get.arg("GET").arg(name);
+    let mut values = Vec::new();
+    for reply in connection.on_every_master(get).await? {
+        collect_strings(&reply, &mut values);
+    }
+    values.retain(|value| value != name);
+    if values.is_empty() {
+        return Err(StoreError::Misconfigured(format!(
+            "CONFIG GET {name} returned nothing"
+        )));
+    }
+    Ok(values)
 }
 
 fn collect_strings(value: &Value, out: &mut Vec<String>) {
@@ -439,13 +510,35 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let token = LeaseToken::generate();
-        let lease_ms = millis(lease);
+        let lease_ms = millis(lease, "lease")?;
         let claim = blob::in_flight(fingerprint, token);
         let args: [&[u8]; 3] = [&claim, fingerprint.as_bytes(), lease_ms.as_bytes()];
-        let reply = self
-            .run(&self.inner.connection, &CLAIM, &self.redis_key(key), &args)
-            .await?;
-        decode_claim(reply, token)
+        let evalsha = CLAIM.evalsha(&self.redis_key(key), &args);
+        let connection = self.inner.connection.clone();
+        // Owned and boxed, so that it can outlive this call (below).
+        let mut reply = Box::pin(async move { connection.eval_cmd(&CLAIM, &evalsha).await });
+        let timeout = self.inner.timeout;
+        match tokio::time::timeout(timeout, &mut reply).await {
+            Ok(reply) => decode_claim(reply?, token),
+            Err(_) => {
+                // Redis may still run the claim (a stalled server runs queued
+                // commands when it wakes): wait for its reply in the
+                // background, and release the claim if it was taken, so that
+                // it does not block the key for a whole lease.
+                let store = self.clone();
+                let key = key.clone();
+                tokio::spawn(async move {
+                    let Ok(Ok(late)) = tokio::time::timeout(lease, reply).await else {
+                        return;
+                    };
+                    if let Ok(Claim::Acquired(token)) = decode_claim(late, token) {
+                        let released = store.release(&key, token).await;
+                        tracing::warn!(%key, ?released, "idempotency: a claim that timed out was applied late; released");
+                    }
+                });
+                Err(StoreError::Timeout(timeout))
+            }
+        }
     }
 
     async fn extend(
@@ -454,7 +547,7 @@ impl Store for RedisStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
-        let lease_ms = millis(lease);
+        let lease_ms = millis(lease, "lease")?;
         let args: [&[u8]; 2] = [&token.to_bytes(), lease_ms.as_bytes()];
         self.run_fenced(&self.inner.connection, &EXTEND, &self.redis_key(key), &args)
             .await
@@ -471,7 +564,7 @@ impl Store for RedisStore {
         let redis_key = self.redis_key(key);
         let durable = self.inner.durable.as_ref();
         let on = durable.map_or(&self.inner.connection, |d| &d.connection);
-        let retention_ms = millis(retention);
+        let retention_ms = millis(retention, "retention")?;
         let completed = blob::completed(fingerprint, &record);
         let args: [&[u8]; 3] = [&token.to_bytes(), &completed, retention_ms.as_bytes()];
         let stored = self.run_fenced(on, &COMPLETE, &redis_key, &args).await?;
@@ -518,9 +611,19 @@ impl Durable {
     }
 }
 
-/// Milliseconds as the decimal string Redis expects, at least 1.
-fn millis(d: Duration) -> String {
-    d.as_millis().max(1).to_string()
+/// The longest TTL the store sets: far beyond any retention the layer
+/// accepts, far below what Redis can represent.
+const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// Milliseconds as the decimal string Redis expects, at least 1; a TTL Redis
+/// cannot keep is a configuration error, not a command that fails each time.
+fn millis(d: Duration, what: &str) -> Result<String, StoreError> {
+    if d > MAX_TTL {
+        return Err(StoreError::Misconfigured(format!(
+            "a {what} of {d:?} is longer than the Redis store keeps a key (100 years)"
+        )));
+    }
+    Ok(d.as_millis().max(1).to_string())
 }
 
 fn decode_claim(reply: Value, token: LeaseToken) -> Result<Claim, StoreError> {
@@ -542,6 +645,10 @@ fn decode_claim(reply: Value, token: LeaseToken) -> Result<Claim, StoreError> {
     }
     let ttl = Duration::from_millis(next_int("record without TTL")?.max(0) as u64);
     match (tag, items.next()) {
+        // Our own claim, sent twice (a client-side retry): it is ours.
+        (2, Some(Value::BulkString(held))) if *held == token.to_bytes() => {
+            Ok(Claim::Acquired(token))
+        }
         (2, _) => Ok(Claim::InFlight { retry_after: ttl }),
         (4, Some(Value::BulkString(record))) => Ok(Claim::Completed {
             record: Arc::new(blob::decode_completed(record)?),

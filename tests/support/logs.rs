@@ -1,0 +1,44 @@
+//! Captures what the crate logs during a test, to assert on it.
+//!
+//! The subscriber is the calling thread's default: run the test on a
+//! current-thread runtime so every task logs through it.
+
+use std::{
+    io::Write,
+    sync::{Arc, Mutex},
+};
+
+use tracing::subscriber::DefaultGuard;
+
+#[derive(Clone, Default)]
+pub struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl Logs {
+    /// Captures every event at `filter` (an `EnvFilter` directive such as
+    /// `tower_idempotency=trace`) until the guard is dropped.
+    pub fn capture(filter: &str) -> (Self, DefaultGuard) {
+        let logs = Self::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        (logs, tracing::subscriber::set_default(subscriber))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+impl Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
