@@ -10,16 +10,23 @@ use std::{
     time::SystemTime,
 };
 
-use axum::body::Body;
+use axum_core::{BoxError, body::Body};
 use bytes::{Bytes, BytesMut};
 use futures_util::{FutureExt, StreamExt, stream};
 use http::{Request, Response, response::Parts};
 use http_body_util::{BodyExt, BodyStream, StreamBody};
 use tower_service::Service;
+use tracing::Instrument;
 
 use crate::{
-    CachePolicy, CompletedRecord, Completion, IdempotencyOutcome, RejectionKind, StoredResponse,
-    claim::BoxError, layer::Shared, lease::Lease, store::Store,
+    config::Shared,
+    lease::Lease,
+    observe,
+    outcome::{Completion, IdempotencyOutcome},
+    policy::StorePolicy,
+    record::{CompletedRecord, StoredResponse},
+    rejection::RejectionKind,
+    store::Store,
 };
 
 /// What the handler produced, read as far as the layer needs.
@@ -27,7 +34,7 @@ enum Handled<E> {
     Panicked,
     Failed(E),
     BodyFailed,
-    /// Not final per the cache policy.
+    /// Not final per the store policy.
     NotFinal(Response<Body>),
     /// Final, with its whole body.
     Final(Parts, Bytes),
@@ -55,7 +62,7 @@ where
     ResBody::Error: Into<BoxError>,
     St: Store,
     Sc: Send + Sync + 'static,
-    P: CachePolicy,
+    P: StorePolicy,
     F: Send + Sync + 'static,
 {
     Detached::new(async move {
@@ -84,7 +91,8 @@ struct Detached<T: 'static> {
 impl<T: Send + 'static> Detached<T> {
     fn new(work: impl Future<Output = T> + Send + 'static) -> Self {
         Self {
-            work: Some(Box::pin(work)),
+            // In the request's span, wherever it finishes.
+            work: Some(Box::pin(work.in_current_span())),
         }
     }
 }
@@ -148,7 +156,7 @@ where
     S: Service<Request<Body>, Response = Response<ResBody>>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
-    P: CachePolicy,
+    P: StorePolicy,
 {
     let work = async move {
         let response = match inner.call(request).await {
@@ -251,8 +259,8 @@ where
                 status: parts.status,
                 created_at: SystemTime::now(),
             };
-            let read =
-                stream::iter(read).map(|data| Ok::<_, axum::Error>(http_body::Frame::data(data)));
+            let read = stream::iter(read)
+                .map(|data| Ok::<_, axum_core::Error>(http_body::Frame::data(data)));
             let rest = BodyStream::new(rest);
             let body = Body::new(StreamBody::new(read.chain(rest)));
             (
@@ -270,6 +278,7 @@ where
             Ok(executed(response, completion))
         }
         Ok(false) => {
+            observe::completion_lost();
             tracing::error!(
                 key = %lease.key(),
                 "idempotency: lease lost before completion; response sent but not stored, a retry may execute again"

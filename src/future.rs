@@ -7,20 +7,21 @@ use std::{
     task::{Context, Poll, ready},
 };
 
-use axum::body::Body;
+use axum_core::{BoxError, body::Body};
 use bytes::Bytes;
 use http::Response;
 use pin_project_lite::pin_project;
 
-use crate::{BypassReason, IdempotencyOutcome, claim::BoxError};
+use crate::outcome::{BypassReason, IdempotencyOutcome};
 
-type Guarded<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
+/// The claim protocol of a keyed request, boxed: see `crate::guard`.
+type Keyed<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
 
 pin_project! {
     /// The response future of [`IdempotencyService`](crate::IdempotencyService).
     ///
     /// Bypassed requests poll the inner future directly, without boxing;
-    /// guarded requests run the claim protocol in a boxed future.
+    /// keyed requests run the claim protocol in a boxed future.
     pub struct ResponseFuture<F, E> {
         #[pin]
         kind: Kind<F, E>,
@@ -32,7 +33,7 @@ pin_project! {
     enum Kind<F, E> {
         Bypass { #[pin] future: F, reason: BypassReason },
         Ready { response: Option<Response<Body>> },
-        Guarded { future: Guarded<E> },
+        Keyed { future: Keyed<E> },
     }
 }
 
@@ -51,9 +52,9 @@ impl<F, E> ResponseFuture<F, E> {
         }
     }
 
-    pub(crate) fn guarded(future: Guarded<E>) -> Self {
+    pub(crate) fn keyed(future: Keyed<E>) -> Self {
         Self {
-            kind: Kind::Guarded { future },
+            kind: Kind::Keyed { future },
         }
     }
 }
@@ -78,7 +79,7 @@ where
             KindProj::Ready { response } => Poll::Ready(Ok(response
                 .take()
                 .expect("ResponseFuture polled after completion"))),
-            KindProj::Guarded { future } => future.as_mut().poll(cx),
+            KindProj::Keyed { future } => future.as_mut().poll(cx),
         }
     }
 }

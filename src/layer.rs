@@ -2,14 +2,20 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
-use axum::body::Body;
-use http::{Method, Response};
+use axum_core::body::Body;
+use http::{HeaderName, Method, Response};
 use tower_layer::Layer;
 
 use crate::{
-    CachePolicy, DefaultCachePolicy, DefaultFingerprint, FingerprintStrategy, IdempotencyOutcome,
-    IdempotencyService, NoScope, Rejection, RejectionKind, ScopeExtractor,
-    rejection::RenderRejection, store::Store,
+    config::{Config, MAX_LEASE, MAX_RETENTION, Shared},
+    fingerprint::{DefaultFingerprint, FingerprintStrategy},
+    key::IDEMPOTENCY_KEY,
+    observe::Throttle,
+    policy::{DefaultStorePolicy, StorePolicy},
+    rejection::Rejection,
+    scope::{NoScope, ScopeExtractor},
+    service::IdempotencyService,
+    store::Store,
 };
 
 /// Applies Stripe-style `Idempotency-Key` semantics to the requests of a
@@ -17,8 +23,10 @@ use crate::{
 /// retry, a key reused with different parameters is rejected, and two copies
 /// of one request never run at once.
 ///
-/// The layer holds only configuration and is cheap to clone; the records live
-/// in the [`Store`], which clones share.
+/// The layer holds its configuration behind one `Arc`: cloning it, or applying
+/// it to many routes, shares that configuration (and the throttle of its
+/// outage logs) instead of copying it. The records live in the [`Store`],
+/// which clones share.
 ///
 /// # Examples
 ///
@@ -43,57 +51,15 @@ use crate::{
 ///     .route("/v1/charges", post(|| async { "charged" }))
 ///     .layer(idempotency);
 /// ```
-#[derive(Clone)]
-pub struct IdempotencyLayer<St, Sc = NoScope, P = DefaultCachePolicy, F = DefaultFingerprint> {
-    store: St,
-    scope: Sc,
-    policy: P,
-    fingerprint: F,
-    config: Config,
-    render: RenderRejection,
+pub struct IdempotencyLayer<St, Sc = NoScope, P = DefaultStorePolicy, F = DefaultFingerprint> {
+    shared: Arc<Shared<St, Sc, P, F>>,
 }
 
-/// The longest [`IdempotencyLayer::retention`]: a year. "Keep forever" is not
-/// something every store can honour, and no client retries for longer.
-pub const MAX_RETENTION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
-
-/// The longest [`IdempotencyLayer::lease`]: a day. The lease is how long a
-/// crashed process blocks its keys; the heartbeat keeps slow handlers claimed
-/// whatever its length.
-pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
-
-/// Plain settings, read on every request.
-#[derive(Clone, Debug)]
-pub(crate) struct Config {
-    pub(crate) methods: Vec<Method>,
-    pub(crate) require_key: bool,
-    pub(crate) retention: Duration,
-    pub(crate) lease: Duration,
-    pub(crate) max_request_body: usize,
-    pub(crate) max_stored_body: usize,
-    pub(crate) in_flight_wait: Option<Duration>,
-    pub(crate) fail_open: bool,
-    pub(crate) unavailable_retry_after: Duration,
-}
-
-/// Everything a service needs, shared by the clones of one service.
-pub(crate) struct Shared<St, Sc, P, F> {
-    pub(crate) store: St,
-    pub(crate) scope: Sc,
-    pub(crate) policy: P,
-    pub(crate) fingerprint: F,
-    pub(crate) config: Config,
-    pub(crate) render: RenderRejection,
-}
-
-impl<St, Sc, P, F> Shared<St, Sc, P, F> {
-    /// The rendered rejection, tagged with its outcome.
-    pub(crate) fn rejection(&self, kind: RejectionKind) -> Response<Body> {
-        let mut response = (self.render)(Rejection::new(kind.clone()));
-        response
-            .extensions_mut()
-            .insert(IdempotencyOutcome::Rejected(kind));
-        response
+impl<St, Sc, P, F> Clone for IdempotencyLayer<St, Sc, P, F> {
+    fn clone(&self) -> Self {
+        Self {
+            shared: self.shared.clone(),
+        }
     }
 }
 
@@ -103,13 +69,14 @@ impl<St: Store> IdempotencyLayer<St> {
     /// for multi-tenant APIs), 24 h retention, 30 s lease, 1 MiB request and
     /// stored-response limits, `409` for in-flight duplicates, fail closed.
     pub fn new(store: St) -> Self {
-        Self {
+        let shared = Shared {
             store,
             scope: NoScope,
-            policy: DefaultCachePolicy,
+            policy: DefaultStorePolicy,
             fingerprint: DefaultFingerprint,
             config: Config {
                 methods: vec![Method::POST, Method::PATCH],
+                header: IDEMPOTENCY_KEY,
                 require_key: false,
                 retention: Duration::from_secs(24 * 60 * 60),
                 lease: Duration::from_secs(30),
@@ -120,11 +87,31 @@ impl<St: Store> IdempotencyLayer<St> {
                 unavailable_retry_after: Duration::from_secs(1),
             },
             render: Arc::new(Rejection::into_problem_response),
+            outage_log: Arc::new(Throttle::new(Duration::from_secs(1))),
+        };
+        Self {
+            shared: Arc::new(shared),
         }
     }
 }
 
-impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
+impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
+    /// The configuration, to change while the layer is being built (copied
+    /// first only if the layer was cloned before).
+    fn config(&mut self) -> &mut Config {
+        &mut Arc::make_mut(&mut self.shared).config
+    }
+
+    /// The same layer with one part of another type.
+    fn rebuild<Sc2, P2, F2>(
+        self,
+        f: impl FnOnce(Shared<St, Sc, P, F>) -> Shared<St, Sc2, P2, F2>,
+    ) -> IdempotencyLayer<St, Sc2, P2, F2> {
+        IdempotencyLayer {
+            shared: Arc::new(f(Arc::unwrap_or_clone(self.shared))),
+        }
+    }
+
     /// The methods the layer guards (default `POST`, `PATCH`). Requests with
     /// other methods pass through untouched.
     ///
@@ -142,11 +129,28 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.config.methods = methods.into_iter().collect();
+        self.config().methods = methods.into_iter().collect();
         assert!(
-            !self.config.methods.is_empty(),
+            !self.config().methods.is_empty(),
             "IdempotencyLayer::methods: guard at least one method"
         );
+        self
+    }
+
+    /// The request header that carries the key (default `Idempotency-Key`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .header_name(HeaderName::from_static("x-request-key"));
+    /// # let _ = layer;
+    /// ```
+    pub fn header_name(mut self, name: HeaderName) -> Self {
+        self.config().header = name;
         self
     }
 
@@ -162,7 +166,7 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn require_key(mut self, require: bool) -> Self {
-        self.config.require_key = require;
+        self.config().require_key = require;
         self
     }
 
@@ -194,7 +198,7 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
             "IdempotencyLayer::retention must be at most MAX_RETENTION (365 days), got {retention:?}: \
              records cannot be kept forever; use the longest time a client may retry"
         );
-        self.config.retention = retention;
+        self.config().retention = retention;
         self
     }
 
@@ -227,7 +231,7 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
             "IdempotencyLayer::lease must be at most MAX_LEASE (24 hours), got {lease:?}: \
              a crashed process blocks its keys this long"
         );
-        self.config.lease = lease;
+        self.config().lease = lease;
         self
     }
 
@@ -243,7 +247,7 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn max_request_body(mut self, bytes: usize) -> Self {
-        self.config.max_request_body = bytes;
+        self.config().max_request_body = bytes;
         self
     }
 
@@ -260,7 +264,7 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn max_stored_body(mut self, bytes: usize) -> Self {
-        self.config.max_stored_body = bytes;
+        self.config().max_stored_body = bytes;
         self
     }
 
@@ -279,7 +283,7 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn wait_for_in_flight(mut self, timeout: Duration) -> Self {
-        self.config.in_flight_wait = Some(timeout);
+        self.config().in_flight_wait = Some(timeout);
         self
     }
 
@@ -297,7 +301,7 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn fail_open(mut self, fail_open: bool) -> Self {
-        self.config.fail_open = fail_open;
+        self.config().fail_open = fail_open;
         self
     }
 
@@ -314,7 +318,7 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
-        self.config.unavailable_retry_after = after;
+        self.config().unavailable_retry_after = after;
         self
     }
 
@@ -337,33 +341,35 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     where
         R: Fn(Rejection) -> Response<Body> + Send + Sync + 'static,
     {
-        self.render = Arc::new(render);
+        Arc::make_mut(&mut self.shared).render = Arc::new(render);
         self
     }
 
     /// Addresses records by `(scope, key)`, with the scope taken from each
     /// request (typically the authenticated account). See [`ScopeExtractor`].
     pub fn scope_with<Sc2: ScopeExtractor>(self, scope: Sc2) -> IdempotencyLayer<St, Sc2, P, F> {
-        IdempotencyLayer {
-            store: self.store,
+        self.rebuild(|s| Shared {
             scope,
-            policy: self.policy,
-            fingerprint: self.fingerprint,
-            config: self.config,
-            render: self.render,
-        }
+            store: s.store,
+            policy: s.policy,
+            fingerprint: s.fingerprint,
+            config: s.config,
+            render: s.render,
+            outage_log: s.outage_log,
+        })
     }
 
-    /// Decides which responses are final and stored; see [`CachePolicy`].
-    pub fn cache_when<P2: CachePolicy>(self, policy: P2) -> IdempotencyLayer<St, Sc, P2, F> {
-        IdempotencyLayer {
-            store: self.store,
-            scope: self.scope,
+    /// Decides which responses are final and stored; see [`StorePolicy`].
+    pub fn store_when<P2: StorePolicy>(self, policy: P2) -> IdempotencyLayer<St, Sc, P2, F> {
+        self.rebuild(|s| Shared {
             policy,
-            fingerprint: self.fingerprint,
-            config: self.config,
-            render: self.render,
-        }
+            store: s.store,
+            scope: s.scope,
+            fingerprint: s.fingerprint,
+            config: s.config,
+            render: s.render,
+            outage_log: s.outage_log,
+        })
     }
 
     /// Decides which requests count as the same; see [`FingerprintStrategy`].
@@ -371,14 +377,15 @@ impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
         self,
         fingerprint: F2,
     ) -> IdempotencyLayer<St, Sc, P, F2> {
-        IdempotencyLayer {
-            store: self.store,
-            scope: self.scope,
-            policy: self.policy,
+        self.rebuild(|s| Shared {
             fingerprint,
-            config: self.config,
-            render: self.render,
-        }
+            store: s.store,
+            scope: s.scope,
+            policy: s.policy,
+            config: s.config,
+            render: s.render,
+            outage_log: s.outage_log,
+        })
     }
 }
 
@@ -386,23 +393,13 @@ impl<S, St, Sc, P, F> Layer<S> for IdempotencyLayer<St, Sc, P, F>
 where
     St: Store,
     Sc: ScopeExtractor,
-    P: CachePolicy,
+    P: StorePolicy,
     F: FingerprintStrategy,
 {
     type Service = IdempotencyService<S, St, Sc, P, F>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyService::new(
-            inner,
-            Arc::new(Shared {
-                store: self.store.clone(),
-                scope: self.scope.clone(),
-                policy: self.policy.clone(),
-                fingerprint: self.fingerprint.clone(),
-                config: self.config.clone(),
-                render: self.render.clone(),
-            }),
-        )
+        IdempotencyService::new(inner, self.shared.clone())
     }
 }
 
@@ -410,12 +407,13 @@ impl<St: fmt::Debug, Sc: fmt::Debug, P: fmt::Debug, F: fmt::Debug> fmt::Debug
     for IdempotencyLayer<St, Sc, P, F>
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shared = &*self.shared;
         f.debug_struct("IdempotencyLayer")
-            .field("store", &self.store)
-            .field("scope", &self.scope)
-            .field("policy", &self.policy)
-            .field("fingerprint", &self.fingerprint)
-            .field("config", &self.config)
+            .field("store", &shared.store)
+            .field("scope", &shared.scope)
+            .field("policy", &shared.policy)
+            .field("fingerprint", &shared.fingerprint)
+            .field("config", &shared.config)
             .finish_non_exhaustive()
     }
 }

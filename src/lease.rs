@@ -6,7 +6,9 @@ use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 use tokio::time::{Instant, sleep};
 
 use crate::{
-    CompletedRecord, Fingerprint,
+    fingerprint::Fingerprint,
+    observe,
+    record::CompletedRecord,
     store::{LeaseToken, StorageKey, Store, StoreError},
 };
 
@@ -51,7 +53,8 @@ impl<St: Store> Lease<St> {
             tick.as_mut().reset(Instant::now() + self.duration / 3);
             // Boxed: a store's future can be large, and this one is rare, so
             // it should not weigh on every request's future.
-            match Box::pin(self.store.extend(&self.key, self.token, self.duration)).await {
+            let extend = self.store.extend(&self.key, self.token, self.duration);
+            match Box::pin(observe::store_call("extend", extend)).await {
                 Ok(true) => confirmed_at = Instant::now(),
                 Ok(false) => return,
                 Err(error) => {
@@ -85,7 +88,8 @@ impl<St: Store> Lease<St> {
     /// retry until the lease expires, so it is logged, not retried.
     pub(crate) async fn release(&self) {
         // Boxed, like `extend`: rare, and a store's future can be large.
-        match Box::pin(self.store.release(&self.key, self.token)).await {
+        let release = self.store.release(&self.key, self.token);
+        match Box::pin(observe::store_call("release", release)).await {
             Ok(true) => {}
             Ok(false) => {
                 tracing::warn!(key = %self.key, "idempotency: release refused, the lease was already lost")
@@ -103,9 +107,10 @@ impl<St: Store> Lease<St> {
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        self.store
-            .complete(&self.key, self.token, &self.fingerprint, record, retention)
-            .await
+        let complete =
+            self.store
+                .complete(&self.key, self.token, &self.fingerprint, record, retention);
+        observe::store_call("complete", complete).await
     }
 
     /// Keeps retrying the completion with backoff while the heartbeat holds
@@ -136,6 +141,14 @@ impl<St: Store> Lease<St> {
             stored = tokio::time::timeout_at(deadline, retry) => stored.ok(),
             () = self.heartbeat() => Some(false),
         };
+        observe::completion_retried(match stored {
+            Some(true) => "stored",
+            Some(false) => "lost",
+            None => "gave_up",
+        });
+        if stored != Some(true) {
+            observe::completion_lost();
+        }
         match stored {
             Some(true) => {
                 tracing::info!(key = %self.key, "idempotency: completion stored after retrying")

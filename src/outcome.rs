@@ -1,6 +1,6 @@
 //! What the layer did with a request, for the application to see.
 
-use crate::RejectionKind;
+use crate::rejection::RejectionKind;
 
 /// What the layer did with a request. Every response that passes through the
 /// layer carries one in its extensions; the same is logged with `tracing`.
@@ -42,6 +42,46 @@ pub enum IdempotencyOutcome {
     Unprotected,
 }
 
+impl IdempotencyOutcome {
+    /// A short, stable name: the `outcome` label of the metrics and the
+    /// `outcome` field of the request's span.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{Completion, IdempotencyOutcome};
+    ///
+    /// assert_eq!(IdempotencyOutcome::Executed(Completion::Stored).name(), "executed");
+    /// assert_eq!(IdempotencyOutcome::Replayed.name(), "replayed");
+    /// ```
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Executed(Completion::Stored) => "executed",
+            Self::Executed(Completion::StoredUnreplayable) => "executed_unreplayable",
+            Self::Executed(Completion::Released) => "executed_released",
+            Self::Executed(Completion::Pending) => "executed_pending",
+            Self::Executed(Completion::LeaseLost) => "executed_lease_lost",
+            Self::Replayed => "replayed",
+            Self::Rejected(kind) => match kind {
+                RejectionKind::MissingKey => "rejected_missing_key",
+                RejectionKind::InvalidKey(_) => "rejected_invalid_key",
+                RejectionKind::BodyTooLarge { .. } => "rejected_body_too_large",
+                RejectionKind::BodyUnreadable => "rejected_body_unreadable",
+                RejectionKind::Mismatch => "rejected_mismatch",
+                RejectionKind::InFlight { .. } => "rejected_in_flight",
+                RejectionKind::Unreplayable { .. } => "rejected_unreplayable",
+                RejectionKind::StoreUnavailable { .. } => "rejected_store_unavailable",
+                RejectionKind::HandlerPanicked => "rejected_handler_panicked",
+                RejectionKind::ResponseBodyFailed => "rejected_response_body_failed",
+            },
+            Self::Bypassed(BypassReason::UnguardedMethod) => "bypassed_method",
+            Self::Bypassed(BypassReason::NoKey) => "bypassed_no_key",
+            Self::Bypassed(BypassReason::NoScope) => "bypassed_no_scope",
+            Self::Unprotected => "unprotected",
+        }
+    }
+}
+
 /// What became of an executed request's response.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -50,7 +90,7 @@ pub enum Completion {
     Stored,
     /// Too large to store; retries are told it cannot be replayed.
     StoredUnreplayable,
-    /// Not final per the cache policy; the key was released for retries.
+    /// Not final per the store policy; the key was released for retries.
     Released,
     /// Storing it failed; the layer keeps retrying in the background while the
     /// lease holds. Retries meanwhile get `409`.

@@ -1,4 +1,4 @@
-//! Cache policies: which responses are final and get stored.
+//! Store policies: which responses are final and get stored.
 //!
 //! A stored response is replayed to every retry for the retention period; a
 //! response that is not stored *releases* the key, so the client may retry it.
@@ -13,26 +13,26 @@ use http::{HeaderMap, StatusCode};
 ///
 /// ```
 /// use http::{HeaderMap, StatusCode};
-/// use tower_idempotency::{CachePolicy, DefaultCachePolicy, IdempotencyLayer, MemoryStore};
+/// use tower_idempotency::{StorePolicy, DefaultStorePolicy, IdempotencyLayer, MemoryStore};
 ///
 /// // The default, but 500s are released too, so the client may try again.
-/// let policy = DefaultCachePolicy.and(|status: StatusCode, _: &HeaderMap| {
+/// let policy = DefaultStorePolicy.and(|status: StatusCode, _: &HeaderMap| {
 ///     status != StatusCode::INTERNAL_SERVER_ERROR
 /// });
-/// let layer = IdempotencyLayer::new(MemoryStore::new()).cache_when(policy);
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).store_when(policy);
 /// # let _ = layer;
 /// ```
-pub trait CachePolicy: Clone + Send + Sync + 'static {
+pub trait StorePolicy: Clone + Send + Sync + 'static {
     /// `true` when the response is final and must be replayed to retries.
     fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool;
 
     /// Stores only what both policies store.
-    fn and<Other: CachePolicy>(self, other: Other) -> And<Self, Other> {
+    fn and<Other: StorePolicy>(self, other: Other) -> And<Self, Other> {
         And(self, other)
     }
 }
 
-impl<F> CachePolicy for F
+impl<F> StorePolicy for F
 where
     F: Fn(StatusCode, &HeaderMap) -> bool + Clone + Send + Sync + 'static,
 {
@@ -56,25 +56,25 @@ where
 ///
 /// ```
 /// use http::{HeaderMap, StatusCode};
-/// use tower_idempotency::{CachePolicy, DefaultCachePolicy, IdempotencyLayer, MemoryStore};
+/// use tower_idempotency::{StorePolicy, DefaultStorePolicy, IdempotencyLayer, MemoryStore};
 ///
 /// let h = HeaderMap::new();
-/// assert!(DefaultCachePolicy.should_store(StatusCode::CREATED, &h));
-/// assert!(DefaultCachePolicy.should_store(StatusCode::BAD_REQUEST, &h));
-/// assert!(DefaultCachePolicy.should_store(StatusCode::INTERNAL_SERVER_ERROR, &h));
-/// assert!(!DefaultCachePolicy.should_store(StatusCode::TOO_MANY_REQUESTS, &h));
+/// assert!(DefaultStorePolicy.should_store(StatusCode::CREATED, &h));
+/// assert!(DefaultStorePolicy.should_store(StatusCode::BAD_REQUEST, &h));
+/// assert!(DefaultStorePolicy.should_store(StatusCode::INTERNAL_SERVER_ERROR, &h));
+/// assert!(!DefaultStorePolicy.should_store(StatusCode::TOO_MANY_REQUESTS, &h));
 ///
 /// // Store no 4xx: a rejected request releases its key, so the client may
 /// // correct it and retry under the same key.
-/// let policy = DefaultCachePolicy.and(|status: StatusCode, _: &HeaderMap| !status.is_client_error());
+/// let policy = DefaultStorePolicy.and(|status: StatusCode, _: &HeaderMap| !status.is_client_error());
 /// assert!(!policy.should_store(StatusCode::BAD_REQUEST, &h));
-/// let layer = IdempotencyLayer::new(MemoryStore::new()).cache_when(policy);
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).store_when(policy);
 /// # let _ = layer;
 /// ```
 #[derive(Clone, Copy, Debug, Default)]
-pub struct DefaultCachePolicy;
+pub struct DefaultStorePolicy;
 
-impl CachePolicy for DefaultCachePolicy {
+impl StorePolicy for DefaultStorePolicy {
     fn should_store(&self, status: StatusCode, _headers: &HeaderMap) -> bool {
         !matches!(status.as_u16(), 408 | 425 | 429 | 502 | 503 | 504)
     }
@@ -87,23 +87,23 @@ impl CachePolicy for DefaultCachePolicy {
 /// ```
 /// use tower_idempotency::{IdempotencyLayer, MemoryStore, StoreAll};
 ///
-/// let layer = IdempotencyLayer::new(MemoryStore::new()).cache_when(StoreAll);
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).store_when(StoreAll);
 /// # let _ = layer;
 /// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StoreAll;
 
-impl CachePolicy for StoreAll {
+impl StorePolicy for StoreAll {
     fn should_store(&self, _status: StatusCode, _headers: &HeaderMap) -> bool {
         true
     }
 }
 
-/// Two policies that must both agree; see [`CachePolicy::and`].
+/// Two policies that must both agree; see [`StorePolicy::and`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct And<A, B>(A, B);
 
-impl<A: CachePolicy, B: CachePolicy> CachePolicy for And<A, B> {
+impl<A: StorePolicy, B: StorePolicy> StorePolicy for And<A, B> {
     fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool {
         self.0.should_store(status, headers) && self.1.should_store(status, headers)
     }

@@ -1,9 +1,16 @@
-//! What a completed key keeps: the response to replay.
+//! What a completed key keeps, and how it comes back: the response is
+//! captured here, and replayed from here.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
+use axum_core::body::Body;
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header};
+
+use crate::outcome::IdempotencyOutcome;
+
+/// The header every replayed response carries: `Idempotent-Replayed: true`.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// A response stored for replay: status, headers and body.
 ///
@@ -84,6 +91,23 @@ impl StoredResponse {
     /// When the original response was produced.
     pub fn created_at(&self) -> SystemTime {
         self.created_at
+    }
+
+    /// The response a retry receives: the stored status, headers (in order)
+    /// and body, plus `Idempotent-Replayed: true`.
+    pub(crate) fn replay(&self) -> Response<Body> {
+        let mut response = Response::new(Body::from(self.body.clone()));
+        *response.status_mut() = self.status;
+        let headers = response.headers_mut();
+        headers.reserve(self.headers.len() + 1);
+        for (name, value) in &self.headers {
+            headers.append(name.clone(), value.clone());
+        }
+        headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+        response
+            .extensions_mut()
+            .insert(IdempotencyOutcome::Replayed);
+        response
     }
 
     /// Encodes the headers into a compact, binary-safe block: for each header
@@ -170,13 +194,3 @@ pub enum CompletedRecord {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("corrupt idempotency record: {0}")]
 pub struct CorruptRecord(pub &'static str);
-
-/// Milliseconds since the Unix epoch, the wire form of `created_at`.
-pub(crate) fn to_unix_millis(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
-pub(crate) fn from_unix_millis(ms: u64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_millis(ms)
-}

@@ -2,10 +2,10 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
-use axum::body::Body;
-use http::{HeaderValue, Response, StatusCode, header};
+use axum_core::{body::Body, response::IntoResponse};
+use http::{Response, StatusCode, header};
 
-use crate::InvalidKey;
+use crate::{key::InvalidKey, problem::Problem};
 
 /// Why the layer answered instead of the handler.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -179,25 +179,25 @@ impl Rejection {
     /// Renders the rejection as RFC 9457 `application/problem+json`, with
     /// `Retry-After` where there is one.
     pub fn into_problem_response(self) -> Response<Body> {
-        // Members in the order RFC 9457 lists them, which is how people read them.
-        let string = |s: &str| serde_json::Value::from(s).to_string();
-        let body = format!(
-            r#"{{"type":{},"title":{},"status":{},"detail":{}}}"#,
-            string(self.problem_type()),
-            string(self.title()),
-            self.status().as_u16(),
-            string(&self.detail()),
-        );
-        let mut response = Response::new(Body::from(body));
-        *response.status_mut() = self.status();
-        let headers = response.headers_mut();
-        headers.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
+        let mut response = Problem::new(self.status(), self.title())
+            .problem_type(self.problem_type())
+            .detail(self.detail())
+            .into_response();
         if let Some(after) = self.retry_after() {
+            let headers = response.headers_mut();
             headers.insert(header::RETRY_AFTER, retry_after_secs(after).into());
         }
+        response
+    }
+}
+
+/// The problem+json rendering, with the rejection attached to the response's
+/// extensions.
+impl IntoResponse for Rejection {
+    fn into_response(self) -> Response<Body> {
+        let kind = self.kind.clone();
+        let mut response = self.into_problem_response();
+        response.extensions_mut().insert(kind);
         response
     }
 }

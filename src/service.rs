@@ -1,24 +1,27 @@
 //! The middleware service: the cheap, synchronous decisions (method, key,
 //! scope).
-//! Everything that awaits lives in [`crate::claim`].
+//! Everything that awaits lives in `crate::guard`.
 
 use std::{
     sync::Arc,
     task::{Context, Poll},
 };
 
-use axum::body::Body;
+use axum_core::{BoxError, body::Body};
 use bytes::Bytes;
 use http::{Request, Response};
 use tower_service::Service;
 
 use crate::{
-    BypassReason, CachePolicy, FingerprintStrategy, IdempotencyKey, InvalidKey, RejectionKind,
-    ScopeExtractor,
-    claim::{self, BoxError},
+    config::Shared,
+    fingerprint::FingerprintStrategy,
     future::ResponseFuture,
-    key::IDEMPOTENCY_KEY,
-    layer::Shared,
+    guard::{self, KeyedRequest},
+    key::{IdempotencyKey, InvalidKey},
+    outcome::BypassReason,
+    policy::StorePolicy,
+    rejection::RejectionKind,
+    scope::ScopeExtractor,
     store::Store,
 };
 
@@ -69,7 +72,7 @@ where
     ResBody::Error: Into<BoxError>,
     St: Store,
     Sc: ScopeExtractor,
-    P: CachePolicy,
+    P: StorePolicy,
     F: FingerprintStrategy,
 {
     type Response = Response<Body>;
@@ -85,7 +88,7 @@ where
         if !config.methods.contains(req.method()) {
             return self.bypass(req, BypassReason::UnguardedMethod);
         }
-        let mut values = req.headers().get_all(IDEMPOTENCY_KEY).iter();
+        let mut values = req.headers().get_all(&config.header).iter();
         let key = match (values.next(), values.next()) {
             (None, _) if config.require_key => return self.reject(RejectionKind::MissingKey),
             (None, _) => return self.bypass(req, BypassReason::NoKey),
@@ -106,13 +109,13 @@ where
         // https://docs.rs/tower/latest/tower/trait.Service.html#be-careful-when-cloning-inner-services
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        let request = claim::Guarded {
+        let request = KeyedRequest {
             parts,
             body,
             key,
             scope,
         };
-        ResponseFuture::guarded(Box::pin(claim::handle(self.shared.clone(), inner, request)))
+        ResponseFuture::keyed(Box::pin(guard::handle(self.shared.clone(), inner, request)))
     }
 }
 

@@ -6,7 +6,7 @@ use quick_cache::{Weighter, sync::Cache};
 use tokio::time::Instant;
 
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
-use crate::{CompletedRecord, Fingerprint};
+use crate::{fingerprint::Fingerprint, observe, record::CompletedRecord};
 
 /// Serves replays from memory: a bounded cache of completed records in front
 /// of another store (typically [`RedisStore`](crate::RedisStore)).
@@ -145,6 +145,7 @@ impl<St: Store> Store for CachedStore<St> {
         let now = Instant::now();
         if let Some(entry) = self.cache.get(key) {
             if entry.expires_at > now {
+                observe::cache_lookup("hit");
                 return Ok(if entry.fingerprint == *fingerprint {
                     Claim::Completed {
                         record: entry.record,
@@ -156,6 +157,7 @@ impl<St: Store> Store for CachedStore<St> {
             }
             self.cache.remove(key);
         }
+        observe::cache_lookup("miss");
         let claim = self.inner.claim(key, fingerprint, lease).await?;
         if let Claim::Completed { record, expires_in } = &claim {
             self.remember(key, fingerprint, record.clone(), now, *expires_in);

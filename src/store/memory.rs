@@ -10,7 +10,7 @@ use std::{
 use tokio::time::Instant;
 
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
-use crate::{CompletedRecord, Fingerprint};
+use crate::{fingerprint::Fingerprint, record::CompletedRecord};
 
 /// Enough shards that cores rarely wait for each other's lock, and that
 /// growing one shard's table (a copy of it) stays a short pause.

@@ -62,16 +62,25 @@ use std::{
     time::Duration,
 };
 
-use crate::{CompletedRecord, Fingerprint, FingerprintHasher, IdempotencyKey};
+use crate::{
+    fingerprint::{Fingerprint, FingerprintHasher},
+    key::IdempotencyKey,
+    record::{CompletedRecord, CorruptRecord},
+};
 
+#[cfg(feature = "cache")]
 mod cached;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 
+#[cfg(feature = "cache")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
 pub use cached::CachedStore;
 #[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use memory::MemoryStore;
 
 /// The claim protocol. See the [module docs](self) for the contract and a
@@ -253,7 +262,7 @@ pub enum StoreError {
     Timeout(Duration),
     /// A stored record could not be decoded.
     #[error(transparent)]
-    Corrupt(#[from] crate::CorruptRecord),
+    Corrupt(#[from] CorruptRecord),
     /// The store is configured in a way that would lose records (e.g. Redis
     /// with a `maxmemory-policy` other than `noeviction`), or was asked for
     /// something it cannot represent.

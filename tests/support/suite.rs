@@ -67,7 +67,7 @@ fn app_with<St, Sc, P, F>(layer: IdempotencyLayer<St, Sc, P, F>) -> (Router, Cou
 where
     St: Store,
     Sc: tower_idempotency::ScopeExtractor,
-    P: tower_idempotency::CachePolicy,
+    P: tower_idempotency::StorePolicy,
     F: FingerprintStrategy,
 {
     let counter = Counter::default();
@@ -367,7 +367,7 @@ pub async fn non_final_responses_release_the_key<B: Backend>(b: &B) {
 }
 
 pub async fn store_all_keeps_every_status<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).cache_when(StoreAll));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(StoreAll));
     oneshot(&app, post("/status/503", "k", "")).await;
     let retry = oneshot(&app, post("/status/503", "k", "")).await;
     assert!(retry.is_replay());

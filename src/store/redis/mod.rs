@@ -12,12 +12,11 @@
 //!
 //! # Layout
 //!
-//! One binary string per record at `{prefix}{scope length}:{scope}:{key}`:
-//! a state byte (`i` in flight, `r` response, `u` unreplayable), the 32-byte
-//! fingerprint, then the 16-byte lease token (in flight) or the status,
-//! created-at, header block (see
-//! [`StoredResponse::encode_headers`](crate::StoredResponse::encode_headers))
-//! and the body bytes — no JSON or base64 anywhere. Each script reads and
+//! One binary string per record at `{prefix}{SHA-256 of the scope}:{key}`
+//! (see [`StorageKey`]): an in-flight claim is `i`, the 32-byte fingerprint
+//! and the 16-byte lease token; a completed record is in the crate's
+//! record [`codec`] (`r` response or `u` unreplayable, the fingerprint,
+//! status, created-at, headers and body) — no JSON or base64 anywhere. Each script reads and
 //! writes it with one command; the claim is a single `SET NX GET`, so Redis
 //! **7.0 or newer** is required. An in-flight record's TTL is the lease; a
 //! completed record's TTL is the retention (`PX`), so nothing needs a sweeper.
@@ -63,7 +62,10 @@
 //! slow or missing replicas, completions queue for up to the timeout each.
 
 mod blob;
+mod builder;
 mod connection;
+
+pub use builder::{EvictionPolicyCheck, RedisStoreBuilder};
 
 use std::{
     sync::{Arc, LazyLock},
@@ -74,17 +76,16 @@ use redis::Value;
 
 use self::connection::{Connection, Lua};
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
-use crate::{CompletedRecord, CorruptRecord, Fingerprint};
+use crate::{
+    codec,
+    fingerprint::Fingerprint,
+    record::{CompletedRecord, CorruptRecord},
+};
 
 static CLAIM: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("claim.lua")));
 static EXTEND: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("extend.lua")));
 static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("complete.lua")));
 static RELEASE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("release.lua")));
-
-/// How long a cluster connection keeps waiting for a reply that our own
-/// timeout gave up on: the default lease.
-#[cfg(feature = "cluster")]
-const LATE_REPLY_WAIT: Duration = Duration::from_secs(30);
 
 /// A [`Store`] on Redis or Redis Cluster. See the [module docs](self) for the
 /// protocol, the data layout and the failure behaviour.
@@ -129,69 +130,10 @@ struct Durable {
     timeout: Duration,
 }
 
-/// What to do when Redis may evict idempotency records: a `maxmemory-policy`
-/// other than `noeviction` with a `maxmemory` limit, or a policy that cannot
-/// be read (`CONFIG` disabled).
-///
-/// # Examples
-///
-/// ```no_run
-/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
-/// use tower_idempotency::{RedisStore, store::redis::EvictionPolicyCheck};
-///
-/// // A managed Redis whose CONFIG command is disabled, set to noeviction in
-/// // its console: the store cannot check, so say that you did.
-/// let store = RedisStore::builder()
-///     .eviction_policy_check(EvictionPolicyCheck::Warn)
-///     .connect("rediss://managed.example:6379")
-///     .await?;
-/// # let _ = store; Ok(()) }
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum EvictionPolicyCheck {
-    /// Refuse to connect (the default).
-    #[default]
-    Refuse,
-    /// Log an error and connect anyway: an explicit opt-out, for when you have
-    /// made sure by other means that Redis will not evict records.
-    Warn,
-}
-
-/// Configures and connects a [`RedisStore`].
-///
-/// # Examples
-///
-/// ```no_run
-/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
-/// use std::time::Duration;
-/// use tower_idempotency::{RedisStore, store::redis::EvictionPolicyCheck};
-///
-/// let store = RedisStore::builder()
-///     .prefix("idem:")
-///     .command_timeout(Duration::from_millis(500))
-///     .eviction_policy_check(EvictionPolicyCheck::Refuse)
-///     .connect("redis://127.0.0.1:6379")
-///     .await?;
-/// # let _ = store; Ok(()) }
-/// ```
-#[derive(Clone, Debug)]
-pub struct RedisStoreBuilder {
-    prefix: String,
-    timeout: Duration,
-    eviction: EvictionPolicyCheck,
-    replicas: Option<(usize, Duration)>,
-}
-
 impl RedisStore {
     /// Starts configuring a store.
     pub fn builder() -> RedisStoreBuilder {
-        RedisStoreBuilder {
-            prefix: "idempotency:".into(),
-            timeout: Duration::from_secs(1),
-            eviction: EvictionPolicyCheck::Refuse,
-            replicas: None,
-        }
+        RedisStoreBuilder::new()
     }
 
     /// The Redis key that holds a record.
@@ -238,267 +180,6 @@ impl std::fmt::Debug for RedisStore {
             .field("prefix", &self.inner.prefix)
             .field("timeout", &self.inner.timeout)
             .finish_non_exhaustive()
-    }
-}
-
-impl RedisStoreBuilder {
-    /// The prefix of every Redis key the store writes (default `idempotency:`).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// let builder = tower_idempotency::RedisStore::builder().prefix("payments:idem:");
-    /// # let _ = builder;
-    /// ```
-    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
-        self
-    }
-
-    /// The longest any Redis call may take before the request gets `503`
-    /// (default 1 s).
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use std::time::Duration;
-    ///
-    /// let builder = tower_idempotency::RedisStore::builder().command_timeout(Duration::from_millis(250));
-    /// # let _ = builder;
-    /// ```
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
-    }
-
-    /// What to do when Redis may evict records, or its eviction policy cannot
-    /// be read (default: refuse to connect). See [`EvictionPolicyCheck`].
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use tower_idempotency::{RedisStore, store::redis::EvictionPolicyCheck};
-    ///
-    /// let builder = RedisStore::builder().eviction_policy_check(EvictionPolicyCheck::Warn);
-    /// # let _ = builder;
-    /// ```
-    pub fn eviction_policy_check(mut self, check: EvictionPolicyCheck) -> Self {
-        self.eviction = check;
-        self
-    }
-
-    /// After each completion, wait up to `timeout` for `replicas` replicas to
-    /// acknowledge it (`WAIT`). See the [module docs](self) for the trade-off.
-    ///
-    /// # Examples
-    ///
-    /// ```
-    /// use std::time::Duration;
-    ///
-    /// // Each completion waits up to 100 ms for one replica.
-    /// let builder = tower_idempotency::RedisStore::builder().wait_for_replicas(1, Duration::from_millis(100));
-    /// # let _ = builder;
-    /// ```
-    pub fn wait_for_replicas(mut self, replicas: usize, timeout: Duration) -> Self {
-        self.replicas = Some((replicas, timeout));
-        self
-    }
-
-    /// Connects to a single Redis node, e.g. `redis://127.0.0.1:6379`.
-    ///
-    /// # Examples
-    ///
-    /// ```no_run
-    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
-    /// let store = tower_idempotency::RedisStore::builder().connect("redis://127.0.0.1:6379").await?;
-    /// # let _ = store; Ok(()) }
-    /// ```
-    pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(url)?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            // No client-level response timeout (redis-rs defaults to 500 ms,
-            // which silently capped ours): every call is bounded by
-            // `command_timeout` here, and a late claim reply must still arrive
-            // (see `claim`). The client's own timer also costs ~9 µs of CPU.
-            .set_response_timeout(None)
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(100));
-        let open = || async {
-            let manager =
-                redis::aio::ConnectionManager::new_with_config(client.clone(), config.clone())
-                    .await?;
-            Ok::<_, StoreError>(Connection::Single(manager))
-        };
-        let connection = open().await?;
-        let durable = match self.replicas {
-            Some(_) => Some(open().await?),
-            None => None,
-        };
-        self.finish(connection, durable).await
-    }
-
-    /// Connects to a Redis Cluster through one or more seed nodes, e.g.
-    /// `["redis://127.0.0.1:7000"]`. The client follows `MOVED`/`ASK`
-    /// redirects and topology changes.
-    ///
-    /// # Examples
-    ///
-    /// ```no_run
-    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
-    /// let store = tower_idempotency::RedisStore::builder()
-    ///     .connect_cluster(["redis://127.0.0.1:7000", "redis://127.0.0.1:7001"])
-    ///     .await?;
-    /// # let _ = store; Ok(()) }
-    /// ```
-    #[cfg(feature = "cluster")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
-    pub async fn connect_cluster<I, T>(self, nodes: I) -> Result<RedisStore, StoreError>
-    where
-        I: IntoIterator<Item = T>,
-        T: redis::IntoConnectionInfo,
-    {
-        let wait = self.replicas.map_or(Duration::ZERO, |(_, wait)| wait);
-        let client = redis::cluster::ClusterClientBuilder::new(nodes)
-            .connection_timeout(self.timeout)
-            // The cluster client needs one. Ours (`command_timeout`) bounds
-            // every call; this one must be longer, so that a `WAIT` runs its
-            // course and a late claim reply still arrives (see `claim`).
-            .response_timeout(self.timeout.max(LATE_REPLY_WAIT) + wait)
-            .retries(2)
-            .build()?;
-        let connection = Connection::Cluster(client.get_async_connection().await?);
-        let durable = match self.replicas {
-            Some(_) => Some(Connection::Cluster(client.get_async_connection().await?)),
-            None => None,
-        };
-        self.finish(connection, durable).await
-    }
-
-    async fn finish(
-        self,
-        connection: Connection,
-        durable: Option<Connection>,
-    ) -> Result<RedisStore, StoreError> {
-        check_version(&connection).await?;
-        check_eviction_policy(&connection, self.eviction).await?;
-        // Load the scripts now so the first requests need no NOSCRIPT detour.
-        for lua in [&*CLAIM, &*EXTEND, &*COMPLETE, &*RELEASE] {
-            connection.on_every_master(lua.load()).await?;
-        }
-        Ok(RedisStore {
-            inner: Arc::new(Inner {
-                connection,
-                prefix: self.prefix,
-                timeout: self.timeout,
-                durable: durable
-                    .zip(self.replicas)
-                    .map(|(connection, (replicas, timeout))| Durable {
-                        connection,
-                        replicas,
-                        timeout,
-                    }),
-            }),
-        })
-    }
-}
-
-/// The claim script's `SET … NX GET` needs Redis 7.0; fail at start-up, not
-/// on every request.
-async fn check_version(connection: &Connection) -> Result<(), StoreError> {
-    let mut info = redis::cmd("INFO");
-    info.arg("server");
-    let mut replies = Vec::new();
-    connection
-        .on_every_master(info)
-        .await?
-        .iter()
-        .for_each(|r| collect_strings(r, &mut replies));
-    for reply in &replies {
-        let version = reply.lines().find_map(|l| l.strip_prefix("redis_version:"));
-        let major = version.and_then(|v| v.split('.').next()?.trim().parse::<u32>().ok());
-        if let (Some(version), Some(major)) = (version, major)
-            && major < 7
-        {
-            return Err(StoreError::Misconfigured(format!(
-                "Redis {} is too old: the idempotency store needs Redis 7.0 or newer (SET NX GET)",
-                version.trim()
-            )));
-        }
-    }
-    Ok(())
-}
-
-async fn check_eviction_policy(
-    connection: &Connection,
-    check: EvictionPolicyCheck,
-) -> Result<(), StoreError> {
-    let opt_out = "or, if you have made sure by other means, opt out with \
-        `RedisStore::builder().eviction_policy_check(EvictionPolicyCheck::Warn)`";
-    let (policies, limits) = match (
-        config_get(connection, "maxmemory-policy").await,
-        config_get(connection, "maxmemory").await,
-    ) {
-        (Ok(policies), Ok(limits)) => (policies, limits),
-        (Err(error), _) | (_, Err(error)) => {
-            let message = format!(
-                "cannot read the Redis maxmemory-policy ({error}); CONFIG may be disabled, as on many \
-                 managed services. Idempotency records are safe from eviction only under \
-                 `maxmemory-policy noeviction` (or without a maxmemory limit): set it, {opt_out}"
-            );
-            return refuse_or_warn(check, message);
-        }
-    };
-    let evicting = policies.iter().find(|policy| *policy != "noeviction");
-    let limited = limits.iter().any(|limit| limit != "0");
-    if let (Some(policy), true) = (evicting, limited) {
-        let message = format!(
-            "Redis maxmemory-policy is {policy}: every idempotency record has a TTL, so Redis may \
-             evict records when memory runs short (volatile-ttl evicts in-flight claims first), \
-             and their retries would execute again. Set `maxmemory-policy noeviction` (or remove \
-             the maxmemory limit), {opt_out}"
-        );
-        return refuse_or_warn(check, message);
-    }
-    Ok(())
-}
-
-fn refuse_or_warn(check: EvictionPolicyCheck, message: String) -> Result<(), StoreError> {
-    match check {
-        EvictionPolicyCheck::Refuse => Err(StoreError::Misconfigured(message)),
-        EvictionPolicyCheck::Warn => {
-            tracing::error!("idempotency: {message}");
-            Ok(())
-        }
-    }
-}
-
-/// `CONFIG GET name` on every master: the values.
-async fn config_get(connection: &Connection, name: &str) -> Result<Vec<String>, StoreError> {
-    let mut get = redis::cmd("CONFIG");
-    get.arg("GET").arg(name);
-    let mut values = Vec::new();
-    for reply in connection.on_every_master(get).await? {
-        collect_strings(&reply, &mut values);
-    }
-    values.retain(|value| value != name);
-    if values.is_empty() {
-        return Err(StoreError::Misconfigured(format!(
-            "CONFIG GET {name} returned nothing"
-        )));
-    }
-    Ok(values)
-}
-
-fn collect_strings(value: &Value, out: &mut Vec<String>) {
-    match value {
-        Value::BulkString(b) => out.push(String::from_utf8_lossy(b).into_owned()),
-        Value::SimpleString(s) => out.push(s.clone()),
-        Value::Array(items) | Value::Set(items) => {
-            items.iter().for_each(|v| collect_strings(v, out))
-        }
-        Value::Map(pairs) => pairs.iter().for_each(|(_, v)| collect_strings(v, out)),
-        _ => {}
     }
 }
 
@@ -565,7 +246,7 @@ impl Store for RedisStore {
         let durable = self.inner.durable.as_ref();
         let on = durable.map_or(&self.inner.connection, |d| &d.connection);
         let retention_ms = millis(retention, "retention")?;
-        let completed = blob::completed(fingerprint, &record);
+        let completed = codec::encode(fingerprint, &record);
         let args: [&[u8]; 3] = [&token.to_bytes(), &completed, retention_ms.as_bytes()];
         let stored = self.run_fenced(on, &COMPLETE, &redis_key, &args).await?;
         if let (true, Some(durable)) = (stored, durable) {
@@ -651,7 +332,7 @@ fn decode_claim(reply: Value, token: LeaseToken) -> Result<Claim, StoreError> {
         }
         (2, _) => Ok(Claim::InFlight { retry_after: ttl }),
         (4, Some(Value::BulkString(record))) => Ok(Claim::Completed {
-            record: Arc::new(blob::decode_completed(record)?),
+            record: Arc::new(codec::decode(record)?.1),
             expires_in: ttl,
         }),
         _ => Err(corrupt("unknown claim reply")),

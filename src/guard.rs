@@ -1,30 +1,34 @@
-//! The claim protocol, the one place that decides what a
-//! guarded request gets: a replay, a rejection, or an execution.
+//! The claim protocol for a keyed request: the one place that decides what it
+//! gets — a replay, a rejection, or an execution.
 
 use std::{sync::Arc, time::Duration};
 
-use axum::body::Body;
+use axum_core::{BoxError, body::Body};
 use bytes::Bytes;
-use http::{HeaderName, HeaderValue, Request, Response, request::Parts};
+use http::{Request, Response, request::Parts};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 use tower_service::Service;
 
+use tracing::Instrument;
+
 use crate::{
-    CachePolicy, CompletedRecord, FingerprintStrategy, IdempotencyKey, IdempotencyOutcome,
-    RejectionKind, execute,
-    layer::Shared,
+    config::Shared,
+    execute,
+    fingerprint::FingerprintStrategy,
+    key::IdempotencyKey,
     lease::Lease,
+    observe,
+    outcome::IdempotencyOutcome,
+    policy::StorePolicy,
+    record::CompletedRecord,
+    rejection::RejectionKind,
     store::{Claim, StorageKey, Store},
 };
 
-pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// The header every replayed response carries.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-
-/// A guarded request that passed the synchronous checks.
-pub(crate) struct Guarded<B> {
+/// A guarded request that passed the synchronous checks: it has a valid key
+/// and a scope.
+pub(crate) struct KeyedRequest<B> {
     pub(crate) parts: Parts,
     pub(crate) body: B,
     pub(crate) key: IdempotencyKey,
@@ -34,10 +38,11 @@ pub(crate) struct Guarded<B> {
 /// How often a waiting duplicate polls the store, at most.
 const MAX_WAIT_POLL: Duration = Duration::from_millis(100);
 
+/// Decides, inside the request's span, and records the outcome once.
 pub(crate) async fn handle<S, St, Sc, P, F, ReqBody, ResBody>(
     shared: Arc<Shared<St, Sc, P, F>>,
     inner: S,
-    request: Guarded<ReqBody>,
+    request: KeyedRequest<ReqBody>,
 ) -> Result<Response<Body>, S::Error>
 where
     S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
@@ -49,11 +54,42 @@ where
     ResBody::Error: Into<BoxError>,
     St: Store,
     Sc: Send + Sync + 'static,
-    P: CachePolicy,
+    P: StorePolicy,
     F: FingerprintStrategy,
 {
-    let Guarded {
-        parts,
+    let span = observe::request_span(request.key.as_str());
+    let result = decide(shared, inner, request)
+        .instrument(span.clone())
+        .await;
+    if let Ok(outcome) = result
+        .as_ref()
+        .map(|r| r.extensions().get::<IdempotencyOutcome>())
+    {
+        outcome.inspect(|outcome| observe::outcome(&span, outcome));
+    }
+    result
+}
+
+async fn decide<S, St, Sc, P, F, ReqBody, ResBody>(
+    shared: Arc<Shared<St, Sc, P, F>>,
+    inner: S,
+    request: KeyedRequest<ReqBody>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+    St: Store,
+    Sc: Send + Sync + 'static,
+    P: StorePolicy,
+    F: FingerprintStrategy,
+{
+    let KeyedRequest {
+        mut parts,
         body,
         key,
         scope,
@@ -64,12 +100,21 @@ where
         Err(kind) => return Ok(shared.rejection(kind)),
     };
     let fingerprint = shared.fingerprint.fingerprint(&parts, &body);
-    let key = StorageKey::new(&scope, &key);
+    let storage_key = StorageKey::new(&scope, &key);
+    tracing::Span::current().record(
+        "idempotency.storage_key",
+        tracing::field::display(&storage_key),
+    );
+    // The handler may use the key, e.g. as the idempotency key of a call to a
+    // payment processor downstream.
+    parts.extensions.insert(key);
+    let key = storage_key;
 
     let wait_until = config.in_flight_wait.map(|wait| Instant::now() + wait);
     let mut poll_every = Duration::from_millis(5);
     loop {
-        match shared.store.claim(&key, &fingerprint, config.lease).await {
+        let claim = shared.store.claim(&key, &fingerprint, config.lease);
+        match observe::store_call("claim", claim).await {
             Ok(Claim::Acquired(token)) => {
                 let request = Request::from_parts(parts, Body::from(body));
                 let lease = Lease::new(shared.store.clone(), key, token, fingerprint, config.lease);
@@ -91,12 +136,28 @@ where
                 }
             },
             Err(error) if config.fail_open => {
-                tracing::warn!(%key, %error, "idempotency: store unavailable, running UNPROTECTED (fail-open)");
+                match shared.outage_log.admit() {
+                    Some(suppressed) => tracing::warn!(
+                        %key, %error, suppressed,
+                        "idempotency: store unavailable, running UNPROTECTED (fail-open); `suppressed` more since the last such line"
+                    ),
+                    None => {
+                        tracing::debug!(%key, %error, "idempotency: store unavailable, running UNPROTECTED (fail-open)")
+                    }
+                }
                 let request = Request::from_parts(parts, Body::from(body));
                 return execute::unprotected(inner, request).await;
             }
             Err(error) => {
-                tracing::error!(%key, %error, "idempotency: store unavailable, request refused (fail closed)");
+                match shared.outage_log.admit() {
+                    Some(suppressed) => tracing::error!(
+                        %key, %error, suppressed,
+                        "idempotency: store unavailable, request refused (fail closed); `suppressed` more since the last such line"
+                    ),
+                    None => {
+                        tracing::debug!(%key, %error, "idempotency: store unavailable, request refused (fail closed)")
+                    }
+                }
                 let retry_after = config.unavailable_retry_after;
                 return Ok(shared.rejection(RejectionKind::StoreUnavailable { retry_after }));
             }
@@ -120,31 +181,21 @@ where
     }
 }
 
-/// The stored status, headers (in order) and body, plus
-/// `Idempotent-Replayed: true`.
+/// A completed key's answer: its stored response, or the rejection that says
+/// it cannot be replayed.
 fn replay<St, Sc, P, F>(
     shared: &Shared<St, Sc, P, F>,
     key: &StorageKey,
     record: &CompletedRecord,
 ) -> Response<Body> {
-    let stored = match record {
-        CompletedRecord::Response(stored) => stored,
+    match record {
+        CompletedRecord::Response(stored) => {
+            tracing::debug!(%key, "idempotency: replayed");
+            stored.replay()
+        }
         CompletedRecord::Unreplayable { status, .. } => {
             tracing::info!(%key, "idempotency: completed but unreplayable");
-            return shared.rejection(RejectionKind::Unreplayable { status: *status });
+            shared.rejection(RejectionKind::Unreplayable { status: *status })
         }
-    };
-    tracing::debug!(%key, "idempotency: replayed");
-    let mut response = Response::new(Body::from(stored.body().clone()));
-    *response.status_mut() = stored.status();
-    let headers = response.headers_mut();
-    headers.reserve(stored.headers().len() + 1);
-    for (name, value) in stored.headers() {
-        headers.append(name.clone(), value.clone());
     }
-    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    response
-        .extensions_mut()
-        .insert(IdempotencyOutcome::Replayed);
-    response
 }

@@ -1,0 +1,184 @@
+//! The byte encoding of a completed record, for stores that keep records as
+//! bytes (the Redis store uses it as its value format).
+//!
+//! ```text
+//! response:      'r' | fingerprint (32) | status (u16) | created at, Unix ms (u64)
+//!                    | header block length (u32) | header block | body
+//! unreplayable:  'u' | fingerprint (32) | status (u16) | created at, Unix ms (u64)
+//! ```
+//!
+//! Integers are big-endian; `created_at` is kept to the millisecond; the
+//! header block is
+//! [`StoredResponse::encode_headers`]. The first byte names the format: a
+//! later version of this crate that changes the layout uses a new tag and
+//! keeps decoding these, so records written before an upgrade still replay.
+//! The fingerprint sits at a fixed offset (bytes 1 to 32), so a store can
+//! compare it without decoding the rest.
+//!
+//! # Examples
+//!
+//! ```
+//! use std::time::{Duration, UNIX_EPOCH};
+//! use http::{StatusCode, header::LOCATION};
+//! use tower_idempotency::{CompletedRecord, Fingerprint, StoredResponse, codec};
+//!
+//! let fingerprint = Fingerprint::from_bytes([7; 32]);
+//! let record = CompletedRecord::Response(StoredResponse::from_parts(
+//!     StatusCode::CREATED,
+//!     vec![(LOCATION, "/v1/charges/ch_1".parse().unwrap())],
+//!     "{\"id\":\"ch_1\"}".into(),
+//!     UNIX_EPOCH + Duration::from_millis(1_700_000_000_123),
+//! ));
+//! let bytes = codec::encode(&fingerprint, &record);
+//! assert_eq!(codec::fingerprint(&bytes), Some(fingerprint));
+//! assert_eq!(codec::decode(bytes).unwrap(), (fingerprint, record));
+//! ```
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http::StatusCode;
+
+use crate::{
+    fingerprint::Fingerprint,
+    record::{CompletedRecord, CorruptRecord, StoredResponse},
+};
+
+/// The tag of a stored response.
+pub(crate) const RESPONSE: u8 = b'r';
+/// The tag of an unreplayable completion.
+pub(crate) const UNREPLAYABLE: u8 = b'u';
+/// Tag and fingerprint: what every encoded record starts with.
+pub(crate) const HEAD: usize = 1 + 32;
+/// Head, status and created-at: where a response's header block length starts.
+const META: usize = HEAD + 2 + 8;
+
+/// Encodes `record`, the answer to requests with `fingerprint`.
+pub fn encode(fingerprint: &Fingerprint, record: &CompletedRecord) -> Vec<u8> {
+    let (tag, status, created_at, response) = match record {
+        CompletedRecord::Response(r) => (RESPONSE, r.status(), r.created_at(), Some(r)),
+        CompletedRecord::Unreplayable { status, created_at } => {
+            (UNREPLAYABLE, *status, *created_at, None)
+        }
+    };
+    let headers = response
+        .map(StoredResponse::encode_headers)
+        .unwrap_or_default();
+    let body = response.map_or(&[][..], |r| r.body());
+    let mut bytes = Vec::with_capacity(META + 4 + headers.len() + body.len());
+    bytes.push(tag);
+    bytes.extend_from_slice(fingerprint.as_bytes());
+    bytes.extend_from_slice(&status.as_u16().to_be_bytes());
+    bytes.extend_from_slice(&to_unix_millis(created_at).to_be_bytes());
+    if response.is_some() {
+        bytes.extend_from_slice(&(headers.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(&headers);
+        bytes.extend_from_slice(body);
+    }
+    bytes
+}
+
+/// The fingerprint of an encoded record, without decoding the rest; `None`
+/// if `bytes` is too short to hold one.
+pub fn fingerprint(bytes: &[u8]) -> Option<Fingerprint> {
+    let fingerprint: [u8; 32] = bytes.get(1..HEAD)?.try_into().ok()?;
+    Some(Fingerprint::from_bytes(fingerprint))
+}
+
+/// Decodes a record written by [`encode`]. The body is a slice of `bytes`,
+/// not a copy.
+pub fn decode(bytes: impl Into<Bytes>) -> Result<(Fingerprint, CompletedRecord), CorruptRecord> {
+    let bytes: Bytes = bytes.into();
+    let fingerprint = fingerprint(&bytes).ok_or(CorruptRecord("truncated record"))?;
+    let meta = bytes
+        .get(HEAD..META)
+        .ok_or(CorruptRecord("truncated record"))?;
+    let status = u16::from_be_bytes([meta[0], meta[1]]);
+    let status = StatusCode::from_u16(status).map_err(|_| CorruptRecord("status"))?;
+    let created_at = from_unix_millis(u64::from_be_bytes(meta[2..10].try_into().expect("8 bytes")));
+    let record = match bytes[0] {
+        UNREPLAYABLE => CompletedRecord::Unreplayable { status, created_at },
+        RESPONSE => {
+            let len = bytes
+                .get(META..META + 4)
+                .ok_or(CorruptRecord("truncated record"))?;
+            let headers_end =
+                META + 4 + u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
+            let block = bytes
+                .get(META + 4..headers_end)
+                .ok_or(CorruptRecord("truncated headers"))?;
+            let headers = StoredResponse::decode_headers(block)?;
+            let body = bytes.slice(headers_end..);
+            CompletedRecord::Response(StoredResponse::from_parts(
+                status, headers, body, created_at,
+            ))
+        }
+        _ => return Err(CorruptRecord("unknown record format")),
+    };
+    Ok((fingerprint, record))
+}
+
+/// Milliseconds since the Unix epoch, the wire form of `created_at`.
+fn to_unix_millis(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn from_unix_millis(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use http::{HeaderMap, HeaderValue, header};
+
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let fp = Fingerprint::from_bytes([9; 32]);
+        let mut headers = HeaderMap::new();
+        headers.insert(header::LOCATION, HeaderValue::from_static("/x"));
+        headers.append("x-multi", HeaderValue::from_static("a"));
+        headers.append("x-multi", HeaderValue::from_static("b"));
+        let response = StoredResponse::from_parts(
+            StatusCode::CREATED,
+            StoredResponse::capture(StatusCode::CREATED, &headers, Bytes::new())
+                .headers()
+                .to_vec(),
+            Bytes::from_static(b"{\"ok\":true}"),
+            UNIX_EPOCH + Duration::from_millis(1_700_000_000_123),
+        );
+        for record in [
+            CompletedRecord::Response(response),
+            CompletedRecord::Unreplayable {
+                status: StatusCode::OK,
+                created_at: UNIX_EPOCH + Duration::from_millis(42),
+            },
+        ] {
+            let bytes = encode(&fp, &record);
+            assert_eq!(&bytes[1..HEAD], fp.as_bytes());
+            assert_eq!(decode(bytes).unwrap(), (fp, record));
+        }
+    }
+
+    #[test]
+    fn corrupt_records_are_errors() {
+        assert!(decode(vec![b'r'; 10]).is_err());
+        assert!(decode(vec![b'x'; 60]).is_err());
+        let mut bytes = encode(
+            &Fingerprint::from_bytes([0; 32]),
+            &CompletedRecord::Unreplayable {
+                status: StatusCode::OK,
+                created_at: UNIX_EPOCH,
+            },
+        );
+        bytes[0] = b'r';
+        assert!(
+            decode(bytes).is_err(),
+            "a response without its header block"
+        );
+    }
+}

@@ -1,0 +1,63 @@
+//! The configuration a service reads on every request, shared by the clones
+//! of one service. Built by the layer; read by everything below it.
+
+use std::{sync::Arc, time::Duration};
+
+use axum_core::body::Body;
+use http::{HeaderName, Method, Response};
+
+use crate::{
+    observe::Throttle,
+    outcome::IdempotencyOutcome,
+    rejection::{Rejection, RejectionKind, RenderRejection},
+};
+
+/// The longest [`IdempotencyLayer::retention`](crate::IdempotencyLayer::retention): a year. "Keep forever" is not
+/// something every store can honour, and no client retries for longer.
+pub const MAX_RETENTION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// The longest [`IdempotencyLayer::lease`](crate::IdempotencyLayer::lease): a day. The lease is how long a
+/// crashed process blocks its keys; the heartbeat keeps slow handlers claimed
+/// whatever its length.
+pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Plain settings, read on every request.
+#[derive(Clone, Debug)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    /// The request header that carries the key.
+    pub(crate) header: HeaderName,
+    pub(crate) require_key: bool,
+    pub(crate) retention: Duration,
+    pub(crate) lease: Duration,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_stored_body: usize,
+    pub(crate) in_flight_wait: Option<Duration>,
+    pub(crate) fail_open: bool,
+    pub(crate) unavailable_retry_after: Duration,
+}
+
+/// Everything a service needs, shared by the clones of one service.
+#[derive(Clone)]
+pub(crate) struct Shared<St, Sc, P, F> {
+    pub(crate) store: St,
+    pub(crate) scope: Sc,
+    pub(crate) policy: P,
+    pub(crate) fingerprint: F,
+    pub(crate) config: Config,
+    pub(crate) render: RenderRejection,
+    /// Store outages are logged at most once a second, across the services
+    /// the layer builds.
+    pub(crate) outage_log: Arc<Throttle>,
+}
+
+impl<St, Sc, P, F> Shared<St, Sc, P, F> {
+    /// The rendered rejection, tagged with its outcome.
+    pub(crate) fn rejection(&self, kind: RejectionKind) -> Response<Body> {
+        let mut response = (self.render)(Rejection::new(kind.clone()));
+        response
+            .extensions_mut()
+            .insert(IdempotencyOutcome::Rejected(kind));
+        response
+    }
+}

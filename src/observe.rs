@@ -1,0 +1,147 @@
+//! What the layer tells operators: a span per keyed request, metrics through
+//! the `metrics` facade (feature `metrics`), and logs that an outage cannot
+//! turn into a flood.
+
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use crate::outcome::IdempotencyOutcome;
+
+/// Names of the metrics, for dashboards and alerts (listed in the README).
+#[cfg(feature = "metrics")]
+mod names {
+    /// Counter, label `outcome`: what the layer did with each keyed request.
+    pub(super) const OUTCOMES: &str = "idempotency_outcomes_total";
+    /// Counter: responses sent but not stored, so a retry may execute again.
+    pub(super) const COMPLETIONS_LOST: &str = "idempotency_completions_lost_total";
+    /// Counter, label `result` (`stored`, `lost`, `gave_up`): completions retried
+    /// in the background.
+    pub(super) const COMPLETION_RETRIES: &str = "idempotency_completion_retries_total";
+    /// Counter, label `result` (`hit`, `miss`): `CachedStore` lookups.
+    pub(super) const CACHE_LOOKUPS: &str = "idempotency_cache_lookups_total";
+    /// Histogram, label `operation` (`claim`, `extend`, `complete`,
+    /// `release`): store latency in seconds.
+    pub(super) const STORE_SECONDS: &str = "idempotency_store_duration_seconds";
+}
+
+/// The span of one keyed request: the handler's own logs nest inside it.
+/// The scope is never a field (it may be a credential); the storage key,
+/// which carries its hash, is.
+pub(crate) fn request_span(key: &str) -> tracing::Span {
+    tracing::info_span!(
+        "idempotency",
+        idempotency.key = %key,
+        idempotency.storage_key = tracing::field::Empty,
+        idempotency.outcome = tracing::field::Empty,
+    )
+}
+
+/// Records what became of a keyed request, on its span and in the metrics.
+pub(crate) fn outcome(span: &tracing::Span, outcome: &IdempotencyOutcome) {
+    span.record(
+        "idempotency.outcome",
+        tracing::field::display(outcome.name()),
+    );
+    #[cfg(feature = "metrics")]
+    metrics::counter!(names::OUTCOMES, "outcome" => outcome.name()).increment(1);
+}
+
+/// A response went out unstored: a retry may execute again.
+pub(crate) fn completion_lost() {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(names::COMPLETIONS_LOST).increment(1);
+}
+
+/// A background completion retry ended: `stored`, `lost` or `gave_up`.
+pub(crate) fn completion_retried(result: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(names::COMPLETION_RETRIES, "result" => result).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = result;
+}
+
+/// A `CachedStore` lookup: `hit` or `miss`.
+#[cfg_attr(not(feature = "cache"), allow(dead_code))]
+pub(crate) fn cache_lookup(result: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(names::CACHE_LOOKUPS, "result" => result).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = result;
+}
+
+/// Times one store operation.
+pub(crate) async fn store_call<T>(operation: &'static str, call: impl Future<Output = T>) -> T {
+    #[cfg(feature = "metrics")]
+    {
+        let started = Instant::now();
+        let output = call.await;
+        metrics::histogram!(names::STORE_SECONDS, "operation" => operation)
+            .record(started.elapsed().as_secs_f64());
+        output
+    }
+    #[cfg(not(feature = "metrics"))]
+    {
+        let _ = operation;
+        call.await
+    }
+}
+
+/// Lets one log line through per interval and counts the rest, so that an
+/// outage's `503`s are logged once a second, not once per request.
+#[derive(Debug)]
+pub(crate) struct Throttle {
+    every: Duration,
+    origin: Instant,
+    /// When the last line went through, in milliseconds since `origin`, plus
+    /// one (zero: never).
+    last: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl Throttle {
+    pub(crate) fn new(every: Duration) -> Self {
+        Self {
+            every,
+            origin: Instant::now(),
+            last: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    /// `Some(lines suppressed since the last one)` when this line may be
+    /// logged, `None` when it is one of the suppressed.
+    pub(crate) fn admit(&self) -> Option<u64> {
+        let now = self.origin.elapsed().as_millis() as u64 + 1;
+        let last = self.last.load(Ordering::Relaxed);
+        let due = last == 0 || now.saturating_sub(last) >= self.every.as_millis() as u64;
+        if due
+            && self
+                .last
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_throttle_admits_one_line_per_interval_and_counts_the_rest() {
+        let throttle = Throttle::new(Duration::from_millis(50));
+        assert_eq!(throttle.admit(), Some(0));
+        for _ in 0..99 {
+            assert_eq!(throttle.admit(), None);
+        }
+        std::thread::sleep(Duration::from_millis(60));
+        assert_eq!(throttle.admit(), Some(99));
+        assert_eq!(throttle.admit(), None);
+    }
+}
