@@ -10,7 +10,18 @@
 //! in-memory store; set: Redis); `REDIS_CLUSTER_NODES` (comma-separated
 //! `redis://host:port` seeds: Redis Cluster); `PROCESSOR_LATENCY_MS` (default 0:
 //! how long the fake card processor takes); `IDEMPOTENCY_LEASE_MS` (default
-//! 30000); `IDEMPOTENCY_TTL_SECS` (default 86400).
+//! 30000); `IDEMPOTENCY_TTL_SECS` (default 86400); `REQUEST_TIMEOUT_MS`
+//! (default 10000).
+//!
+//! Layers, outermost first: tracing (logs each response with its idempotency
+//! outcome), compression, a request timeout, authentication, then the
+//! idempotency layer on the charges route. Compression sits outside, so the
+//! stored response is the uncompressed one and each retry gets the encoding
+//! it asked for. The timeout sits outside too: when it fires the client gets
+//! `408`, while the handler, detached from the connection, still finishes and
+//! its response is stored; the retry receives it.
+//!
+//! Prometheus metrics of the idempotency layer are served at `GET /metrics`.
 //!
 //! Try it:
 //!
@@ -39,6 +50,9 @@
 //!
 //! # The account's charges: one per execution.
 //! curl -s localhost:3000/v1/charges -H 'authorization: Bearer acct_alice'
+//!
+//! # What the layer decided, as Prometheus counters.
+//! curl -s localhost:3000/metrics | grep idempotency_
 //! ```
 
 use std::{
@@ -54,10 +68,15 @@ use axum::{
     http::{StatusCode, header, request::Parts},
     middleware::{self, Next},
     response::{IntoResponse, Response},
-    routing::post,
+    routing::{get, post},
 };
+use metrics_exporter_prometheus::PrometheusBuilder;
 use serde::{Deserialize, Serialize};
-use tower_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, store::Store};
+use tower::ServiceBuilder;
+use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer, trace::TraceLayer};
+use tower_idempotency::{
+    IdempotencyLayer, IdempotencyOutcome, MemoryStore, Problem, RedisStore, store::Store,
+};
 
 #[tokio::main]
 async fn main() {
@@ -90,6 +109,11 @@ async fn main() {
         app(MemoryStore::new(), &settings)
     };
 
+    let metrics = PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap_or_else(|e| exit_with(&format!("cannot install the metrics recorder: {e}")));
+    let app = app.route("/metrics", get(move || async move { metrics.render() }));
+
     let listener = tokio::net::TcpListener::bind(&settings.bind_addr)
         .await
         .unwrap_or_else(|e| {
@@ -108,6 +132,7 @@ struct Settings {
     processor_latency: Duration,
     lease: Duration,
     retention: Duration,
+    request_timeout: Duration,
 }
 
 impl Settings {
@@ -148,6 +173,11 @@ impl Settings {
                 86_400,
                 1..=max_ttl_secs,
             )?),
+            request_timeout: Duration::from_millis(number(
+                "REQUEST_TIMEOUT_MS",
+                10_000,
+                1..=3_600_000,
+            )?),
         })
     }
 }
@@ -158,6 +188,8 @@ fn exit_with(message: &str) -> ! {
     std::process::exit(2)
 }
 
+/// The service, without the `/metrics` route (its recorder is global, so
+/// `main` adds it once).
 fn app<St: Store>(store: St, settings: &Settings) -> Router {
     let idempotency = IdempotencyLayer::new(store)
         .require_key(true)
@@ -170,10 +202,34 @@ fn app<St: Store>(store: St, settings: &Settings) -> Router {
     };
     Router::new()
         .route("/v1/charges", post(create_charge).get(list_charges))
-        .layer(idempotency)
-        // Outermost: authenticate first, so the account is the idempotency scope.
+        // Only on routes that matched; `GET` passes through it untouched.
+        .route_layer(idempotency)
+        // Authenticate first, so the account is the idempotency scope.
         .layer(middleware::from_fn(authenticate))
+        // Outermost first. Whatever rewrites the body (compression) must sit
+        // outside the idempotency layer: inside, a gzip body would be stored
+        // and replayed to clients that never asked for gzip.
+        .layer(
+            ServiceBuilder::new()
+                .layer(TraceLayer::new_for_http().on_response(log_response))
+                .layer(CompressionLayer::new())
+                .layer(TimeoutLayer::with_status_code(
+                    StatusCode::REQUEST_TIMEOUT,
+                    settings.request_timeout,
+                )),
+        )
         .with_state(state)
+}
+
+/// One line per response, with what the idempotency layer did.
+fn log_response<B>(response: &Response<B>, latency: Duration, _: &tracing::Span) {
+    let outcome = response.extensions().get::<IdempotencyOutcome>();
+    tracing::info!(
+        status = response.status().as_u16(),
+        outcome = outcome.map_or("-", IdempotencyOutcome::name),
+        ?latency,
+        "response"
+    );
 }
 
 #[derive(Clone)]
@@ -292,27 +348,110 @@ fn fastrand_id() -> String {
         .collect()
 }
 
-/// An RFC 9457 problem, members in the RFC's order.
-#[derive(Serialize)]
-struct Problem<'a> {
-    r#type: &'a str,
-    title: &'a str,
-    status: u16,
-    detail: &'a str,
+fn problem(status: StatusCode, title: &'static str, detail: &str) -> Response {
+    Problem::new(status, title)
+        .detail(detail.to_owned())
+        .into_response()
 }
 
-fn problem(status: StatusCode, title: &str, detail: &str) -> Response {
-    let body = Problem {
-        r#type: "about:blank",
-        title,
-        status: status.as_u16(),
-        detail,
-    };
-    let body = serde_json::to_string(&body).expect("a problem serialises");
-    (
-        status,
-        [(header::CONTENT_TYPE, "application/problem+json")],
-        body,
-    )
-        .into_response()
+#[cfg(test)]
+mod tests {
+    use axum::body::{Body, to_bytes};
+    use tower::ServiceExt;
+
+    use super::*;
+
+    fn settings() -> Settings {
+        Settings {
+            bind_addr: String::new(),
+            processor_latency: Duration::ZERO,
+            lease: Duration::from_secs(30),
+            retention: Duration::from_secs(86_400),
+            request_timeout: Duration::from_secs(10),
+        }
+    }
+
+    fn charge(key: &str, body: &str) -> Request {
+        Request::post("/v1/charges")
+            .header("authorization", "Bearer acct_test")
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_owned()))
+            .unwrap()
+    }
+
+    async fn body(response: Response) -> axum::body::Bytes {
+        to_bytes(response.into_body(), usize::MAX).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_retry_replays_the_charge_and_changed_parameters_are_refused() {
+        let app = app(MemoryStore::new(), &settings());
+        let first = app
+            .clone()
+            .oneshot(charge("order-1", r#"{"amount":100,"currency":"eur"}"#))
+            .await
+            .unwrap();
+        assert_eq!(first.status(), StatusCode::CREATED);
+        let first = body(first).await;
+
+        let retry = app
+            .clone()
+            .oneshot(charge("order-1", r#"{ "currency": "eur", "amount": 100 }"#))
+            .await
+            .unwrap();
+        assert_eq!(retry.headers()["idempotent-replayed"], "true");
+        assert_eq!(body(retry).await, first);
+
+        let changed = app
+            .clone()
+            .oneshot(charge("order-1", r#"{"amount":200,"currency":"eur"}"#))
+            .await
+            .unwrap();
+        assert_eq!(changed.status(), StatusCode::UNPROCESSABLE_ENTITY);
+
+        let list = Request::get("/v1/charges")
+            .header("authorization", "Bearer acct_test")
+            .body(Body::empty())
+            .unwrap();
+        let charges: serde_json::Value =
+            serde_json::from_slice(&body(app.oneshot(list).await.unwrap()).await).unwrap();
+        assert_eq!(charges.as_array().unwrap().len(), 1, "one execution");
+    }
+
+    #[tokio::test]
+    async fn compression_outside_the_layer_never_replays_gzip_to_a_client_that_did_not_ask() {
+        let app = app(MemoryStore::new(), &settings());
+        // A long description, so the response is worth compressing.
+        let new = format!(
+            r#"{{"amount":100,"currency":"eur","description":"{}"}}"#,
+            "x".repeat(2048)
+        );
+        let mut gzip = charge("order-2", &new);
+        gzip.headers_mut()
+            .insert(header::ACCEPT_ENCODING, "gzip".parse().unwrap());
+        let first = app.clone().oneshot(gzip).await.unwrap();
+        assert_eq!(first.headers()[header::CONTENT_ENCODING], "gzip");
+
+        let retry = app.oneshot(charge("order-2", &new)).await.unwrap();
+        assert_eq!(retry.headers()["idempotent-replayed"], "true");
+        assert!(retry.headers().get(header::CONTENT_ENCODING).is_none());
+        let charge: serde_json::Value = serde_json::from_slice(&body(retry).await).unwrap();
+        assert_eq!(charge["amount"], 100);
+    }
+
+    #[tokio::test]
+    async fn requests_without_credentials_are_refused_before_the_layer() {
+        let mut request = charge("order-3", r#"{"amount":100,"currency":"eur"}"#);
+        request.headers_mut().remove(header::AUTHORIZATION);
+        let response = app(MemoryStore::new(), &settings())
+            .oneshot(request)
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::UNAUTHORIZED);
+        assert_eq!(
+            response.headers()[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+    }
 }

@@ -45,8 +45,11 @@ pub use rejection::{Rejection, RejectionKind};
 pub use scope::{NoScope, ScopeExtractor};
 pub use service::IdempotencyService;
 #[cfg(feature = "cache")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
 pub use store::CachedStore;
 #[cfg(feature = "memory")]
+#[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use store::MemoryStore;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::redis::RedisStore;

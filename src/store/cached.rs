@@ -33,7 +33,7 @@ use crate::{fingerprint::Fingerprint, observe, record::CompletedRecord};
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
-/// use tower_idempotency::{IdempotencyLayer, RedisStore, store::CachedStore};
+/// use tower_idempotency::{CachedStore, IdempotencyLayer, RedisStore};
 ///
 /// let redis = RedisStore::builder().connect("redis://127.0.0.1:6379").await?;
 /// let layer = IdempotencyLayer::new(CachedStore::new(redis, 64 * 1024 * 1024));
