@@ -10,8 +10,6 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 use tower_service::Service;
 
-use tracing::Instrument;
-
 use crate::{
     config::Shared,
     execute,
@@ -19,7 +17,6 @@ use crate::{
     key::IdempotencyKey,
     lease::Lease,
     observe,
-    outcome::IdempotencyOutcome,
     policy::StorePolicy,
     record::CompletedRecord,
     rejection::RejectionKind,
@@ -38,39 +35,7 @@ pub(crate) struct KeyedRequest<B> {
 /// How often a waiting duplicate polls the store, at most.
 const MAX_WAIT_POLL: Duration = Duration::from_millis(100);
 
-/// Decides, inside the request's span, and records the outcome once.
 pub(crate) async fn handle<S, St, Sc, P, F, ReqBody, ResBody>(
-    shared: Arc<Shared<St, Sc, P, F>>,
-    inner: S,
-    request: KeyedRequest<ReqBody>,
-) -> Result<Response<Body>, S::Error>
-where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-    St: Store,
-    Sc: Send + Sync + 'static,
-    P: StorePolicy,
-    F: FingerprintStrategy,
-{
-    let span = observe::request_span(request.key.as_str());
-    let result = decide(shared, inner, request)
-        .instrument(span.clone())
-        .await;
-    if let Ok(outcome) = result
-        .as_ref()
-        .map(|r| r.extensions().get::<IdempotencyOutcome>())
-    {
-        outcome.inspect(|outcome| observe::outcome(&span, outcome));
-    }
-    result
-}
-
-async fn decide<S, St, Sc, P, F, ReqBody, ResBody>(
     shared: Arc<Shared<St, Sc, P, F>>,
     inner: S,
     request: KeyedRequest<ReqBody>,

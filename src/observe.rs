@@ -7,6 +7,10 @@ use std::{
     time::{Duration, Instant},
 };
 
+use axum_core::body::Body;
+use http::Response;
+use tracing::Instrument;
+
 use crate::outcome::IdempotencyOutcome;
 
 /// Names of the metrics, for dashboards and alerts (listed in the README).
@@ -38,8 +42,20 @@ pub(crate) fn request_span(key: &str) -> tracing::Span {
     )
 }
 
-/// Records what became of a keyed request, on its span and in the metrics.
-pub(crate) fn outcome(span: &tracing::Span, outcome: &IdempotencyOutcome) {
+/// Runs a keyed request's future in its span, then records what became of it
+/// (on the span and in the metrics).
+pub(crate) async fn recorded<E>(
+    span: tracing::Span,
+    request: impl Future<Output = Result<Response<Body>, E>>,
+) -> Result<Response<Body>, E> {
+    let result = request.instrument(span.clone()).await;
+    if let Some(outcome) = result.as_ref().ok().and_then(|r| r.extensions().get()) {
+        record_outcome(&span, outcome);
+    }
+    result
+}
+
+fn record_outcome(span: &tracing::Span, outcome: &IdempotencyOutcome) {
     span.record(
         "idempotency.outcome",
         tracing::field::display(outcome.name()),

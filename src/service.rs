@@ -18,6 +18,7 @@ use crate::{
     future::ResponseFuture,
     guard::{self, KeyedRequest},
     key::{IdempotencyKey, InvalidKey},
+    observe,
     outcome::BypassReason,
     policy::StorePolicy,
     rejection::RejectionKind,
@@ -115,7 +116,9 @@ where
             key,
             scope,
         };
-        ResponseFuture::keyed(Box::pin(guard::handle(self.shared.clone(), inner, request)))
+        let span = observe::request_span(request.key.as_str());
+        let handled = guard::handle(self.shared.clone(), inner, request);
+        ResponseFuture::keyed(Box::pin(observe::recorded(span, handled)))
     }
 }
 

@@ -15,6 +15,7 @@ use tower_idempotency::{
 use support::{
     app::{Counter, routes},
     http::{HttpClient, Server, oneshot, post},
+    logs::Logs,
     payments::Payments,
     redis_server::{RedisServer, command_calls, free_port},
 };
@@ -283,8 +284,12 @@ async fn fail_open_runs_the_handler_unprotected_only_when_asked() {
     assert_eq!(counter.get(), 1);
 }
 
-#[tokio::test]
+/// Also: the completion that timed out on the client is applied by Redis when
+/// it wakes, and the background retry that finds it must count it as stored,
+/// not raise a false alarm.
+#[tokio::test] // Current-thread: the captured logs see every task.
 async fn a_hung_redis_cannot_hang_requests_and_completion_is_retried() {
+    let (logs, _guard) = Logs::capture("tower_idempotency=info");
     let server = RedisServer::start();
     let store = RedisStore::builder()
         .command_timeout(Duration::from_millis(200))
@@ -338,6 +343,22 @@ async fn a_hung_redis_cannot_hang_requests_and_completion_is_retried() {
         counter.get(),
         1,
         "a Redis blip never becomes a second execution"
+    );
+    let mut outcome = String::new();
+    for _ in 0..50 {
+        outcome = logs.text();
+        if outcome.contains("after retrying") || outcome.contains("may execute again") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        outcome.contains("completion stored after retrying"),
+        "{outcome}"
+    );
+    assert!(
+        !outcome.contains("may execute again"),
+        "no false alarm: {outcome}"
     );
 }
 
