@@ -26,7 +26,7 @@ use crate::{
     policy::StorePolicy,
     record::{CompletedRecord, StoredResponse},
     rejection::RejectionKind,
-    store::Store,
+    store::{Store, StoreError},
 };
 
 /// What the handler produced, read as far as the layer needs.
@@ -272,7 +272,14 @@ where
     };
     let record = Arc::new(record);
     let retention = shared.config.retention;
-    match lease.complete(record.clone(), retention).await {
+    let stored = lease.complete(record.clone(), retention).await;
+    if shared.store.commits_effects() && !matches!(stored, Ok(true)) {
+        // The handler's writes committed with the record, or not at all:
+        // its response must not go out, since it may describe an effect
+        // that was rolled back. The retry replays or executes, both right.
+        return Ok(withheld(shared, &lease, stored));
+    }
+    match stored {
         Ok(true) => {
             tracing::debug!(key = %lease.key(), ?completion, "idempotency: executed");
             Ok(executed(response, completion))
@@ -289,6 +296,32 @@ where
             tracing::warn!(key = %lease.key(), %error, "idempotency: completion failed; retrying in the background");
             tokio::spawn(async move { lease.complete_in_background(record, retention).await });
             Ok(executed(response, Completion::Pending))
+        }
+    }
+}
+
+/// The answer when a transactional store could not commit the handler's
+/// writes with the record.
+fn withheld<St: Store, Sc, P, F>(
+    shared: &Shared<St, Sc, P, F>,
+    lease: &Lease<St>,
+    stored: Result<bool, StoreError>,
+) -> Response<Body> {
+    match stored {
+        Err(StoreError::TransactionHeld) => {
+            tracing::error!(
+                key = %lease.key(),
+                "idempotency: the handler's transaction is still held elsewhere (an IdempotentTx kept past the handler); rolled back"
+            );
+            shared.rejection(RejectionKind::TransactionHeld)
+        }
+        other => {
+            tracing::warn!(
+                key = %lease.key(), outcome = ?other,
+                "idempotency: the transaction did not commit (or its outcome is unknown); response withheld"
+            );
+            let retry_after = shared.config.unavailable_retry_after;
+            shared.rejection(RejectionKind::StoreUnavailable { retry_after })
         }
     }
 }

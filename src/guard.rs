@@ -81,6 +81,8 @@ where
         let claim = shared.store.claim(&key, &fingerprint, config.lease);
         match observe::store_call("claim", claim).await {
             Ok(Claim::Acquired(token)) => {
+                // A transactional store hands the handler its transaction here.
+                shared.store.attach(token, &mut parts.extensions);
                 let request = Request::from_parts(parts, Body::from(body));
                 let lease = Lease::new(shared.store.clone(), key, token, fingerprint, config.lease);
                 return execute::detached(shared, inner, request, lease).await;

@@ -73,6 +73,7 @@ impl IdempotencyOutcome {
                 RejectionKind::StoreUnavailable { .. } => "rejected_store_unavailable",
                 RejectionKind::HandlerPanicked => "rejected_handler_panicked",
                 RejectionKind::ResponseBodyFailed => "rejected_response_body_failed",
+                RejectionKind::TransactionHeld => "rejected_transaction_held",
             },
             Self::Bypassed(BypassReason::UnguardedMethod) => "bypassed_method",
             Self::Bypassed(BypassReason::NoKey) => "bypassed_no_key",

@@ -46,6 +46,9 @@ pub enum RejectionKind {
     /// The handler's response body failed while it was being read; the key was
     /// released (`502`).
     ResponseBodyFailed,
+    /// The handler kept its transaction past its own end (e.g. moved it into
+    /// a spawned task), so nothing was committed (`500`).
+    TransactionHeld,
 }
 
 /// A response the layer produced itself. Never stored, never replayed.
@@ -93,7 +96,9 @@ impl Rejection {
                 StatusCode::CONFLICT
             }
             RejectionKind::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            RejectionKind::HandlerPanicked => StatusCode::INTERNAL_SERVER_ERROR,
+            RejectionKind::HandlerPanicked | RejectionKind::TransactionHeld => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             RejectionKind::ResponseBodyFailed => StatusCode::BAD_GATEWAY,
         }
     }
@@ -121,6 +126,7 @@ impl Rejection {
                 "urn:tower-idempotency:problem:store-unavailable"
             }
             RejectionKind::HandlerPanicked => "urn:tower-idempotency:problem:handler-panicked",
+            RejectionKind::TransactionHeld => "urn:tower-idempotency:problem:transaction-held",
             RejectionKind::ResponseBodyFailed => {
                 "urn:tower-idempotency:problem:response-body-failed"
             }
@@ -138,7 +144,9 @@ impl Rejection {
             RejectionKind::InFlight { .. } => "Request in progress",
             RejectionKind::Unreplayable { .. } => "Original response cannot be replayed",
             RejectionKind::StoreUnavailable { .. } => "Idempotency store unavailable",
-            RejectionKind::HandlerPanicked => "Internal server error",
+            RejectionKind::HandlerPanicked | RejectionKind::TransactionHeld => {
+                "Internal server error"
+            }
             RejectionKind::ResponseBodyFailed => "Response body failed",
         }
     }
@@ -172,6 +180,9 @@ impl Rejection {
             }
             RejectionKind::ResponseBodyFailed => {
                 "The response failed while it was produced and was not recorded; it may be retried with the same key.".into()
+            }
+            RejectionKind::TransactionHeld => {
+                "The request's work was not committed; it may be retried with the same key.".into()
             }
         }
     }

@@ -1,6 +1,7 @@
 //! The layer's behaviour suite against the in-memory store, a real
-//! single-node Redis (each test starts its own `redis-server`), and the same
-//! Redis behind the in-process replay cache. The Redis
+//! single-node Redis (each test starts its own `redis-server`), the same
+//! Redis behind the in-process replay cache, and PostgreSQL (plain mode, a
+//! throwaway database per test). The Redis
 //! Cluster run of the same suite is in `cluster.rs`.
 
 #[macro_use]
@@ -26,3 +27,4 @@ macro_rules! tests_for {
 behaviour_cases!(tests_for, memory, backend::Memory);
 behaviour_cases!(tests_for, redis, backend::SingleRedis::start());
 behaviour_cases!(tests_for, cached_redis, backend::CachedRedis::start());
+behaviour_cases!(tests_for, postgres, backend::Postgres::start());

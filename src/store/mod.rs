@@ -72,6 +72,9 @@ use crate::{
 mod cached;
 #[cfg(feature = "memory")]
 mod memory;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
@@ -135,6 +138,23 @@ pub trait Store: Clone + Send + Sync + 'static {
         key: &StorageKey,
         token: LeaseToken,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Called once the claim is acquired, before the handler runs: a store
+    /// may put what the handler needs into the request's extensions (the
+    /// transactional Postgres store puts the transaction there). Does nothing
+    /// by default.
+    fn attach(&self, token: LeaseToken, extensions: &mut http::Extensions) {
+        let _ = (token, extensions);
+    }
+
+    /// Whether [`complete`](Store::complete) commits the handler's own writes
+    /// together with the record (default `false`). Then a completion that
+    /// did not succeed means the handler's writes did not commit either (or
+    /// their fate is unknown): the layer withholds the handler's response and
+    /// answers `503`, instead of sending it and retrying the completion.
+    fn commits_effects(&self) -> bool {
+        false
+    }
 }
 
 /// What [`Store::claim`] found.
@@ -263,6 +283,12 @@ pub enum StoreError {
     /// A stored record could not be decoded.
     #[error(transparent)]
     Corrupt(#[from] CorruptRecord),
+    /// The handler still holds the transaction the store gave it (an
+    /// extractor kept past the handler, e.g. moved into a spawned task), so
+    /// it can be neither committed nor rolled back now. It rolls back when
+    /// that holder drops it.
+    #[error("the handler's transaction is still held: it was not committed")]
+    TransactionHeld,
     /// The store is configured in a way that would lose records (e.g. Redis
     /// with a `maxmemory-policy` other than `noeviction`), or was asked for
     /// something it cannot represent.

@@ -7,11 +7,11 @@ use std::{
 };
 
 use tower_idempotency::{
-    MemoryStore, RedisStore,
+    MemoryStore, PostgresStore, RedisStore,
     store::{CachedStore, Store},
 };
 
-use super::{cluster::RedisCluster, redis_server::RedisServer};
+use super::{cluster::RedisCluster, postgres::TestDatabase, redis_server::RedisServer};
 
 pub trait Backend {
     type Store: Store;
@@ -83,5 +83,28 @@ impl Backend for Cluster {
             .connect_cluster(self.0.urls())
             .await
             .expect("connect to the test cluster")
+    }
+}
+
+/// PostgreSQL in plain mode: a throwaway database, a fresh table per store.
+pub struct Postgres(pub TestDatabase);
+
+impl Postgres {
+    pub fn start() -> Self {
+        Self(TestDatabase::create())
+    }
+}
+
+impl Backend for Postgres {
+    type Store = PostgresStore;
+    async fn store(&self) -> PostgresStore {
+        let table = fresh_prefix().replace(':', "");
+        let store = PostgresStore::builder()
+            .table(format!("records_{table}"))
+            .connect(self.0.url())
+            .await
+            .expect("connect to the test database");
+        store.migrate().await.expect("create the table");
+        store
     }
 }

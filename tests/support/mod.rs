@@ -8,5 +8,6 @@ pub mod cluster;
 pub mod http;
 pub mod logs;
 pub mod payments;
+pub mod postgres;
 pub mod redis_server;
 pub mod suite;

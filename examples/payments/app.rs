@@ -1,59 +1,5 @@
-//! A payments API whose `POST /v1/charges` is safe to retry.
-//!
-//! Run with:
-//!
-//! ```not_rust
-//! cargo run --release --example payments
-//! ```
-//!
-//! Environment: `BIND_ADDR` (default `127.0.0.1:3000`); `REDIS_URL` (unset: the
-//! in-memory store; set: Redis); `REDIS_CLUSTER_NODES` (comma-separated
-//! `redis://host:port` seeds: Redis Cluster); `PROCESSOR_LATENCY_MS` (default 0:
-//! how long the fake card processor takes); `IDEMPOTENCY_LEASE_MS` (default
-//! 30000); `IDEMPOTENCY_TTL_SECS` (default 86400); `REQUEST_TIMEOUT_MS`
-//! (default 10000).
-//!
-//! Layers, outermost first: tracing (logs each response with its idempotency
-//! outcome), compression, a request timeout, authentication, then the
-//! idempotency layer on the charges route. Compression sits outside, so the
-//! stored response is the uncompressed one and each retry gets the encoding
-//! it asked for. The timeout sits outside too: when it fires the client gets
-//! `408`, while the handler, detached from the connection, still finishes and
-//! its response is stored; the retry receives it.
-//!
-//! Prometheus metrics of the idempotency layer are served at `GET /metrics`.
-//!
-//! Try it:
-//!
-//! ```not_rust
-//! # First call: 201, a new charge.
-//! curl -i -X POST localhost:3000/v1/charges -H 'authorization: Bearer acct_alice' \
-//!   -H 'idempotency-key: order-42' -H 'content-type: application/json' \
-//!   -d '{"amount": 1999, "currency": "eur", "description": "order 42"}'
-//!
-//! # Retry (same key, same parameters, any JSON formatting): the same charge,
-//! # replayed with `idempotent-replayed: true`; no second execution.
-//! curl -i -X POST localhost:3000/v1/charges -H 'authorization: Bearer acct_alice' \
-//!   -H 'idempotency-key: order-42' -H 'content-type: application/json' \
-//!   -d '{"description": "order 42", "currency": "eur", "amount": 1999}'
-//!
-//! # Same key, different parameters: 422 problem+json.
-//! curl -i -X POST localhost:3000/v1/charges -H 'authorization: Bearer acct_alice' \
-//!   -H 'idempotency-key: order-42' -H 'content-type: application/json' \
-//!   -d '{"amount": 5000, "currency": "eur"}'
-//!
-//! # Conflict: while a first call is still running, its duplicate gets 409 with
-//! # Retry-After. Start the server with PROCESSOR_LATENCY_MS=5000 and run twice at once:
-//! for i in 1 2; do curl -s -X POST localhost:3000/v1/charges -H 'authorization: Bearer acct_alice' \
-//!   -H 'idempotency-key: order-43' -H 'content-type: application/json' \
-//!   -d '{"amount": 100, "currency": "usd"}' & done; wait
-//!
-//! # The account's charges: one per execution.
-//! curl -s localhost:3000/v1/charges -H 'authorization: Bearer acct_alice'
-//!
-//! # What the layer decided, as Prometheus counters.
-//! curl -s localhost:3000/metrics | grep idempotency_
-//! ```
+//! The payments service: its router, state and handlers, apart from
+//! start-up so that tests can call [`app`] with `oneshot`.
 
 use std::{
     collections::HashMap,
@@ -68,67 +14,20 @@ use axum::{
     http::{StatusCode, header, request::Parts},
     middleware::{self, Next},
     response::{IntoResponse, Response},
-    routing::{get, post},
+    routing::post,
 };
-use metrics_exporter_prometheus::PrometheusBuilder;
 use serde::{Deserialize, Serialize};
 use tower::ServiceBuilder;
 use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer, trace::TraceLayer};
 use tower_idempotency::{
-    IdempotencyLayer, IdempotencyOutcome, MemoryStore, Problem, RedisStore, store::Store,
+    IdempotencyLayer, IdempotencyOutcome, IdempotentTx, Problem,
+    sqlx::{self, PgConnection, PgPool, Row},
+    store::Store,
 };
 
-#[tokio::main]
-async fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "payments=info,tower_idempotency=info".into()),
-        )
-        .init();
-
-    let settings = Settings::from_env().unwrap_or_else(|why| exit_with(&why));
-    // The URLs may carry a password: they are never logged.
-    let app = if let Ok(nodes) = env::var("REDIS_CLUSTER_NODES") {
-        let nodes: Vec<String> = nodes.split(',').map(|n| n.trim().to_owned()).collect();
-        let store = RedisStore::builder()
-            .connect_cluster(nodes)
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("REDIS_CLUSTER_NODES: {e}")));
-        tracing::info!("store: Redis Cluster (REDIS_CLUSTER_NODES)");
-        app(store, &settings)
-    } else if let Ok(url) = env::var("REDIS_URL") {
-        let store = RedisStore::builder()
-            .connect(&url)
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("REDIS_URL: {e}")));
-        tracing::info!("store: Redis (REDIS_URL)");
-        app(store, &settings)
-    } else {
-        tracing::info!("store: in-memory (set REDIS_URL for Redis)");
-        app(MemoryStore::new(), &settings)
-    };
-
-    let metrics = PrometheusBuilder::new()
-        .install_recorder()
-        .unwrap_or_else(|e| exit_with(&format!("cannot install the metrics recorder: {e}")));
-    let app = app.route("/metrics", get(move || async move { metrics.render() }));
-
-    let listener = tokio::net::TcpListener::bind(&settings.bind_addr)
-        .await
-        .unwrap_or_else(|e| {
-            exit_with(&format!(
-                "BIND_ADDR: cannot bind {}: {e}",
-                settings.bind_addr
-            ))
-        });
-    println!("listening on http://{}", listener.local_addr().unwrap());
-    axum::serve(listener, app).await.unwrap();
-}
-
 /// The example's configuration, read from the environment.
-struct Settings {
-    bind_addr: String,
+pub struct Settings {
+    pub bind_addr: String,
     processor_latency: Duration,
     lease: Duration,
     retention: Duration,
@@ -137,7 +36,7 @@ struct Settings {
 
 impl Settings {
     /// The settings, or a message that names the variable to fix.
-    fn from_env() -> Result<Self, String> {
+    pub fn from_env() -> Result<Self, String> {
         fn number(
             name: &str,
             default: u64,
@@ -182,26 +81,27 @@ impl Settings {
     }
 }
 
-/// A configuration mistake: say what to fix and stop, before serving.
-fn exit_with(message: &str) -> ! {
-    eprintln!("payments: {message}");
-    std::process::exit(2)
-}
-
 /// The service, without the `/metrics` route (its recorder is global, so
 /// `main` adds it once).
-fn app<St: Store>(store: St, settings: &Settings) -> Router {
+pub fn app<St: Store>(store: St, charges: Charges, settings: &Settings) -> Router {
+    // With the transactional store the charge is written in the request's
+    // transaction; otherwise on its own.
+    let create = if store.commits_effects() {
+        post(create_charge_in_transaction)
+    } else {
+        post(create_charge)
+    };
     let idempotency = IdempotencyLayer::new(store)
         .require_key(true)
         .scope_with(|parts: &Parts| parts.extensions.get::<Account>().map(|a| a.0.clone()))
         .lease(settings.lease)
         .retention(settings.retention);
     let state = AppState {
-        charges: Arc::default(),
+        charges,
         processor_latency: settings.processor_latency,
     };
     Router::new()
-        .route("/v1/charges", post(create_charge).get(list_charges))
+        .route("/v1/charges", create.get(list_charges))
         // Only on routes that matched; `GET` passes through it untouched.
         .route_layer(idempotency)
         // Authenticate first, so the account is the idempotency scope.
@@ -234,8 +134,77 @@ fn log_response<B>(response: &Response<B>, latency: Duration, _: &tracing::Span)
 
 #[derive(Clone)]
 struct AppState {
-    charges: Arc<Mutex<HashMap<String, Vec<Charge>>>>,
+    charges: Charges,
     processor_latency: Duration,
+}
+
+/// Where charges live: one row (or entry) per handler execution.
+#[derive(Clone)]
+pub enum Charges {
+    Memory(Arc<Mutex<HashMap<String, Vec<Charge>>>>),
+    Postgres(PgPool),
+}
+
+impl Charges {
+    /// Records a charge on its own (committed at once).
+    async fn insert(&self, charge: &Charge) -> Result<(), sqlx::Error> {
+        match self {
+            Charges::Memory(charges) => {
+                let mut charges = charges.lock().unwrap();
+                charges
+                    .entry(charge.account.clone())
+                    .or_default()
+                    .push(charge.clone());
+                Ok(())
+            }
+            Charges::Postgres(pool) => insert_charge(&mut *pool.acquire().await?, charge).await,
+        }
+    }
+
+    async fn list(&self, account: &str) -> Result<Vec<Charge>, sqlx::Error> {
+        match self {
+            Charges::Memory(charges) => Ok(charges
+                .lock()
+                .unwrap()
+                .get(account)
+                .cloned()
+                .unwrap_or_default()),
+            Charges::Postgres(pool) => {
+                let rows = sqlx::query(
+                    "SELECT id, account, amount, currency, description FROM charges \
+                     WHERE account = $1 ORDER BY created_at, id",
+                )
+                .bind(account)
+                .fetch_all(pool)
+                .await?;
+                rows.iter()
+                    .map(|row| {
+                        Ok(Charge {
+                            id: row.try_get("id")?,
+                            account: row.try_get("account")?,
+                            amount: row.try_get("amount")?,
+                            currency: row.try_get("currency")?,
+                            description: row.try_get("description")?,
+                        })
+                    })
+                    .collect()
+            }
+        }
+    }
+}
+
+async fn insert_charge(connection: &mut PgConnection, charge: &Charge) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO charges (id, account, amount, currency, description) VALUES ($1, $2, $3, $4, $5)",
+    )
+    .bind(&charge.id)
+    .bind(&charge.account)
+    .bind(charge.amount)
+    .bind(&charge.currency)
+    .bind(&charge.description)
+    .execute(connection)
+    .await?;
+    Ok(())
 }
 
 /// The authenticated account: the bearer token names it.
@@ -272,7 +241,7 @@ struct NewCharge {
 }
 
 #[derive(Clone, Serialize)]
-struct Charge {
+pub struct Charge {
     id: String,
     account: String,
     amount: i64,
@@ -280,51 +249,84 @@ struct Charge {
     description: Option<String>,
 }
 
+/// Charges on its own: the charge commits, then the processor is called,
+/// then the idempotency record is stored. A crash in between leaves a charge
+/// without a record, and the retry charges again once the lease expires.
 async fn create_charge(
     State(state): State<AppState>,
     axum::Extension(Account(account)): axum::Extension<Account>,
     body: Result<Json<NewCharge>, JsonRejection>,
 ) -> Response {
-    let new = match body {
-        Ok(Json(new)) => new,
-        Err(rejection) => {
-            return problem(
-                StatusCode::BAD_REQUEST,
-                "Invalid charge",
-                &rejection.body_text(),
-            );
-        }
+    let charge = match new_charge(account, body) {
+        Ok(charge) => charge,
+        Err(invalid) => return invalid.into_response(),
     };
-    if new.amount <= 0 {
+    if let Err(e) = state.charges.insert(&charge).await {
+        tracing::error!(error = %e, "cannot record the charge");
         return problem(
-            StatusCode::BAD_REQUEST,
-            "Invalid charge",
-            "`amount` must be a positive integer.",
-        );
-    }
-    if new.currency.len() != 3 || !new.currency.bytes().all(|b| b.is_ascii_alphabetic()) {
-        return problem(
-            StatusCode::BAD_REQUEST,
-            "Invalid charge",
-            "`currency` must be 3 letters.",
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Charge failed",
+            "The charge could not be recorded.",
         );
     }
     // The card processor.
     tokio::time::sleep(state.processor_latency).await;
-    let charge = Charge {
+    created(charge)
+}
+
+/// Charges in the request's transaction: the charge and the idempotency
+/// record commit together once this returns, or neither does.
+async fn create_charge_in_transaction(
+    State(state): State<AppState>,
+    axum::Extension(Account(account)): axum::Extension<Account>,
+    mut tx: IdempotentTx,
+    body: Result<Json<NewCharge>, JsonRejection>,
+) -> Response {
+    let charge = match new_charge(account, body) {
+        Ok(charge) => charge,
+        Err(invalid) => return invalid.into_response(),
+    };
+    if let Err(e) = insert_charge(&mut tx, &charge).await {
+        tracing::error!(error = %e, "cannot record the charge");
+        return problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Charge failed",
+            "The charge could not be recorded.",
+        );
+    }
+    // The card processor.
+    tokio::time::sleep(state.processor_latency).await;
+    created(charge)
+}
+
+/// A valid charge for this account, or the `400` that says what is wrong.
+fn new_charge(
+    account: String,
+    body: Result<Json<NewCharge>, JsonRejection>,
+) -> Result<Charge, Problem> {
+    let invalid = |detail: &str| {
+        Problem::new(StatusCode::BAD_REQUEST, "Invalid charge").detail(detail.to_owned())
+    };
+    let new = match body {
+        Ok(Json(new)) => new,
+        Err(rejection) => return Err(invalid(&rejection.body_text())),
+    };
+    if new.amount <= 0 {
+        return Err(invalid("`amount` must be a positive integer."));
+    }
+    if new.currency.len() != 3 || !new.currency.bytes().all(|b| b.is_ascii_alphabetic()) {
+        return Err(invalid("`currency` must be 3 letters."));
+    }
+    Ok(Charge {
         id: format!("ch_{}", fastrand_id()),
-        account: account.clone(),
+        account,
         amount: new.amount,
         currency: new.currency.to_ascii_lowercase(),
         description: new.description,
-    };
-    state
-        .charges
-        .lock()
-        .unwrap()
-        .entry(account)
-        .or_default()
-        .push(charge.clone());
+    })
+}
+
+fn created(charge: Charge) -> Response {
     let location = format!("/v1/charges/{}", charge.id);
     (
         StatusCode::CREATED,
@@ -337,9 +339,18 @@ async fn create_charge(
 async fn list_charges(
     State(state): State<AppState>,
     axum::Extension(Account(account)): axum::Extension<Account>,
-) -> Json<Vec<Charge>> {
-    let charges = state.charges.lock().unwrap();
-    Json(charges.get(&account).cloned().unwrap_or_default())
+) -> Response {
+    match state.charges.list(&account).await {
+        Ok(charges) => Json(charges).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot list charges");
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Charges unavailable",
+                "Try again later.",
+            )
+        }
+    }
 }
 
 fn fastrand_id() -> String {
@@ -358,6 +369,7 @@ fn problem(status: StatusCode, title: &'static str, detail: &str) -> Response {
 mod tests {
     use axum::body::{Body, to_bytes};
     use tower::ServiceExt;
+    use tower_idempotency::MemoryStore;
 
     use super::*;
 
@@ -369,6 +381,10 @@ mod tests {
             retention: Duration::from_secs(86_400),
             request_timeout: Duration::from_secs(10),
         }
+    }
+
+    fn memory() -> Charges {
+        Charges::Memory(Arc::default())
     }
 
     fn charge(key: &str, body: &str) -> Request {
@@ -386,7 +402,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_retry_replays_the_charge_and_changed_parameters_are_refused() {
-        let app = app(MemoryStore::new(), &settings());
+        let app = app(MemoryStore::new(), memory(), &settings());
         let first = app
             .clone()
             .oneshot(charge("order-1", r#"{"amount":100,"currency":"eur"}"#))
@@ -421,7 +437,7 @@ mod tests {
 
     #[tokio::test]
     async fn compression_outside_the_layer_never_replays_gzip_to_a_client_that_did_not_ask() {
-        let app = app(MemoryStore::new(), &settings());
+        let app = app(MemoryStore::new(), memory(), &settings());
         // A long description, so the response is worth compressing.
         let new = format!(
             r#"{{"amount":100,"currency":"eur","description":"{}"}}"#,
@@ -444,7 +460,7 @@ mod tests {
     async fn requests_without_credentials_are_refused_before_the_layer() {
         let mut request = charge("order-3", r#"{"amount":100,"currency":"eur"}"#);
         request.headers_mut().remove(header::AUTHORIZATION);
-        let response = app(MemoryStore::new(), &settings())
+        let response = app(MemoryStore::new(), memory(), &settings())
             .oneshot(request)
             .await
             .unwrap();

@@ -1,0 +1,158 @@
+//! A payments API whose `POST /v1/charges` is safe to retry.
+//!
+//! Run with:
+//!
+//! ```not_rust
+//! cargo run --release --example payments
+//! ```
+//!
+//! Environment: `BIND_ADDR` (default `127.0.0.1:3000`); `DATABASE_URL` (set:
+//! charges live in PostgreSQL, and the idempotency records too, in the same
+//! transaction as each charge: exactly one charge per key, even across
+//! crashes); `REDIS_URL` (set: records in Redis; with `DATABASE_URL` too,
+//! charges still live in PostgreSQL but commit on their own, which is the
+//! crash window the Postgres store closes); `REDIS_CLUSTER_NODES`
+//! (comma-separated `redis://host:port` seeds: Redis Cluster); with none of
+//! these, everything is in memory; `PROCESSOR_LATENCY_MS` (default 0:
+//! how long the fake card processor takes); `IDEMPOTENCY_LEASE_MS` (default
+//! 30000); `IDEMPOTENCY_TTL_SECS` (default 86400); `REQUEST_TIMEOUT_MS`
+//! (default 10000).
+//!
+//! Layers, outermost first: tracing (logs each response with its idempotency
+//! outcome), compression, a request timeout, authentication, then the
+//! idempotency layer on the charges route. Compression sits outside, so the
+//! stored response is the uncompressed one and each retry gets the encoding
+//! it asked for. The timeout sits outside too: when it fires the client gets
+//! `408`, while the handler, detached from the connection, still finishes and
+//! its response is stored; the retry receives it.
+//!
+//! Prometheus metrics of the idempotency layer are served at `GET /metrics`.
+//!
+//! Try it:
+//!
+//! ```not_rust
+//! # First call: 201, a new charge.
+//! curl -i -X POST localhost:3000/v1/charges -H 'authorization: Bearer acct_alice' \
+//!   -H 'idempotency-key: order-42' -H 'content-type: application/json' \
+//!   -d '{"amount": 1999, "currency": "eur", "description": "order 42"}'
+//!
+//! # Retry (same key, same parameters, any JSON formatting): the same charge,
+//! # replayed with `idempotent-replayed: true`; no second execution.
+//! curl -i -X POST localhost:3000/v1/charges -H 'authorization: Bearer acct_alice' \
+//!   -H 'idempotency-key: order-42' -H 'content-type: application/json' \
+//!   -d '{"description": "order 42", "currency": "eur", "amount": 1999}'
+//!
+//! # Same key, different parameters: 422 problem+json.
+//! curl -i -X POST localhost:3000/v1/charges -H 'authorization: Bearer acct_alice' \
+//!   -H 'idempotency-key: order-42' -H 'content-type: application/json' \
+//!   -d '{"amount": 5000, "currency": "eur"}'
+//!
+//! # Conflict: while a first call is still running, its duplicate gets 409 with
+//! # Retry-After. Start the server with PROCESSOR_LATENCY_MS=5000 and run twice at once:
+//! for i in 1 2; do curl -s -X POST localhost:3000/v1/charges -H 'authorization: Bearer acct_alice' \
+//!   -H 'idempotency-key: order-43' -H 'content-type: application/json' \
+//!   -d '{"amount": 100, "currency": "usd"}' & done; wait
+//!
+//! # The account's charges: one per execution.
+//! curl -s localhost:3000/v1/charges -H 'authorization: Bearer acct_alice'
+//!
+//! # What the layer decided, as Prometheus counters.
+//! curl -s localhost:3000/metrics | grep idempotency_
+//! ```
+
+mod app;
+
+use std::{env, sync::Arc};
+
+use axum::routing::get;
+use metrics_exporter_prometheus::PrometheusBuilder;
+use tower_idempotency::{MemoryStore, PostgresStore, RedisStore, sqlx};
+
+use app::{Charges, Settings, app};
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "payments=info,tower_idempotency=info".into()),
+        )
+        .init();
+
+    let settings = Settings::from_env().unwrap_or_else(|why| exit_with(&why));
+    // The URLs may carry a password: they are never logged.
+    let database = match env::var("DATABASE_URL") {
+        Ok(url) => Some(
+            connect_database(&url)
+                .await
+                .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}"))),
+        ),
+        Err(_) => None,
+    };
+    let charges = match &database {
+        Some(store) => Charges::Postgres(store.pool().clone()),
+        None => Charges::Memory(Arc::default()),
+    };
+    let app = if let Ok(nodes) = env::var("REDIS_CLUSTER_NODES") {
+        let nodes: Vec<String> = nodes.split(',').map(|n| n.trim().to_owned()).collect();
+        let store = RedisStore::builder()
+            .connect_cluster(nodes)
+            .await
+            .unwrap_or_else(|e| exit_with(&format!("REDIS_CLUSTER_NODES: {e}")));
+        tracing::info!("store: Redis Cluster (REDIS_CLUSTER_NODES)");
+        app(store, charges, &settings)
+    } else if let Ok(url) = env::var("REDIS_URL") {
+        let store = RedisStore::builder()
+            .connect(&url)
+            .await
+            .unwrap_or_else(|e| exit_with(&format!("REDIS_URL: {e}")));
+        tracing::info!("store: Redis (REDIS_URL)");
+        app(store, charges, &settings)
+    } else if let Some(store) = database {
+        tracing::info!("store: PostgreSQL, one transaction per charge (DATABASE_URL)");
+        app(store, charges, &settings)
+    } else {
+        tracing::info!("store: in-memory (set DATABASE_URL for PostgreSQL, REDIS_URL for Redis)");
+        app(MemoryStore::new(), charges, &settings)
+    };
+
+    let metrics = PrometheusBuilder::new()
+        .install_recorder()
+        .unwrap_or_else(|e| exit_with(&format!("cannot install the metrics recorder: {e}")));
+    let app = app.route("/metrics", get(move || async move { metrics.render() }));
+
+    let listener = tokio::net::TcpListener::bind(&settings.bind_addr)
+        .await
+        .unwrap_or_else(|e| {
+            exit_with(&format!(
+                "BIND_ADDR: cannot bind {}: {e}",
+                settings.bind_addr
+            ))
+        });
+    println!("listening on http://{}", listener.local_addr().unwrap());
+    axum::serve(listener, app).await.unwrap();
+}
+
+/// A configuration mistake: say what to fix and stop, before serving.
+fn exit_with(message: &str) -> ! {
+    eprintln!("payments: {message}");
+    std::process::exit(2)
+}
+
+/// The transactional store, with the charges table created if missing.
+async fn connect_database(url: &str) -> Result<PostgresStore, Box<dyn std::error::Error>> {
+    let store = PostgresStore::builder()
+        .transactional()
+        .connect(url)
+        .await?;
+    store.migrate().await?;
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS charges (
+            id text PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
+            currency text NOT NULL, description text,
+            created_at timestamptz NOT NULL DEFAULT now())",
+    )
+    .execute(store.pool())
+    .await?;
+    Ok(store)
+}

@@ -1,0 +1,746 @@
+//! The PostgreSQL store (feature `postgres`), on [sqlx].
+//!
+//! # Two modes
+//!
+//! **Transactional** ([`PostgresStoreBuilder::transactional`]): the record
+//! and the handler's own writes commit in one transaction. The layer begins
+//! a transaction, claims the key inside it, and hands it to the handler
+//! through the [`IdempotentTx`] extractor; the handler writes with
+//! `execute(&mut *tx)`; once it returns a final response, the layer writes
+//! the completed record in the same transaction and commits. So:
+//!
+//! - a crash anywhere before the commit leaves neither the effect nor the
+//!   record (the claim, inside the transaction, vanishes with it: a retry
+//!   executes at once, no lease to wait out); after the commit, both. A
+//!   retry replays or executes for the first time: **exactly one effect**.
+//! - a first execution costs no commit beyond the handler's own.
+//! - a non-final response, an error or a panic rolls everything back.
+//! - if the commit fails or its outcome is unknown (the connection dropped
+//!   during `COMMIT`), the handler's response is withheld and the client
+//!   gets `503`: it retries and gets a replay or a first execution, both
+//!   correct because record and effect are one fact.
+//! - an [`IdempotentTx`] kept past the handler (moved into a spawned task)
+//!   is never silently skipped: the layer answers `500`, and the
+//!   transaction rolls back when that holder drops it.
+//!
+//! A concurrent duplicate never waits for the first: the claim takes a
+//! transaction-level advisory lock with `pg_try_advisory_xact_lock`, which
+//! does not block, and answers `409` when another transaction holds it.
+//! The lock's 64-bit key is derived from the record key; an application that
+//! uses advisory locks for its own purposes may, very rarely, see a spurious
+//! `409`. Each request in flight holds one pooled connection for the
+//! duration of its handler: size the pool for your concurrency.
+//!
+//! **Plain** (the default): the store implements the claim protocol like the
+//! Redis store, each operation one short autocommit statement: a claim with a
+//! lease and a fencing token (an expired claim is taken over by compare and
+//! swap), heartbeats, fenced completion and release. Use it when the
+//! handler's effects live elsewhere; the crash window is then the same as
+//! with Redis.
+//!
+//! Use one mode per table.
+//!
+//! # Schema
+//!
+//! [`PostgresStore::migrate`] creates the table if it is missing. To run it
+//! with your own migration tool instead, use [`SCHEMA`] (table
+//! `idempotency_records`):
+//!
+//! ```sql
+#![doc = include_str!("schema.sql")]
+//! ```
+//!
+//! `record` holds the completed record in the crate's [`codec`](crate::codec)
+//! format; `token` the lease token while a claim is in flight.
+//!
+//! # Expiry
+//!
+//! A record counts as absent once `expires_at` has passed, whether or not it
+//! was deleted: correctness never depends on a cleaner. To reclaim the
+//! space, call [`PostgresStore::delete_expired`] now and then
+//! ([`PostgresStore::spawn_cleaner`] does it in the background), or schedule
+//! the equivalent SQL with pg_cron:
+//!
+//! ```sql
+//! DELETE FROM idempotency_records WHERE key IN (
+//!   SELECT key FROM idempotency_records WHERE expires_at < now()
+//!   LIMIT 1000 FOR UPDATE SKIP LOCKED);
+//! ```
+//!
+//! # Failures
+//!
+//! Every statement is bounded by the command timeout (default 1 s), and so
+//! is waiting for a pooled connection: an unreachable database or an
+//! exhausted pool answers `503` (fail closed), never a hang.
+
+mod tx;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use sha2::{Digest, Sha256};
+use sqlx::{PgPool, Postgres, Row, Transaction, postgres::PgPoolOptions};
+
+pub use self::tx::IdempotentTx;
+use self::tx::{TxHandle, TxSlot};
+use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
+use crate::{codec, fingerprint::Fingerprint, record::CompletedRecord};
+
+/// The schema, for the default table name `idempotency_records`; idempotent.
+pub const SCHEMA: &str = include_str!("schema.sql");
+
+const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// Retry-After for a duplicate of a request whose transaction is running: the
+/// remaining time is not known, the transaction usually ends soon.
+const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// A [`Store`] on PostgreSQL. See the [module docs](self) for the two modes,
+/// the schema and the failure behaviour.
+///
+/// Cloning is cheap and clones share the pool.
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+/// use axum::{Router, http::StatusCode, routing::post};
+/// use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore};
+///
+/// let store = PostgresStore::builder()
+///     .transactional()
+///     .connect("postgres://postgres@127.0.0.1:5432/payments")
+///     .await?;
+/// store.migrate().await?;
+///
+/// async fn charge(mut tx: IdempotentTx) -> Result<StatusCode, StatusCode> {
+///     sqlx::query("INSERT INTO charges (amount) VALUES ($1)")
+///         .bind(1999_i64)
+///         .execute(&mut *tx)
+///         .await
+///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     // The layer commits this insert together with the stored response.
+///     Ok(StatusCode::CREATED)
+/// }
+///
+/// let app: Router = Router::new()
+///     .route("/v1/charges", post(charge))
+///     .layer(IdempotencyLayer::new(store));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    timeout: Duration,
+    sql: Sql,
+    /// `Some` in transactional mode: the open transaction of each claim.
+    transactions: Option<Mutex<HashMap<LeaseToken, Arc<TxSlot>>>>,
+}
+
+/// Configures and connects a [`PostgresStore`].
+///
+/// # Examples
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+/// use std::time::Duration;
+/// use tower_idempotency::PostgresStore;
+///
+/// let store = PostgresStore::builder()
+///     .table("payments_idempotency")
+///     .command_timeout(Duration::from_millis(500))
+///     .max_connections(50)
+///     .transactional()
+///     .connect("postgres://postgres@127.0.0.1:5432/payments")
+///     .await?;
+/// # let _ = store; Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct PostgresStoreBuilder {
+    table: String,
+    timeout: Duration,
+    max_connections: u32,
+    transactional: bool,
+}
+
+impl PostgresStore {
+    /// Starts configuring a store.
+    pub fn builder() -> PostgresStoreBuilder {
+        PostgresStoreBuilder {
+            table: DEFAULT_TABLE.into(),
+            timeout: Duration::from_secs(1),
+            max_connections: 20,
+            transactional: false,
+        }
+    }
+
+    /// The pool, e.g. to share it with the rest of the application.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// Creates the table and its index if they are missing (idempotent).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo(store: tower_idempotency::PostgresStore) -> Result<(), tower_idempotency::store::StoreError> {
+    /// store.migrate().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        sqlx::raw_sql(&self.inner.sql.schema)
+            .execute(&self.inner.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes up to `batch` expired records; returns how many it deleted.
+    /// Rows locked by a running claim are skipped.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo(store: tower_idempotency::PostgresStore) -> Result<(), tower_idempotency::store::StoreError> {
+    /// while store.delete_expired(1000).await? == 1000 {}
+    /// # Ok(()) }
+    /// ```
+    pub async fn delete_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(&self.inner.sql.delete_expired)
+            .bind(i64::from(batch))
+            .execute(&self.inner.pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    /// Deletes expired records in batches of `batch`, every `every`, in a
+    /// background task, until the returned handle is aborted. Failures are
+    /// logged and retried at the next tick.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo(store: tower_idempotency::PostgresStore) {
+    /// use std::time::Duration;
+    ///
+    /// let cleaner = store.spawn_cleaner(Duration::from_secs(60), 1000);
+    /// # cleaner.abort(); }
+    /// ```
+    pub fn spawn_cleaner(&self, every: Duration, batch: u32) -> tokio::task::JoinHandle<()> {
+        let store = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                loop {
+                    match store.delete_expired(batch).await {
+                        Ok(deleted) if deleted == u64::from(batch) => continue,
+                        Ok(_) => break,
+                        Err(error) => {
+                            tracing::warn!(%error, "idempotency: deleting expired records failed");
+                            break;
+                        }
+                    }
+                }
+            }
+        })
+    }
+
+    /// One statement's worth of work, bounded by the command timeout.
+    async fn bounded<T>(
+        &self,
+        work: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, StoreError> {
+        let timeout = self.inner.timeout;
+        match tokio::time::timeout(timeout, work).await {
+            Ok(result) => Ok(result?),
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        }
+    }
+
+    /// What a completed (or, in plain mode, in-flight) record tells a claim.
+    fn found(fingerprint: &Fingerprint, row: &sqlx::postgres::PgRow) -> Result<Claim, StoreError> {
+        let stored: Vec<u8> = row.try_get("fingerprint")?;
+        let record: Option<Vec<u8>> = row.try_get("record")?;
+        let left = Duration::from_millis(row.try_get::<i64, _>("ms_left")?.max(0) as u64);
+        if stored != fingerprint.as_bytes() {
+            return Ok(Claim::Mismatch);
+        }
+        Ok(match record {
+            None => Claim::InFlight { retry_after: left },
+            Some(bytes) => Claim::Completed {
+                record: Arc::new(codec::decode(bytes)?.1),
+                expires_in: left,
+            },
+        })
+    }
+
+    async fn claim_plain(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let token = LeaseToken::generate();
+        // The read half sees the statement's snapshot: a row committed just
+        // after it began, which made the insert conflict, is invisible to it.
+        // Then nothing comes back, and the claim is simply asked again.
+        for _ in 0..3 {
+            let row = self
+                .bounded(
+                    sqlx::query(&self.inner.sql.claim)
+                        .bind(key.as_str())
+                        .bind(&fingerprint.as_bytes()[..])
+                        .bind(&token.to_bytes()[..])
+                        .bind(millis(lease, "lease")?)
+                        .fetch_optional(&self.inner.pool),
+                )
+                .await?;
+            match row {
+                Some(row) if row.try_get::<bool, _>("acquired")? => {
+                    return Ok(Claim::Acquired(token));
+                }
+                Some(row) => return Self::found(fingerprint, &row),
+                None => continue,
+            }
+        }
+        Err(StoreError::Unavailable(
+            "the claim found a record it could not read three times".into(),
+        ))
+    }
+
+    async fn claim_in_transaction(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+        transactions: &Mutex<HashMap<LeaseToken, Arc<TxSlot>>>,
+    ) -> Result<Claim, StoreError> {
+        let sql = &self.inner.sql;
+        // Replays first, without a transaction: one round trip.
+        let completed = self
+            .bounded(
+                sqlx::query(&sql.read)
+                    .bind(key.as_str())
+                    .fetch_optional(&self.inner.pool),
+            )
+            .await?;
+        if let Some(row) = completed {
+            return Self::found(fingerprint, &row);
+        }
+        let token = LeaseToken::generate();
+        let mut tx = self.bounded(self.inner.pool.begin()).await?;
+        let row = self
+            .bounded(
+                sqlx::query(&sql.claim_locked)
+                    .bind(key.as_str())
+                    .bind(&fingerprint.as_bytes()[..])
+                    .bind(&token.to_bytes()[..])
+                    .bind(millis(lease, "lease")?)
+                    .bind(advisory_key(key))
+                    .fetch_one(&mut *tx),
+            )
+            .await?;
+        if !row.try_get::<bool, _>("locked")? {
+            return Ok(Claim::InFlight {
+                retry_after: IN_FLIGHT_RETRY_AFTER,
+            });
+        }
+        if row.try_get::<bool, _>("acquired")? {
+            let slot = Arc::new(TxSlot::new(tx));
+            lock(transactions).insert(token, slot);
+            return Ok(Claim::Acquired(token));
+        }
+        // Completed by another transaction since the first read: this
+        // statement's snapshot is newer and sees it.
+        let row = self
+            .bounded(
+                sqlx::query(&sql.read)
+                    .bind(key.as_str())
+                    .fetch_one(&mut *tx),
+            )
+            .await?;
+        Self::found(fingerprint, &row)
+    }
+
+    async fn complete_in_transaction(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        record: Vec<u8>,
+        retention: Duration,
+        transactions: &Mutex<HashMap<LeaseToken, Arc<TxSlot>>>,
+    ) -> Result<bool, StoreError> {
+        let Some(slot) = lock(transactions).remove(&token) else {
+            return Ok(false);
+        };
+        // `None`: the handler still holds it. It rolls back when dropped.
+        let mut tx: Transaction<'static, Postgres> =
+            slot.take().ok_or(StoreError::TransactionHeld)?;
+        let updated = self
+            .bounded(
+                sqlx::query(&self.inner.sql.complete_locked)
+                    .bind(key.as_str())
+                    .bind(&token.to_bytes()[..])
+                    .bind(record)
+                    .bind(millis(retention, "retention")?)
+                    .execute(&mut *tx),
+            )
+            .await?;
+        if updated.rows_affected() != 1 {
+            return Ok(false);
+        }
+        self.bounded(tx.commit()).await?;
+        Ok(true)
+    }
+}
+
+impl std::fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("transactional", &self.inner.transactions.is_some())
+            .field("timeout", &self.inner.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStoreBuilder {
+    /// The table that holds the records (default `idempotency_records`): a
+    /// plain lowercase identifier, optionally schema-qualified
+    /// (`billing.idempotency`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let builder = tower_idempotency::PostgresStore::builder().table("billing.idempotency");
+    /// # let _ = builder;
+    /// ```
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The longest any statement, or the wait for a pooled connection, may
+    /// take before the request gets `503` (default 1 s).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let builder = tower_idempotency::PostgresStore::builder().command_timeout(Duration::from_millis(250));
+    /// # let _ = builder;
+    /// ```
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The size of the pool [`connect`](Self::connect) opens (default 20). In
+    /// transactional mode each request in flight holds one connection.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let builder = tower_idempotency::PostgresStore::builder().max_connections(50);
+    /// # let _ = builder;
+    /// ```
+    pub fn max_connections(mut self, connections: u32) -> Self {
+        self.max_connections = connections;
+        self
+    }
+
+    /// Commit the record and the handler's writes in one transaction, handed
+    /// to the handler through [`IdempotentTx`]. See the [module docs](self).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let builder = tower_idempotency::PostgresStore::builder().transactional();
+    /// # let _ = builder;
+    /// ```
+    pub fn transactional(mut self) -> Self {
+        self.transactional = true;
+        self
+    }
+
+    /// Opens a pool to `url`, e.g. `postgres://postgres@127.0.0.1:5432/app`.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+    /// let store = tower_idempotency::PostgresStore::builder()
+    ///     .connect("postgres://postgres@127.0.0.1:5432/app")
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub async fn connect(self, url: &str) -> Result<PostgresStore, StoreError> {
+        let pool = PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .acquire_timeout(self.timeout)
+            .connect(url)
+            .await?;
+        self.with_pool(pool)
+    }
+
+    /// Uses a pool you configured yourself (TLS, credentials, sizes). Give it
+    /// an acquire timeout no longer than the command timeout, so an exhausted
+    /// pool answers `503` quickly.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::{PostgresStore, sqlx::postgres::PgPoolOptions};
+    ///
+    /// let pool = PgPoolOptions::new().max_connections(50).connect("postgres://postgres@127.0.0.1/app").await?;
+    /// let store = PostgresStore::builder().transactional().with_pool(pool)?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn with_pool(self, pool: PgPool) -> Result<PostgresStore, StoreError> {
+        let sql = Sql::new(&self.table)?;
+        Ok(PostgresStore {
+            inner: Arc::new(Inner {
+                pool,
+                timeout: self.timeout,
+                sql,
+                transactions: self.transactional.then(Mutex::default),
+            }),
+        })
+    }
+}
+
+impl Store for PostgresStore {
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        match &self.inner.transactions {
+            Some(transactions) => {
+                self.claim_in_transaction(key, fingerprint, lease, transactions)
+                    .await
+            }
+            None => self.claim_plain(key, fingerprint, lease).await,
+        }
+    }
+
+    async fn extend(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        lease: Duration,
+    ) -> Result<bool, StoreError> {
+        if let Some(transactions) = &self.inner.transactions {
+            // The claim lives as long as its transaction.
+            return Ok(lock(transactions).contains_key(&token));
+        }
+        let updated = self
+            .bounded(
+                sqlx::query(&self.inner.sql.extend)
+                    .bind(key.as_str())
+                    .bind(&token.to_bytes()[..])
+                    .bind(millis(lease, "lease")?)
+                    .execute(&self.inner.pool),
+            )
+            .await?;
+        Ok(updated.rows_affected() == 1)
+    }
+
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        token: LeaseToken,
+        fingerprint: &Fingerprint,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let record = codec::encode(fingerprint, &record);
+        if let Some(transactions) = &self.inner.transactions {
+            return self
+                .complete_in_transaction(key, token, record, retention, transactions)
+                .await;
+        }
+        let updated = self
+            .bounded(
+                sqlx::query(&self.inner.sql.complete)
+                    .bind(key.as_str())
+                    .bind(&token.to_bytes()[..])
+                    .bind(record)
+                    .bind(millis(retention, "retention")?)
+                    .execute(&self.inner.pool),
+            )
+            .await?;
+        Ok(updated.rows_affected() == 1)
+    }
+
+    async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
+        if let Some(transactions) = &self.inner.transactions {
+            let Some(slot) = lock(transactions).remove(&token) else {
+                return Ok(false);
+            };
+            // If the handler still holds it, it rolls back when dropped.
+            if let Some(tx) = slot.take() {
+                self.bounded(tx.rollback()).await?;
+            }
+            return Ok(true);
+        }
+        let deleted = self
+            .bounded(
+                sqlx::query(&self.inner.sql.release)
+                    .bind(key.as_str())
+                    .bind(&token.to_bytes()[..])
+                    .execute(&self.inner.pool),
+            )
+            .await?;
+        Ok(deleted.rows_affected() == 1)
+    }
+
+    fn attach(&self, token: LeaseToken, extensions: &mut http::Extensions) {
+        let Some(transactions) = &self.inner.transactions else {
+            return;
+        };
+        if let Some(slot) = lock(transactions).get(&token) {
+            extensions.insert(TxHandle(slot.clone()));
+        }
+    }
+
+    fn commits_effects(&self) -> bool {
+        self.inner.transactions.is_some()
+    }
+}
+
+/// A panic while holding this lock cannot leave the map half-written (every
+/// critical section is one map operation), so a poisoned lock is safe to use.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The advisory lock of a key: 64 bits of its SHA-256.
+fn advisory_key(key: &StorageKey) -> i64 {
+    let digest = Sha256::digest(key.as_str().as_bytes());
+    i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
+}
+
+/// Whole milliseconds, at least 1; a TTL of over a century is a mistake.
+fn millis(d: Duration, what: &str) -> Result<i64, StoreError> {
+    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+    if d > CENTURY {
+        return Err(StoreError::Misconfigured(format!(
+            "a {what} of {d:?} is longer than the Postgres store keeps a record (100 years)"
+        )));
+    }
+    Ok((d.as_millis() as i64).max(1))
+}
+
+/// The statements, with the table name in place.
+struct Sql {
+    schema: String,
+    claim: String,
+    read: String,
+    claim_locked: String,
+    extend: String,
+    complete: String,
+    complete_locked: String,
+    release: String,
+    delete_expired: String,
+}
+
+impl Sql {
+    fn new(table: &str) -> Result<Self, StoreError> {
+        let valid = |part: &str| {
+            part.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+                && part
+                    .chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        };
+        let parts: Vec<&str> = table.split('.').collect();
+        if parts.len() > 2 || !parts.iter().all(|p| valid(p)) {
+            return Err(StoreError::Misconfigured(format!(
+                "PostgresStore table {table:?} must be a lowercase identifier (letters, digits, _), optionally schema-qualified"
+            )));
+        }
+        let t = |sql: &str| sql.replace("{t}", table);
+        Ok(Self {
+            schema: SCHEMA.replace(DEFAULT_TABLE, table),
+            claim: t(CLAIM),
+            read: t(READ),
+            claim_locked: t(CLAIM_LOCKED),
+            extend: t(EXTEND),
+            complete: t(COMPLETE),
+            complete_locked: t(COMPLETE_LOCKED),
+            release: t(RELEASE),
+            delete_expired: t(DELETE_EXPIRED),
+        })
+    }
+}
+
+/// The in-flight row: inserted, or an expired record taken over. $1 key,
+/// $2 fingerprint, $3 token, $4 lease ms.
+macro_rules! insert_claim {
+    ($source:literal) => {
+        concat!(
+            "INSERT INTO {t} AS r (key, fingerprint, token, record, expires_at) ",
+            $source,
+            " ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, \
+             token = EXCLUDED.token, record = NULL, expires_at = EXCLUDED.expires_at \
+             WHERE r.expires_at <= now() RETURNING 1"
+        )
+    };
+}
+
+/// Plain claim, one statement: acquired, or the live record.
+const CLAIM: &str = concat!(
+    "WITH claimed AS (",
+    insert_claim!("VALUES ($1, $2, $3, NULL, now() + $4 * interval '1 millisecond')"),
+    ") SELECT true AS acquired, NULL::bytea AS fingerprint, NULL::bytea AS record, 0::bigint AS ms_left FROM claimed \
+     UNION ALL SELECT false, fingerprint, record, \
+     (extract(epoch FROM expires_at - now()) * 1000)::bigint \
+     FROM {t} WHERE key = $1 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
+);
+
+/// The live record of a key.
+const READ: &str = "SELECT fingerprint, record, (extract(epoch FROM expires_at - now()) * 1000)::bigint AS ms_left \
+     FROM {t} WHERE key = $1 AND expires_at > now()";
+
+/// Transactional claim: a non-blocking advisory lock, then the in-flight
+/// row, in one statement ($5 the lock key). The insert's conflict check sees
+/// the latest committed row whatever the statement's snapshot.
+const CLAIM_LOCKED: &str = concat!(
+    "WITH l AS (SELECT pg_try_advisory_xact_lock($5) AS locked), claimed AS (",
+    insert_claim!(
+        "SELECT $1, $2, $3, NULL, now() + $4 * interval '1 millisecond' FROM l WHERE l.locked"
+    ),
+    ") SELECT (SELECT locked FROM l) AS locked, EXISTS (SELECT 1 FROM claimed) AS acquired"
+);
+
+const EXTEND: &str = "UPDATE {t} SET expires_at = now() + $3 * interval '1 millisecond' \
+     WHERE key = $1 AND token = $2 AND expires_at > now()";
+
+/// Fenced by the token; a repeat of this very completion (its reply lost)
+/// also counts as stored.
+const COMPLETE: &str = "UPDATE {t} SET token = NULL, record = $3, expires_at = now() + $4 * interval '1 millisecond' \
+     WHERE key = $1 AND ((token = $2 AND expires_at > now()) OR record = $3)";
+
+const COMPLETE_LOCKED: &str = "UPDATE {t} SET token = NULL, record = $3, expires_at = now() + $4 * interval '1 millisecond' \
+     WHERE key = $1 AND token = $2";
+
+const RELEASE: &str = "DELETE FROM {t} WHERE key = $1 AND token = $2";
+
+const DELETE_EXPIRED: &str = "DELETE FROM {t} WHERE key IN (SELECT key FROM {t} WHERE expires_at < now() \
+     LIMIT $1 FOR UPDATE SKIP LOCKED)";
+
+impl From<sqlx::Error> for StoreError {
+    fn from(error: sqlx::Error) -> Self {
+        StoreError::Unavailable(Box::new(error))
+    }
+}

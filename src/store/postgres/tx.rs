@@ -1,0 +1,142 @@
+//! The handler's side of a transactional claim: the [`IdempotentTx`]
+//! extractor and the slot it borrows the transaction from.
+
+use std::{
+    ops::{Deref, DerefMut},
+    sync::{Arc, Mutex},
+};
+
+use axum_core::{
+    extract::FromRequestParts,
+    response::{IntoResponse, Response},
+};
+use http::{StatusCode, request::Parts};
+use sqlx::{PgConnection, Postgres, Transaction};
+
+use crate::problem::Problem;
+
+/// Where a claim's transaction waits: taken by the handler's extractor,
+/// put back when the extractor drops, taken by the layer to commit.
+pub(super) struct TxSlot(Mutex<Option<Transaction<'static, Postgres>>>);
+
+impl TxSlot {
+    pub(super) fn new(tx: Transaction<'static, Postgres>) -> Self {
+        Self(Mutex::new(Some(tx)))
+    }
+
+    /// The transaction, unless someone holds it.
+    pub(super) fn take(&self) -> Option<Transaction<'static, Postgres>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .take()
+    }
+
+    fn put_back(&self, tx: Transaction<'static, Postgres>) {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(tx);
+    }
+}
+
+/// What the store puts into the request's extensions for the extractor.
+#[derive(Clone)]
+pub(super) struct TxHandle(pub(super) Arc<TxSlot>);
+
+/// The request's transaction, in a handler behind a transactional
+/// [`PostgresStore`](super::PostgresStore): write the request's effects with
+/// it, and the layer commits them together with the stored response, or
+/// rolls everything back.
+///
+/// Dereferences to the connection, so `sqlx::query(..).execute(&mut *tx)`
+/// works. Do not commit or roll back yourself, and do not keep it past the
+/// handler: the layer commits once the handler has returned. An
+/// `IdempotentTx` still held then (moved into a spawned task) makes the layer
+/// answer `500` with nothing committed; it rolls back when that holder drops
+/// it.
+///
+/// Extracting it outside a transactional claim (no layer, a plain store, an
+/// unguarded method or a request without a key) fails with `500`: put the
+/// layer on the route and require the key.
+///
+/// # Examples
+///
+/// ```no_run
+/// use axum::{Json, http::StatusCode};
+/// use tower_idempotency::IdempotentTx;
+///
+/// #[derive(serde::Deserialize)]
+/// struct NewCharge { amount: i64 }
+///
+/// async fn charge(mut tx: IdempotentTx, Json(new): Json<NewCharge>) -> Result<StatusCode, StatusCode> {
+///     sqlx::query("INSERT INTO charges (amount) VALUES ($1)")
+///         .bind(new.amount)
+///         .execute(&mut *tx)
+///         .await
+///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     Ok(StatusCode::CREATED)
+/// }
+/// ```
+pub struct IdempotentTx {
+    slot: Arc<TxSlot>,
+    tx: Option<Transaction<'static, Postgres>>,
+}
+
+impl Deref for IdempotentTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        self.tx.as_ref().expect("held until dropped")
+    }
+}
+
+impl DerefMut for IdempotentTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.tx.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for IdempotentTx {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            self.slot.put_back(tx);
+        }
+    }
+}
+
+impl std::fmt::Debug for IdempotentTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotentTx").finish_non_exhaustive()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
+        let unavailable = |detail: &'static str| {
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "No idempotent transaction",
+            )
+            .problem_type("urn:tower-idempotency:problem:no-transaction")
+            .detail(detail)
+            .into_response()
+        };
+        let Some(TxHandle(slot)) = parts.extensions.get::<TxHandle>() else {
+            return Err(unavailable(
+                "This request has no idempotent transaction: the route needs the IdempotencyLayer over a transactional PostgresStore, and the request an Idempotency-Key.",
+            ));
+        };
+        match slot.take() {
+            Some(tx) => Ok(Self {
+                slot: slot.clone(),
+                tx: Some(tx),
+            }),
+            None => Err(unavailable(
+                "The request's transaction is already in use: extract IdempotentTx once per request.",
+            )),
+        }
+    }
+}

@@ -1,0 +1,388 @@
+//! The transactional Postgres store on a real PostgreSQL: the handler's
+//! writes and the record commit together or not at all, counted in rows of
+//! the handler's own table. Plain mode runs the behaviour suite
+//! (`behaviour.rs`).
+
+mod support;
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    extract::{Query, State},
+    http::StatusCode,
+    routing::post,
+};
+use tower_idempotency::{
+    IdempotencyLayer, IdempotencyOutcome, IdempotentTx, PostgresStore, RejectionKind,
+    sqlx::{self, PgPool},
+};
+
+use support::{
+    http::{HttpClient, Server, oneshot, post as request},
+    payments::Payments,
+    postgres::TestDatabase,
+    redis_server::{RedisServer, free_port},
+};
+
+const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
+
+async fn transactional(db: &TestDatabase) -> PostgresStore {
+    let store = PostgresStore::builder()
+        .transactional()
+        .connect(db.url())
+        .await
+        .expect("connect to the test database");
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE charges (id serial PRIMARY KEY, note text)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    store
+}
+
+#[derive(serde::Deserialize)]
+struct Params {
+    #[serde(default)]
+    ms: u64,
+    #[serde(default = "created")]
+    status: u16,
+}
+
+fn created() -> u16 {
+    201
+}
+
+async fn insert(tx: &mut IdempotentTx) {
+    sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
+        .execute(&mut **tx)
+        .await
+        .expect("insert the charge");
+}
+
+/// Inserts a charge in the request's transaction, waits `ms`, answers
+/// `status`.
+async fn charge(mut tx: IdempotentTx, Query(p): Query<Params>) -> (StatusCode, String) {
+    insert(&mut tx).await;
+    tokio::time::sleep(Duration::from_millis(p.ms)).await;
+    let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    (
+        StatusCode::from_u16(p.status).unwrap(),
+        format!("charge {charges}"),
+    )
+}
+
+async fn panics(mut tx: IdempotentTx) -> StatusCode {
+    insert(&mut tx).await;
+    panic!("the card processor exploded");
+}
+
+/// Keeps the transaction past the handler: a mistake the layer must catch.
+async fn leaks(mut tx: IdempotentTx) -> StatusCode {
+    insert(&mut tx).await;
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(tx);
+    });
+    StatusCode::CREATED
+}
+
+/// Loses its database connection after inserting (the server terminates
+/// it), as when the database restarts mid-request.
+async fn loses_its_connection(State(pool): State<PgPool>, mut tx: IdempotentTx) -> StatusCode {
+    insert(&mut tx).await;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .execute(&pool)
+        .await
+        .unwrap();
+    StatusCode::CREATED
+}
+
+fn app(store: PostgresStore) -> Router {
+    let pool = store.pool().clone();
+    Router::new()
+        .route("/charges", post(charge))
+        .route("/panics", post(panics))
+        .route("/leaks", post(leaks))
+        .route("/loses-its-connection", post(loses_its_connection))
+        .layer(IdempotencyLayer::new(store))
+        .with_state(pool)
+}
+
+async fn charges(db: &TestDatabase) -> i64 {
+    db.count("SELECT count(*) FROM charges").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_charge_and_the_record_commit_together_and_replay() {
+    let db = TestDatabase::create();
+    let app = app(transactional(&db).await);
+
+    let first = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body, "charge 1");
+    for _ in 0..3 {
+        let replay = oneshot(&app, request("/charges", "k", CHARGE)).await;
+        assert!(replay.is_replay());
+        assert_eq!(replay.body, first.body);
+    }
+    oneshot(&app, request("/charges", "k", "{}"))
+        .await
+        .assert_problem(422);
+    assert_eq!(charges(&db).await, 1);
+    assert_eq!(
+        db.count(
+            "SELECT count(*) FROM idempotency_records WHERE record IS NOT NULL AND token IS NULL"
+        )
+        .await,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn non_final_responses_panics_and_errors_roll_the_charge_back() {
+    let db = TestDatabase::create();
+    let app = app(transactional(&db).await);
+
+    let busy = oneshot(&app, request("/charges?status=503", "k", CHARGE)).await;
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(charges(&db).await, 0, "a non-final response rolls back");
+
+    oneshot(&app, request("/panics", "p", CHARGE))
+        .await
+        .assert_problem(500);
+    assert_eq!(charges(&db).await, 0, "a panic rolls back");
+
+    // Released: the retry executes, and commits.
+    let retry = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.is_replay());
+    assert_eq!(charges(&db).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_kept_past_the_handler_is_a_500_and_commits_nothing() {
+    let db = TestDatabase::create();
+    let app = app(transactional(&db).await);
+
+    let leaked = oneshot(&app, request("/leaks", "k", CHARGE)).await;
+    leaked.assert_problem(500);
+    assert_eq!(
+        leaked.outcome,
+        Some(IdempotencyOutcome::Rejected(RejectionKind::TransactionHeld))
+    );
+    // The holder drops it at 300 ms: it rolls back, and the key is free.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(charges(&db).await, 0, "never silently committed");
+    assert_eq!(
+        oneshot(&app, request("/charges", "k", CHARGE)).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(charges(&db).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_lost_mid_request_is_a_503_and_writes_nothing() {
+    let db = TestDatabase::create();
+    let app = app(transactional(&db).await);
+
+    let lost = oneshot(&app, request("/loses-its-connection", "k", CHARGE)).await;
+    lost.assert_problem(503);
+    assert!(lost.header("retry-after").is_some());
+    assert_eq!(charges(&db).await, 0, "nothing half-written");
+    assert_eq!(
+        db.count("SELECT count(*) FROM idempotency_records").await,
+        0
+    );
+    // The retry executes for the first time.
+    let retry = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(charges(&db).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_duplicates_one_charge_and_no_one_waits_for_it() {
+    let db = TestDatabase::create();
+    let server = Server::start(app(transactional(&db).await)).await;
+    let finished = Arc::new(Mutex::new(Vec::new()));
+    let requests = (0..64).map(|_| {
+        let finished = finished.clone();
+        let server = &server;
+        async move {
+            let reply = server.post("/charges?ms=1500", "k", CHARGE).await;
+            finished
+                .lock()
+                .unwrap()
+                .push((reply.status, Instant::now()));
+            reply
+        }
+    });
+    let replies = futures_util::future::join_all(requests).await;
+    let created: Vec<_> = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED)
+        .collect();
+    assert_eq!(created.len(), 1, "one execution");
+    for reply in replies.iter().filter(|r| r.status != StatusCode::CREATED) {
+        reply.assert_problem(409);
+        assert!(reply.header("retry-after").is_some());
+    }
+    // Every duplicate was answered while the first still ran: none waited
+    // on its lock.
+    let finished = std::mem::take(&mut *finished.lock().unwrap());
+    let done = finished
+        .iter()
+        .find(|(s, _)| *s == StatusCode::CREATED)
+        .unwrap()
+        .1;
+    assert!(
+        finished
+            .iter()
+            .all(|(s, at)| *s == StatusCode::CREATED || *at < done)
+    );
+    assert_eq!(charges(&db).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_records_are_absent_at_once_and_deleted_in_batches() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    let app = Router::new()
+        .route("/charges", post(charge))
+        .layer(IdempotencyLayer::new(store.clone()).retention(Duration::from_secs(1)))
+        .with_state(store.pool().clone());
+    for i in 0..5 {
+        oneshot(&app, request("/charges", &format!("k{i}"), CHARGE)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    // Expired but not deleted yet: a retry executes again, as retention says.
+    let again = oneshot(&app, request("/charges", "k0", CHARGE)).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(!again.is_replay());
+    assert_eq!(charges(&db).await, 6);
+
+    assert_eq!(store.delete_expired(3).await.unwrap(), 3);
+    assert_eq!(store.delete_expired(3).await.unwrap(), 1);
+    assert_eq!(store.delete_expired(3).await.unwrap(), 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM idempotency_records").await,
+        1,
+        "the live record stays"
+    );
+}
+
+// The point of the transactional store, shown on the example process: kill
+// -9 while the handler holds an uncommitted charge.
+
+fn charge_request(addr: &str) -> http::Request<axum::body::Body> {
+    http::Request::post(format!("http://{addr}/v1/charges"))
+        .header("authorization", "Bearer acct_crash")
+        .header("idempotency-key", "crash-1")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(r#"{"amount":500,"currency":"usd"}"#))
+        .unwrap()
+}
+
+/// Starts a charge, kills the example with SIGKILL while its handler waits
+/// for the processor (the charge row already written), and restarts it.
+async fn kill_mid_charge(client: &HttpClient, env: &[(&str, &str)]) -> Payments {
+    let port = free_port();
+    let mut payments = Payments::start(port, env);
+    let doomed = tokio::spawn({
+        let client = client.clone();
+        let addr = payments.addr.clone();
+        async move {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), client.send(charge_request(&addr)))
+                    .await;
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    payments.child.kill().unwrap();
+    payments.child.wait().unwrap();
+    doomed.abort();
+    Payments::start(port, env)
+}
+
+/// Retries until the charge executes or replays (409 while a claim is held).
+async fn retry_until_done(client: &HttpClient, addr: &str) -> (support::http::Reply, usize) {
+    for conflicts in 0..80 {
+        let reply = client.send(charge_request(addr)).await;
+        if reply.status != StatusCode::CONFLICT {
+            return (reply, conflicts);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("still 409 after 8 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_charge_on_postgres_leaves_nothing_and_the_retry_charges_once() {
+    let db = TestDatabase::create();
+    let client = HttpClient::default();
+    let env = [("DATABASE_URL", db.url()), ("PROCESSOR_LATENCY_MS", "2000")];
+    let payments = kill_mid_charge(&client, &env).await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM charges").await,
+        0,
+        "the uncommitted charge died with the process"
+    );
+
+    let (executed, conflicts) = retry_until_done(&client, &payments.addr).await;
+    assert_eq!(executed.status, StatusCode::CREATED);
+    assert!(!executed.is_replay());
+    eprintln!("postgres: the retry executed after {conflicts} × 409 (no lease to wait out)");
+    assert!(
+        client
+            .send(charge_request(&payments.addr))
+            .await
+            .is_replay()
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM charges").await,
+        1,
+        "exactly one charge"
+    );
+}
+
+/// The documented contrast: with records in Redis and charges committed on
+/// their own, the same crash charges twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_charge_on_redis_charges_twice_the_documented_crash_window() {
+    let db = TestDatabase::create();
+    let redis = RedisServer::start();
+    let client = HttpClient::default();
+    let url = redis.url();
+    let env = [
+        ("DATABASE_URL", db.url()),
+        ("REDIS_URL", url.as_str()),
+        ("PROCESSOR_LATENCY_MS", "2000"),
+        ("IDEMPOTENCY_LEASE_MS", "1500"),
+    ];
+    let payments = kill_mid_charge(&client, &env).await;
+    assert_eq!(
+        db.count("SELECT count(*) FROM charges").await,
+        1,
+        "the charge committed on its own before the crash"
+    );
+
+    let (executed, conflicts) = retry_until_done(&client, &payments.addr).await;
+    assert!(conflicts > 0, "409 until the dead process's lease expired");
+    assert_eq!(executed.status, StatusCode::CREATED);
+    assert_eq!(
+        db.count("SELECT count(*) FROM charges").await,
+        2,
+        "charged twice: the record and the charge were not one transaction"
+    );
+}

@@ -1,0 +1,108 @@
+//! PostgreSQL for the tests: `DATABASE_URL` when set, else the local server
+//! at `postgres://postgres@127.0.0.1:5432/postgres`. Each test gets a
+//! throwaway database, dropped when it ends.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use sqlx::{Connection, Executor, PgConnection};
+
+const LOCAL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// The server the tests use: `DATABASE_URL`, or the local one.
+pub fn server_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| LOCAL.to_owned())
+}
+
+/// `url` with its database name replaced.
+fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let authority_end = base.find("://").map_or(0, |i| i + 3);
+    let base = match base[authority_end..].find('/') {
+        Some(slash) => &base[..authority_end + slash],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{base}/{database}?{query}"),
+        None => format!("{base}/{database}"),
+    }
+}
+
+/// Runs `f` on its own thread and runtime: database set-up and tear-down
+/// happen from synchronous places (constructors, `Drop`), inside tests'
+/// runtimes.
+fn blocking<T: Send + 'static>(f: impl AsyncFnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f())
+    })
+    .join()
+    .expect("database set-up thread")
+}
+
+async fn admin() -> PgConnection {
+    let url = server_url();
+    PgConnection::connect(&url).await.unwrap_or_else(|e| {
+        panic!(
+            "cannot reach PostgreSQL at {url} ({e}). The tests need a real PostgreSQL server: \
+             install and start one (Debian/Ubuntu: `sudo apt-get install postgresql`, then \
+             `sudo service postgresql start`; macOS: `brew install postgresql && brew services start postgresql`) \
+             with a `postgres` user that may connect over TCP without a password, \
+             or set DATABASE_URL to a server where the tests may create databases."
+        )
+    })
+}
+
+/// A database that exists for one test.
+pub struct TestDatabase {
+    name: String,
+    url: String,
+}
+
+impl TestDatabase {
+    pub fn create() -> Self {
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        let name = format!(
+            "tower_idempotency_test_{}_{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        let create = format!("CREATE DATABASE {name}");
+        blocking(async move || {
+            let mut admin = admin().await;
+            admin
+                .execute(create.as_str())
+                .await
+                .expect("create the test database");
+        });
+        let url = with_database(&server_url(), &name);
+        Self { name, url }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// One query on a fresh connection, for assertions: the first column of
+    /// the first row, as a number.
+    pub async fn count(&self, sql: &str) -> i64 {
+        let mut connection = PgConnection::connect(&self.url).await.unwrap();
+        sqlx::query_scalar(sql)
+            .fetch_one(&mut connection)
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+        blocking(async move || {
+            let _ = admin().await.execute(drop.as_str()).await;
+        });
+    }
+}
