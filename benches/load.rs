@@ -3,13 +3,17 @@
 //! several rounds, with the ratio to bare per round and the median.
 //!
 //! Run with: `cargo bench --bench load` (needs `wrk` and `redis-server` on
-//! PATH; Debian/Ubuntu: `sudo apt-get install wrk redis-server`).
+//! PATH, and PostgreSQL at `DATABASE_URL` or locally as in the tests;
+//! Debian/Ubuntu: `sudo apt-get install wrk redis-server postgresql`).
 //!
 //! Environment: `LOAD_SECS` (per run, default 5), `LOAD_ROUNDS` (default 3),
 //! `LOAD_CONNECTIONS` (default 32), `LOAD_VARIANTS` (comma-separated names to
 //! run, default all). Every run is bounded in time; all traffic stays on
 //! 127.0.0.1; the servers and `redis-server` stop when the benchmark ends.
 
+#[path = "../tests/support/postgres.rs"]
+#[allow(dead_code)]
+mod postgres;
 #[path = "../tests/support/redis_server.rs"]
 #[allow(dead_code)]
 mod redis_server;
@@ -18,7 +22,7 @@ use std::{env, net::SocketAddr, process::Command, sync::Arc, time::Duration};
 
 use axum::{
     Json, Router,
-    extract::Request,
+    extract::{Request, State},
     http::{HeaderValue, StatusCode, header},
     middleware::{self, Next},
     response::{IntoResponse, Response},
@@ -26,11 +30,13 @@ use axum::{
 };
 use http::request::Parts;
 use http_body_util::BodyExt;
+use postgres::TestDatabase;
 use redis::AsyncCommands;
 use redis_server::RedisServer;
 use serde::{Deserialize, Serialize};
 use tower_idempotency::{
-    IdempotencyLayer, MemoryStore, RedisStore,
+    IdempotencyLayer, IdempotentTx, MemoryStore, PostgresStore, RedisStore,
+    sqlx::{self, PgConnection, PgPool, postgres::PgPoolOptions},
     store::{CachedStore, Store},
 };
 
@@ -49,6 +55,10 @@ struct Variant {
     name: &'static str,
     keys: Keys,
     addr: SocketAddr,
+    /// The variant this one is measured against ("x ref"), in the same round.
+    reference: &'static str,
+    /// Whether it writes to PostgreSQL (commits per request are reported).
+    postgres: bool,
 }
 
 #[derive(Deserialize, Serialize)]
@@ -73,6 +83,32 @@ fn routes() -> Router {
     Router::new().route("/v1/charges", post(charge))
 }
 
+async fn insert_charge(connection: &mut PgConnection, new: &NewCharge) {
+    sqlx::query("INSERT INTO charges (amount, currency, description) VALUES ($1, $2, $3)")
+        .bind(new.amount)
+        .bind(&new.currency)
+        .bind(&new.description)
+        .execute(connection)
+        .await
+        .expect("insert the charge");
+}
+
+/// The Postgres handler without the layer's help: the charge in a
+/// transaction of its own.
+async fn charge_committed(State(pool): State<PgPool>, Json(new): Json<NewCharge>) -> Response {
+    let mut tx = pool.begin().await.expect("begin");
+    insert_charge(&mut tx, &new).await;
+    tx.commit().await.expect("commit");
+    charge(Json(new)).await
+}
+
+/// The same charge in the request's transaction, committed by the layer with
+/// the record.
+async fn charge_in_transaction(mut tx: IdempotentTx, Json(new): Json<NewCharge>) -> Response {
+    insert_charge(&mut tx, &new).await;
+    charge(Json(new)).await
+}
+
 fn scope(parts: &Parts) -> Option<String> {
     parts
         .headers
@@ -82,12 +118,14 @@ fn scope(parts: &Parts) -> Option<String> {
         .map(str::to_owned)
 }
 
+fn layer<St: Store>(store: St) -> IdempotencyLayer<St, impl tower_idempotency::ScopeExtractor> {
+    IdempotencyLayer::new(store)
+        .scope_with(scope)
+        .retention(RETENTION)
+}
+
 fn layered<St: Store>(store: St) -> Router {
-    routes().layer(
-        IdempotencyLayer::new(store)
-            .scope_with(scope)
-            .retention(RETENTION),
-    )
+    routes().layer(layer(store))
 }
 
 /// The floor: a hand-written middleware that does only the unavoidable Redis
@@ -137,7 +175,7 @@ async fn serve(app: Router) -> SocketAddr {
     addr
 }
 
-async fn start_variants(redis_url: &str) -> Vec<Variant> {
+async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
     let redis = || async {
         RedisStore::builder()
             .connect(redis_url)
@@ -153,26 +191,82 @@ async fn start_variants(redis_url: &str) -> Vec<Variant> {
         }))
     };
     let cached = CachedStore::new(redis().await, 64 * 1024 * 1024);
+    let transactional = || {
+        PostgresStore::builder()
+            .transactional()
+            .with_pool(pool.clone())
+            .unwrap()
+    };
+    let committed = || {
+        Router::new()
+            .route("/v1/charges", post(charge_committed))
+            .with_state(pool.clone())
+    };
+    let in_transaction = || Router::new().route("/v1/charges", post(charge_in_transaction));
     let variants = [
-        ("bare", Keys::Unique, routes()),
-        ("memory", Keys::Unique, layered(MemoryStore::new())),
-        ("memory-replay", Keys::Replay, layered(MemoryStore::new())),
-        ("redis-floor", Keys::Unique, floor_app.clone()),
-        ("redis", Keys::Unique, layered(redis().await)),
-        ("redis-replay-floor", Keys::Replay, floor_app),
-        ("redis-replay", Keys::Replay, layered(redis().await)),
-        ("redis-replay-cached", Keys::Replay, layered(cached)),
+        ("bare", Keys::Unique, "bare", routes()),
+        ("memory", Keys::Unique, "bare", layered(MemoryStore::new())),
+        (
+            "memory-replay",
+            Keys::Replay,
+            "bare",
+            layered(MemoryStore::new()),
+        ),
+        ("redis-floor", Keys::Unique, "bare", floor_app.clone()),
+        ("redis", Keys::Unique, "redis-floor", layered(redis().await)),
+        ("redis-replay-floor", Keys::Replay, "bare", floor_app),
+        (
+            "redis-replay",
+            Keys::Replay,
+            "redis-replay-floor",
+            layered(redis().await),
+        ),
+        ("redis-replay-cached", Keys::Replay, "bare", layered(cached)),
+        ("pg-floor", Keys::Unique, "pg-floor", committed()),
+        (
+            "pg-tx",
+            Keys::Unique,
+            "pg-floor",
+            in_transaction().layer(layer(transactional())),
+        ),
+        (
+            "pg-tx-replay",
+            Keys::Replay,
+            "pg-floor",
+            in_transaction().layer(layer(transactional())),
+        ),
+        (
+            "pg-redis",
+            Keys::Unique,
+            "pg-floor",
+            committed().layer(layer(redis().await)),
+        ),
     ];
     let wanted: Option<Vec<String>> = env::var("LOAD_VARIANTS")
         .ok()
         .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect());
     let mut out = Vec::new();
-    for (name, keys, app) in variants {
-        if name == "bare" || wanted.as_ref().is_none_or(|w| w.iter().any(|n| n == name)) {
+    for (name, keys, reference, app) in variants {
+        let wanted = |n: &str| wanted.as_ref().is_none_or(|w| w.iter().any(|x| x == n));
+        // A variant brings its reference along.
+        let referenced = |n: &str| {
+            [
+                ("redis", "redis-floor"),
+                ("redis-replay", "redis-replay-floor"),
+                ("pg-tx", "pg-floor"),
+                ("pg-tx-replay", "pg-floor"),
+                ("pg-redis", "pg-floor"),
+            ]
+            .iter()
+            .any(|(v, r)| *r == n && wanted(v))
+        };
+        if name == "bare" || wanted(name) || referenced(name) {
             out.push(Variant {
                 name,
                 keys,
                 addr: serve(app).await,
+                reference,
+                postgres: name.starts_with("pg-"),
             });
         }
     }
@@ -220,6 +314,28 @@ struct Run {
     errors: u64,
     /// CPU time of this process (the servers, not wrk or Redis) per request.
     cpu_us: f64,
+}
+
+/// PostgreSQL's own counters: committed transactions of the benchmark's
+/// database, and WAL flushes (fsyncs) of the whole server.
+#[derive(Clone, Copy, Default)]
+struct PgCounters {
+    commits: f64,
+    wal_syncs: f64,
+}
+
+async fn pg_counters(pool: &PgPool) -> PgCounters {
+    let (commits, wal_syncs): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()), \
+                (SELECT wal_sync FROM pg_stat_wal)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    PgCounters {
+        commits: commits as f64,
+        wal_syncs: wal_syncs as f64,
+    }
 }
 
 /// User + system CPU time of this process so far, in µs (Linux; 0 elsewhere).
@@ -307,16 +423,57 @@ fn parse_wrk(text: &str) -> Run {
 
 fn print_header() {
     println!(
-        "{:<22} {:>10} {:>9} {:>9} {:>8} {:>11} {:>7}",
-        "variant", "req/s", "p50 ms", "p99 ms", "x bare", "cpu us/req", "errors"
+        "{:<20} {:>9} {:>8} {:>8} {:>7} {:>7} {:>19} {:>10} {:>6}  per request",
+        "variant", "req/s", "p50 ms", "p99 ms", "x bare", "x ref", "ref", "cpu us/req", "errors"
     );
 }
 
-fn print_row(name: &str, run: &Run, ratio: f64) {
+fn print_row(v: &Variant, run: &Run, ratio: f64, ratio_ref: f64, extra: &str) {
     println!(
-        "{:<22} {:>10.0} {:>9.3} {:>9.3} {:>8.3} {:>11.1} {:>7}",
-        name, run.rps, run.p50_ms, run.p99_ms, ratio, run.cpu_us, run.errors
+        "{:<20} {:>9.0} {:>8.3} {:>8.3} {:>7.3} {:>7.3} {:>19} {:>10.1} {:>6}  {}",
+        v.name,
+        run.rps,
+        run.p50_ms,
+        run.p99_ms,
+        ratio,
+        ratio_ref,
+        v.reference,
+        run.cpu_us,
+        run.errors,
+        extra
     );
+}
+
+/// What a variant costs its backing service per request.
+#[derive(Clone, Copy, Default)]
+struct Costs {
+    pg_commits: f64,
+    pg_wal_syncs: f64,
+    redis_calls: f64,
+}
+
+impl Costs {
+    fn describe(&self, v: &Variant) -> String {
+        if v.postgres {
+            format!(
+                "{:.2} commits, {:.2} WAL fsyncs",
+                self.pg_commits, self.pg_wal_syncs
+            )
+        } else if v.name.starts_with("redis") {
+            format!("{:.2} Redis calls", self.redis_calls)
+        } else {
+            String::new()
+        }
+    }
+}
+
+/// Every command Redis ran (`INFO commandstats`), those inside scripts too.
+fn redis_calls(port: u16) -> f64 {
+    redis_server::command_calls(port)
+        .iter()
+        .filter(|(name, _)| name != "info")
+        .map(|(_, calls)| *calls as f64)
+        .sum()
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -340,6 +497,7 @@ fn main() {
     }
 
     let redis = RedisServer::start();
+    let database = TestDatabase::create();
     let runtime = Arc::new(
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -347,7 +505,26 @@ fn main() {
             .build()
             .unwrap(),
     );
-    let variants = runtime.block_on(start_variants(&redis.url()));
+    // One pool for every Postgres variant (one runs at a time), larger than
+    // wrk's connections: in transactional mode each request holds one.
+    let pool = runtime.block_on(async {
+        let pool = PgPoolOptions::new()
+            .max_connections(connections + 8)
+            .test_before_acquire(false)
+            .connect(database.url())
+            .await
+            .expect("connect to the benchmark's database");
+        let store = PostgresStore::builder().with_pool(pool.clone()).unwrap();
+        store.migrate().await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE charges (id bigserial PRIMARY KEY, amount bigint, currency text, description text)",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        pool
+    });
+    let variants = runtime.block_on(start_variants(&redis.url(), pool.clone()));
     let nonce = std::process::id();
 
     println!(
@@ -355,47 +532,81 @@ fn main() {
         variants.len(),
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
-    // Warm-up: connections, JIT-free but caches and allocators warm; replay keys completed.
+    // Warm-up: connections, caches and allocators warm; replay keys completed.
     for v in &variants {
         wrk(v, &format!("warm{nonce}"), 2, connections);
     }
 
-    let mut results: Vec<Vec<Run>> = vec![Vec::new(); variants.len()];
+    let index = |name: &str| variants.iter().position(|v| v.name == name).unwrap();
+    let mut results: Vec<Vec<(Run, Costs)>> = vec![Vec::new(); variants.len()];
     for round in 1..=rounds {
         println!("\nround {round}");
         print_header();
-        let mut bare_rps = 0.0;
         for (i, v) in variants.iter().enumerate() {
+            let pg_before = runtime.block_on(pg_counters(&pool));
+            let redis_before = redis_calls(redis.port());
             let run = measure(
                 v,
                 &format!("r{nonce}-{round}-{}", v.name),
                 secs,
                 connections,
             );
-            if v.name == "bare" {
-                bare_rps = run.rps;
-            }
-            print_row(v.name, &run, run.rps / bare_rps);
-            results[i].push(run);
+            let pg_after = runtime.block_on(pg_counters(&pool));
+            let requests = (run.rps * secs as f64).max(1.0);
+            let costs = Costs {
+                // Minus the two counter queries themselves.
+                pg_commits: (pg_after.commits - pg_before.commits - 1.0).max(0.0) / requests,
+                pg_wal_syncs: (pg_after.wal_syncs - pg_before.wal_syncs) / requests,
+                redis_calls: (redis_calls(redis.port()) - redis_before) / requests,
+            };
+            results[i].push((run, costs));
+            let rps_of = |name: &str| results[index(name)].last().map_or(f64::NAN, |r| r.0.rps);
+            print_row(
+                v,
+                &run,
+                run.rps / rps_of("bare"),
+                run.rps / rps_of(v.reference),
+                &costs.describe(v),
+            );
         }
     }
 
-    println!("\nmedian over {rounds} rounds (ratio: median of the per-round ratios to bare)");
+    println!(
+        "\nmedian over {rounds} rounds (ratios: medians of the per-round ratios to bare and to the variant's reference)"
+    );
     print_header();
-    let bare: Vec<f64> = results[0].iter().map(|r| r.rps).collect();
     for (v, runs) in variants.iter().zip(&results) {
-        let med = |f: fn(&Run) -> f64| median(runs.iter().map(f).collect());
+        let med = |f: &dyn Fn(&(Run, Costs)) -> f64| median(runs.iter().map(f).collect());
         let run = Run {
-            rps: med(|r| r.rps),
-            p50_ms: med(|r| r.p50_ms),
-            p99_ms: med(|r| r.p99_ms),
-            cpu_us: med(|r| r.cpu_us),
-            errors: runs.iter().map(|r| r.errors).sum(),
+            rps: med(&|r| r.0.rps),
+            p50_ms: med(&|r| r.0.p50_ms),
+            p99_ms: med(&|r| r.0.p99_ms),
+            cpu_us: med(&|r| r.0.cpu_us),
+            errors: runs.iter().map(|r| r.0.errors).sum(),
         };
-        let ratio = median(runs.iter().zip(&bare).map(|(r, b)| r.rps / b).collect());
-        print_row(v.name, &run, ratio);
+        let costs = Costs {
+            pg_commits: med(&|r| r.1.pg_commits),
+            pg_wal_syncs: med(&|r| r.1.pg_wal_syncs),
+            redis_calls: med(&|r| r.1.redis_calls),
+        };
+        let ratio_to = |name: &str| {
+            let reference = &results[index(name)];
+            median(
+                runs.iter()
+                    .zip(reference)
+                    .map(|(r, b)| r.0.rps / b.0.rps)
+                    .collect(),
+            )
+        };
+        print_row(
+            v,
+            &run,
+            ratio_to("bare"),
+            ratio_to(v.reference),
+            &costs.describe(v),
+        );
     }
-    let errors: u64 = results.iter().flatten().map(|r| r.errors).sum();
+    let errors: u64 = results.iter().flatten().map(|r| r.0.errors).sum();
     assert_eq!(
         errors, 0,
         "some requests failed or were rejected; the numbers above are not comparable"

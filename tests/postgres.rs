@@ -134,7 +134,7 @@ async fn the_charge_and_the_record_commit_together_and_replay() {
     assert_eq!(first.body, "charge 1");
     for _ in 0..3 {
         let replay = oneshot(&app, request("/charges", "k", CHARGE)).await;
-        assert!(replay.is_replay());
+        assert!(replay.is_replay(), "{} {:?}", replay.status, replay.body);
         assert_eq!(replay.body, first.body);
     }
     oneshot(&app, request("/charges", "k", "{}"))
@@ -251,6 +251,27 @@ async fn sixty_four_concurrent_duplicates_one_charge_and_no_one_waits_for_it() {
             .iter()
             .all(|(s, at)| *s == StatusCode::CREATED || *at < done)
     );
+    assert_eq!(charges(&db).await, 1);
+}
+
+/// Replays take no lock: concurrent retries of a completed key all replay
+/// (a claim that tried the key's lock first answered some of them 409).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_replays_of_a_completed_key_all_replay() {
+    let db = TestDatabase::create();
+    let server = Server::start(app(transactional(&db).await)).await;
+    assert_eq!(
+        server.post("/charges", "k", CHARGE).await.status,
+        StatusCode::CREATED
+    );
+    for _ in 0..5 {
+        let replies =
+            futures_util::future::join_all((0..32).map(|_| server.post("/charges", "k", CHARGE)))
+                .await;
+        for reply in &replies {
+            assert!(reply.is_replay(), "{} {:?}", reply.status, reply.body);
+        }
+    }
     assert_eq!(charges(&db).await, 1);
 }
 

@@ -23,13 +23,18 @@
 //!   is never silently skipped: the layer answers `500`, and the
 //!   transaction rolls back when that holder drops it.
 //!
-//! A concurrent duplicate never waits for the first: the claim takes a
-//! transaction-level advisory lock with `pg_try_advisory_xact_lock`, which
-//! does not block, and answers `409` when another transaction holds it.
-//! The lock's 64-bit key is derived from the record key; an application that
-//! uses advisory locks for its own purposes may, very rarely, see a spurious
-//! `409`. Each request in flight holds one pooled connection for the
-//! duration of its handler: size the pool for your concurrency.
+//! The claim is sent with `BEGIN` in one round trip: a function of the schema
+//! returns the live record if there is one (a replay needs no lock), else
+//! takes the key's transaction-level advisory lock with
+//! `pg_try_advisory_xact_lock`, which never waits: a concurrent duplicate
+//! gets `409` at once, it never waits on a row lock. The lock's 64-bit key is
+//! derived from the record key; an application that uses advisory locks for
+//! its own purposes may, very rarely, see a spurious `409`. No row is written
+//! until the completion, so a first execution costs the handler's own
+//! transaction plus one upsert in it. Each request in flight holds one pooled
+//! connection for the duration of its handler: size the pool for your
+//! concurrency. A connection whose transaction is dropped unfinished is
+//! closed, not returned to the pool, so no other request inherits it.
 //!
 //! **Plain** (the default): the store implements the claim protocol like the
 //! Redis store, each operation one short autocommit statement: a claim with a
@@ -51,7 +56,8 @@
 //! ```
 //!
 //! `record` holds the completed record in the crate's [`codec`](crate::codec)
-//! format; `token` the lease token while a claim is in flight.
+//! format; `token` the lease token while a plain-mode claim is in flight. The
+//! function is the transactional claim.
 //!
 //! # Expiry
 //!
@@ -82,10 +88,10 @@ use std::{
 };
 
 use sha2::{Digest, Sha256};
-use sqlx::{PgPool, Postgres, Row, Transaction, postgres::PgPoolOptions};
+use sqlx::{Executor, PgConnection, PgPool, Row, postgres::PgPoolOptions};
 
 pub use self::tx::IdempotentTx;
-use self::tx::{TxHandle, TxSlot};
+use self::tx::{OpenTx, TxHandle, TxSlot};
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
 use crate::{codec, fingerprint::Fingerprint, record::CompletedRecord};
 
@@ -320,53 +326,47 @@ impl PostgresStore {
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
-        lease: Duration,
         transactions: &Mutex<HashMap<LeaseToken, Arc<TxSlot>>>,
     ) -> Result<Claim, StoreError> {
-        let sql = &self.inner.sql;
-        // Replays first, without a transaction: one round trip.
-        let completed = self
-            .bounded(
-                sqlx::query(&sql.read)
-                    .bind(key.as_str())
-                    .fetch_optional(&self.inner.pool),
-            )
+        // BEGIN and the claim in one round trip, so in the simple protocol,
+        // without parameters. The key is visible ASCII, written as an escape
+        // string literal with `\` and `'` escaped.
+        let literal = key.as_str().replace('\\', "\\\\").replace('\'', "\\'");
+        let begin = format!(
+            "BEGIN; SELECT * FROM {}(E'{literal}', {})",
+            self.inner.sql.claim_function,
+            advisory_key(key)
+        );
+        let (tx, row) = self
+            .bounded(async {
+                let connection = self.inner.pool.acquire().await?;
+                // From here on, a failure closes the connection (see `OpenTx`).
+                let mut tx = OpenTx::begun(connection);
+                // `Executor::fetch_one`, boxed, rather than `RawSql::fetch_one`,
+                // an `async fn` whose future trips rustc's inference of
+                // higher-ranked `Send` bounds (rust-lang/rust#100013).
+                let on: &mut PgConnection = &mut tx;
+                let row = on.fetch_one(sqlx::raw_sql(&begin)).await?;
+                Ok((tx, row))
+            })
             .await?;
-        if let Some(row) = completed {
-            return Self::found(fingerprint, &row);
+        let state: String = row.try_get("state")?;
+        if state == "acquired" {
+            let token = LeaseToken::generate();
+            lock(transactions).insert(token, Arc::new(TxSlot::new(tx)));
+            return Ok(Claim::Acquired(token));
         }
-        let token = LeaseToken::generate();
-        let mut tx = self.bounded(self.inner.pool.begin()).await?;
-        let row = self
-            .bounded(
-                sqlx::query(&sql.claim_locked)
-                    .bind(key.as_str())
-                    .bind(&fingerprint.as_bytes()[..])
-                    .bind(&token.to_bytes()[..])
-                    .bind(millis(lease, "lease")?)
-                    .bind(advisory_key(key))
-                    .fetch_one(&mut *tx),
-            )
-            .await?;
-        if !row.try_get::<bool, _>("locked")? {
+        // Nothing to do in this transaction: end it off the request's path.
+        tokio::spawn(async move {
+            if let Err(error) = tx.rollback().await {
+                tracing::debug!(%error, "idempotency: rolling back a claim that was not taken");
+            }
+        });
+        if state == "in_flight" {
             return Ok(Claim::InFlight {
                 retry_after: IN_FLIGHT_RETRY_AFTER,
             });
         }
-        if row.try_get::<bool, _>("acquired")? {
-            let slot = Arc::new(TxSlot::new(tx));
-            lock(transactions).insert(token, slot);
-            return Ok(Claim::Acquired(token));
-        }
-        // Completed by another transaction since the first read: this
-        // statement's snapshot is newer and sees it.
-        let row = self
-            .bounded(
-                sqlx::query(&sql.read)
-                    .bind(key.as_str())
-                    .fetch_one(&mut *tx),
-            )
-            .await?;
         Self::found(fingerprint, &row)
     }
 
@@ -374,6 +374,7 @@ impl PostgresStore {
         &self,
         key: &StorageKey,
         token: LeaseToken,
+        fingerprint: &Fingerprint,
         record: Vec<u8>,
         retention: Duration,
         transactions: &Mutex<HashMap<LeaseToken, Arc<TxSlot>>>,
@@ -382,13 +383,12 @@ impl PostgresStore {
             return Ok(false);
         };
         // `None`: the handler still holds it. It rolls back when dropped.
-        let mut tx: Transaction<'static, Postgres> =
-            slot.take().ok_or(StoreError::TransactionHeld)?;
+        let mut tx = slot.take().ok_or(StoreError::TransactionHeld)?;
         let updated = self
             .bounded(
                 sqlx::query(&self.inner.sql.complete_locked)
                     .bind(key.as_str())
-                    .bind(&token.to_bytes()[..])
+                    .bind(&fingerprint.as_bytes()[..])
                     .bind(record)
                     .bind(millis(retention, "retention")?)
                     .execute(&mut *tx),
@@ -527,7 +527,7 @@ impl Store for PostgresStore {
     ) -> Result<Claim, StoreError> {
         match &self.inner.transactions {
             Some(transactions) => {
-                self.claim_in_transaction(key, fingerprint, lease, transactions)
+                self.claim_in_transaction(key, fingerprint, transactions)
                     .await
             }
             None => self.claim_plain(key, fingerprint, lease).await,
@@ -567,7 +567,7 @@ impl Store for PostgresStore {
         let record = codec::encode(fingerprint, &record);
         if let Some(transactions) = &self.inner.transactions {
             return self
-                .complete_in_transaction(key, token, record, retention, transactions)
+                .complete_in_transaction(key, token, fingerprint, record, retention, transactions)
                 .await;
         }
         let updated = self
@@ -646,8 +646,7 @@ fn millis(d: Duration, what: &str) -> Result<i64, StoreError> {
 struct Sql {
     schema: String,
     claim: String,
-    read: String,
-    claim_locked: String,
+    claim_function: String,
     extend: String,
     complete: String,
     complete_locked: String,
@@ -673,8 +672,7 @@ impl Sql {
         Ok(Self {
             schema: SCHEMA.replace(DEFAULT_TABLE, table),
             claim: t(CLAIM),
-            read: t(READ),
-            claim_locked: t(CLAIM_LOCKED),
+            claim_function: format!("{table}_claim"),
             extend: t(EXTEND),
             complete: t(COMPLETE),
             complete_locked: t(COMPLETE_LOCKED),
@@ -708,21 +706,6 @@ const CLAIM: &str = concat!(
      FROM {t} WHERE key = $1 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
 );
 
-/// The live record of a key.
-const READ: &str = "SELECT fingerprint, record, (extract(epoch FROM expires_at - now()) * 1000)::bigint AS ms_left \
-     FROM {t} WHERE key = $1 AND expires_at > now()";
-
-/// Transactional claim: a non-blocking advisory lock, then the in-flight
-/// row, in one statement ($5 the lock key). The insert's conflict check sees
-/// the latest committed row whatever the statement's snapshot.
-const CLAIM_LOCKED: &str = concat!(
-    "WITH l AS (SELECT pg_try_advisory_xact_lock($5) AS locked), claimed AS (",
-    insert_claim!(
-        "SELECT $1, $2, $3, NULL, now() + $4 * interval '1 millisecond' FROM l WHERE l.locked"
-    ),
-    ") SELECT (SELECT locked FROM l) AS locked, EXISTS (SELECT 1 FROM claimed) AS acquired"
-);
-
 const EXTEND: &str = "UPDATE {t} SET expires_at = now() + $3 * interval '1 millisecond' \
      WHERE key = $1 AND token = $2 AND expires_at > now()";
 
@@ -731,8 +714,14 @@ const EXTEND: &str = "UPDATE {t} SET expires_at = now() + $3 * interval '1 milli
 const COMPLETE: &str = "UPDATE {t} SET token = NULL, record = $3, expires_at = now() + $4 * interval '1 millisecond' \
      WHERE key = $1 AND ((token = $2 AND expires_at > now()) OR record = $3)";
 
-const COMPLETE_LOCKED: &str = "UPDATE {t} SET token = NULL, record = $3, expires_at = now() + $4 * interval '1 millisecond' \
-     WHERE key = $1 AND token = $2";
+/// The transactional completion: the record, written under the key's lock
+/// (an expired one replaced). $1 key, $2 fingerprint, $3 record, $4 ms.
+const COMPLETE_LOCKED: &str = concat!(
+    "INSERT INTO {t} AS r (key, fingerprint, token, record, expires_at) ",
+    "VALUES ($1, $2, NULL, $3, now() + $4 * interval '1 millisecond') ",
+    "ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, token = NULL, \
+     record = EXCLUDED.record, expires_at = EXCLUDED.expires_at WHERE r.expires_at <= now()"
+);
 
 const RELEASE: &str = "DELETE FROM {t} WHERE key = $1 AND token = $2";
 

@@ -11,28 +11,85 @@ use axum_core::{
     response::{IntoResponse, Response},
 };
 use http::{StatusCode, request::Parts};
-use sqlx::{PgConnection, Postgres, Transaction};
+use sqlx::{PgConnection, Postgres, pool::PoolConnection};
 
 use crate::problem::Problem;
 
+/// A pooled connection inside a transaction the store began (the claim is
+/// sent with `BEGIN` in one round trip, which sqlx's `Transaction` cannot
+/// do). Dropped while still open — a task that crashed, an extractor kept
+/// too long — it closes the connection instead of returning it to the pool:
+/// the server rolls the transaction back, and no other request inherits it.
+pub(super) struct OpenTx {
+    connection: PoolConnection<Postgres>,
+    open: bool,
+}
+
+impl OpenTx {
+    /// `connection` has just run `BEGIN` successfully.
+    pub(super) fn begun(connection: PoolConnection<Postgres>) -> Self {
+        Self {
+            connection,
+            open: true,
+        }
+    }
+
+    pub(super) async fn commit(mut self) -> Result<(), sqlx::Error> {
+        self.end("COMMIT").await
+    }
+
+    pub(super) async fn rollback(mut self) -> Result<(), sqlx::Error> {
+        self.end("ROLLBACK").await
+    }
+
+    async fn end(&mut self, statement: &'static str) -> Result<(), sqlx::Error> {
+        let connection: &mut PgConnection = &mut self.connection;
+        sqlx::Executor::execute(connection, statement).await?;
+        self.open = false;
+        Ok(())
+    }
+}
+
+impl Deref for OpenTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.connection
+    }
+}
+
+impl DerefMut for OpenTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.connection
+    }
+}
+
+impl Drop for OpenTx {
+    fn drop(&mut self) {
+        if self.open {
+            self.connection.close_on_drop();
+        }
+    }
+}
+
 /// Where a claim's transaction waits: taken by the handler's extractor,
 /// put back when the extractor drops, taken by the layer to commit.
-pub(super) struct TxSlot(Mutex<Option<Transaction<'static, Postgres>>>);
+pub(super) struct TxSlot(Mutex<Option<OpenTx>>);
 
 impl TxSlot {
-    pub(super) fn new(tx: Transaction<'static, Postgres>) -> Self {
+    pub(super) fn new(tx: OpenTx) -> Self {
         Self(Mutex::new(Some(tx)))
     }
 
     /// The transaction, unless someone holds it.
-    pub(super) fn take(&self) -> Option<Transaction<'static, Postgres>> {
+    pub(super) fn take(&self) -> Option<OpenTx> {
         self.0
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .take()
     }
 
-    fn put_back(&self, tx: Transaction<'static, Postgres>) {
+    fn put_back(&self, tx: OpenTx) {
         *self
             .0
             .lock()
@@ -80,7 +137,7 @@ pub(super) struct TxHandle(pub(super) Arc<TxSlot>);
 /// ```
 pub struct IdempotentTx {
     slot: Arc<TxSlot>,
-    tx: Option<Transaction<'static, Postgres>>,
+    tx: Option<OpenTx>,
 }
 
 impl Deref for IdempotentTx {
