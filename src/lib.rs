@@ -17,6 +17,7 @@ mod guard;
 mod key;
 mod layer;
 mod lease;
+pub mod message;
 mod observe;
 mod outcome;
 mod policy;

@@ -2,9 +2,11 @@
 //! every helper.
 #![allow(dead_code)]
 
+pub mod amqp;
 pub mod app;
 pub mod backend;
 pub mod cluster;
+pub mod consumer;
 pub mod http;
 pub mod logs;
 pub mod payments;

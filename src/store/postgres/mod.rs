@@ -55,7 +55,7 @@
 #![doc = include_str!("schema.sql")]
 //! ```
 //!
-//! `record` holds the completed record in the crate's [`codec`](crate::codec)
+//! `record` holds the completed record in the crate's [`codec`]
 //! format; `token` the lease token while a plain-mode claim is in flight. The
 //! function is the transactional claim.
 //!

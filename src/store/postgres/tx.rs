@@ -168,6 +168,18 @@ impl std::fmt::Debug for IdempotentTx {
     }
 }
 
+impl IdempotentTx {
+    /// The transaction the store attached to these extensions, if it is
+    /// still there.
+    pub(crate) fn take_from(extensions: &http::Extensions) -> Option<Self> {
+        let TxHandle(slot) = extensions.get::<TxHandle>()?;
+        Some(Self {
+            slot: slot.clone(),
+            tx: Some(slot.take()?),
+        })
+    }
+}
+
 impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
     type Rejection = Response;
 
@@ -181,19 +193,15 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotentTx {
             .detail(detail)
             .into_response()
         };
-        let Some(TxHandle(slot)) = parts.extensions.get::<TxHandle>() else {
+        if parts.extensions.get::<TxHandle>().is_none() {
             return Err(unavailable(
                 "This request has no idempotent transaction: the route needs the IdempotencyLayer over a transactional PostgresStore, and the request an Idempotency-Key.",
             ));
-        };
-        match slot.take() {
-            Some(tx) => Ok(Self {
-                slot: slot.clone(),
-                tx: Some(tx),
-            }),
-            None => Err(unavailable(
-                "The request's transaction is already in use: extract IdempotentTx once per request.",
-            )),
         }
+        Self::take_from(&parts.extensions).ok_or_else(|| {
+            unavailable(
+                "The request's transaction is already in use: extract IdempotentTx once per request.",
+            )
+        })
     }
 }

@@ -1,0 +1,95 @@
+//! RabbitMQ for the tests: `AMQP_URL` when set, else the local broker at
+//! `amqp://guest:guest@127.0.0.1:5672/%2f`. Each test uses its own queue,
+//! deleted when it ends.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use lapin::{
+    BasicProperties, Channel, Connection, ConnectionProperties,
+    options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions},
+    types::FieldTable,
+};
+
+const LOCAL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+pub fn broker_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| LOCAL.to_owned())
+}
+
+/// A queue that exists for one test.
+pub struct TestQueue {
+    pub name: String,
+    channel: Channel,
+    _connection: Connection,
+}
+
+impl TestQueue {
+    pub async fn declare() -> Self {
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        let url = broker_url();
+        let connection = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot reach RabbitMQ at {url} ({e}). The consumer tests need a real broker: \
+                     install and start one (Debian/Ubuntu: `sudo apt-get install rabbitmq-server`, then \
+                     `sudo service rabbitmq-server start`; macOS: `brew install rabbitmq`), or set AMQP_URL."
+                )
+            });
+        let channel = connection.create_channel().await.unwrap();
+        let name = format!(
+            "orders_test_{}_{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        Self {
+            name,
+            channel,
+            _connection: connection,
+        }
+    }
+
+    /// Publishes `payload` and waits for the broker's confirmation.
+    pub async fn publish(&self, payload: &str) {
+        self.channel
+            .basic_publish(
+                "".into(),
+                self.name.as_str().into(),
+                BasicPublishOptions::default(),
+                payload.as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Messages ready in the queue (not counting unacknowledged deliveries).
+    pub async fn ready(&self) -> u32 {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        self.channel
+            .queue_declare(self.name.as_str().into(), passive, FieldTable::default())
+            .await
+            .unwrap()
+            .message_count()
+    }
+
+    pub async fn delete(self) {
+        let _ = self
+            .channel
+            .queue_delete(self.name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+}

@@ -1,0 +1,85 @@
+//! The `orders_consumer` example as a child process: its stdout lines, one
+//! per delivery, read as they come.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+fn binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let bin = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join("orders_consumer");
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests with `cargo test --all-features`, which builds the examples",
+        bin.display()
+    );
+    bin
+}
+
+pub struct OrdersConsumer {
+    pub child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl OrdersConsumer {
+    /// Starts the consumer and waits until it consumes.
+    pub async fn start(env: &[(&str, &str)]) -> Self {
+        let mut child = Command::new(binary())
+            .env("RUST_LOG", "off")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the orders_consumer example");
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        std::thread::spawn({
+            let lines = lines.clone();
+            move || {
+                for line in stdout.lines().map_while(Result::ok) {
+                    lines.lock().unwrap().push(line);
+                }
+            }
+        });
+        let consumer = Self { child, lines };
+        consumer.wait_for(|l| l.starts_with("consuming ")).await;
+        consumer
+    }
+
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    /// Waits (up to 20 s) for a line that satisfies `f`.
+    pub async fn wait_for(&self, f: impl Fn(&str) -> bool) -> String {
+        for _ in 0..200 {
+            if let Some(line) = self.lines().into_iter().find(|l| f(l)) {
+                return line;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("no such line within 20 s; got {:?}", self.lines());
+    }
+
+    /// SIGKILL, as in a crash.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for OrdersConsumer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
