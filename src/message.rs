@@ -136,6 +136,8 @@ pub enum ProcessError<E> {
 /// [`PostgresStore`](crate::PostgresStore) it carries the transaction.
 #[derive(Debug)]
 pub struct Claimed {
+    /// What the store attached for the work (the Postgres transaction).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     extensions: http::Extensions,
 }
 
