@@ -23,7 +23,7 @@ use tower_idempotency::{
 
 use support::{
     http::{HttpClient, Server, oneshot, post as request},
-    payments::Payments,
+    payments::{Payments, charge_request},
     postgres::TestDatabase,
     redis_server::{RedisServer, free_port},
 };
@@ -305,15 +305,6 @@ async fn expired_records_are_absent_at_once_and_deleted_in_batches() {
 
 // The point of the transactional store, shown on the example process: kill
 // -9 while the handler holds an uncommitted charge.
-
-fn charge_request(addr: &str) -> http::Request<axum::body::Body> {
-    http::Request::post(format!("http://{addr}/v1/charges"))
-        .header("authorization", "Bearer acct_crash")
-        .header("idempotency-key", "crash-1")
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(r#"{"amount":500,"currency":"usd"}"#))
-        .unwrap()
-}
 
 /// Starts a charge, kills the example with SIGKILL while its handler waits
 /// for the processor (the charge row already written), and restarts it.

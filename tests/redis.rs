@@ -16,7 +16,7 @@ use support::{
     app::{Counter, routes},
     http::{HttpClient, Server, oneshot, post},
     logs::Logs,
-    payments::Payments,
+    payments::{Payments, charge_request},
     redis_server::{RedisServer, command_calls, free_port},
 };
 
@@ -386,15 +386,6 @@ fn start_payments(redis_url: &str, port: u16) -> Payments {
             ("IDEMPOTENCY_LEASE_MS", "1500"),
         ],
     )
-}
-
-fn charge_request(addr: &str) -> http::Request<axum::body::Body> {
-    http::Request::post(format!("http://{addr}/v1/charges"))
-        .header("authorization", "Bearer acct_crash")
-        .header("idempotency-key", "crash-1")
-        .header("content-type", "application/json")
-        .body(axum::body::Body::from(r#"{"amount":500,"currency":"usd"}"#))
-        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -261,17 +261,8 @@ async fn create_charge(
         Ok(charge) => charge,
         Err(invalid) => return invalid.into_response(),
     };
-    if let Err(e) = state.charges.insert(&charge).await {
-        tracing::error!(error = %e, "cannot record the charge");
-        return problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "Charge failed",
-            "The charge could not be recorded.",
-        );
-    }
-    // The card processor.
-    tokio::time::sleep(state.processor_latency).await;
-    created(charge)
+    let recorded = state.charges.insert(&charge).await;
+    after_recording(&state, charge, recorded).await
 }
 
 /// Charges in the request's transaction: the charge and the idempotency
@@ -286,7 +277,18 @@ async fn create_charge_in_transaction(
         Ok(charge) => charge,
         Err(invalid) => return invalid.into_response(),
     };
-    if let Err(e) = insert_charge(&mut tx, &charge).await {
+    let recorded = insert_charge(&mut tx, &charge).await;
+    after_recording(&state, charge, recorded).await
+}
+
+/// The card processor once the charge is recorded, then `201`; or `500` if
+/// it could not be recorded.
+async fn after_recording(
+    state: &AppState,
+    charge: Charge,
+    recorded: Result<(), sqlx::Error>,
+) -> Response {
+    if let Err(e) = recorded {
         tracing::error!(error = %e, "cannot record the charge");
         return problem(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -294,7 +296,6 @@ async fn create_charge_in_transaction(
             "The charge could not be recorded.",
         );
     }
-    // The card processor.
     tokio::time::sleep(state.processor_latency).await;
     created(charge)
 }

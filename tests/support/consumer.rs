@@ -1,30 +1,13 @@
 //! The `orders_consumer` example as a child process: its stdout lines, one
 //! per delivery, read as they come.
 
+use super::payments::example_binary;
 use std::{
     io::{BufRead, BufReader},
-    path::PathBuf,
     process::{Child, Command, Stdio},
     sync::{Arc, Mutex},
     time::Duration,
 };
-
-fn binary() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join("orders_consumer");
-    assert!(
-        bin.exists(),
-        "{} is missing: run the tests with `cargo test --all-features`, which builds the examples",
-        bin.display()
-    );
-    bin
-}
 
 pub struct OrdersConsumer {
     pub child: Child,
@@ -34,7 +17,7 @@ pub struct OrdersConsumer {
 impl OrdersConsumer {
     /// Starts the consumer and waits until it consumes.
     pub async fn start(env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(binary())
+        let mut child = Command::new(example_binary("orders_consumer"))
             .env("RUST_LOG", "off")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())

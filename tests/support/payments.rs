@@ -8,8 +8,9 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-/// The example binary, or a panic that says how to build it.
-pub fn payments_binary() -> PathBuf {
+/// An example binary built by `cargo test` beside the tests, or a panic
+/// that says how to build it.
+pub fn example_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let bin = exe
         .parent()
@@ -17,13 +18,17 @@ pub fn payments_binary() -> PathBuf {
         .parent()
         .unwrap()
         .join("examples")
-        .join("payments");
+        .join(name);
     assert!(
         bin.exists(),
-        "{} is missing: run the tests with `cargo test`, which builds the examples",
+        "{} is missing: run the tests with `cargo test --all-features`, which builds the examples",
         bin.display()
     );
     bin
+}
+
+fn payments_binary() -> PathBuf {
+    example_binary("payments")
 }
 
 pub struct Payments {
@@ -114,4 +119,14 @@ pub fn run_to_exit(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status, text)
+}
+
+/// The example's crash-test charge: account `acct_crash`, key `crash-1`.
+pub fn charge_request(addr: &str) -> http::Request<axum::body::Body> {
+    http::Request::post(format!("http://{addr}/v1/charges"))
+        .header("authorization", "Bearer acct_crash")
+        .header("idempotency-key", "crash-1")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(r#"{"amount":500,"currency":"usd"}"#))
+        .unwrap()
 }
