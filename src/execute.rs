@@ -20,13 +20,12 @@ use tracing::Instrument;
 
 use crate::{
     config::Shared,
-    lease::Lease,
-    observe,
+    lease::{Finished, Lease},
     outcome::{Completion, IdempotencyOutcome},
     policy::StorePolicy,
     record::{CompletedRecord, StoredResponse},
     rejection::RejectionKind,
-    store::{Store, StoreError},
+    store::{StorageKey, Store, StoreError},
 };
 
 /// What the handler produced, read as far as the layer needs.
@@ -270,60 +269,43 @@ where
             )
         }
     };
-    let record = Arc::new(record);
-    let retention = shared.config.retention;
-    let stored = lease.complete(record.clone(), retention).await;
-    if shared.store.commits_effects() && !matches!(stored, Ok(true)) {
-        // The handler's writes committed with the record, or not at all:
-        // its response must not go out, since it may describe an effect
-        // that was rolled back. The retry replays or executes, both right.
-        return Ok(withheld(shared, &lease, stored));
-    }
-    match stored {
-        Ok(true) => {
-            tracing::debug!(key = %lease.key(), ?completion, "idempotency: executed");
-            Ok(executed(response, completion))
-        }
-        Ok(false) => {
-            observe::completion_lost();
-            tracing::error!(
-                key = %lease.key(),
-                "idempotency: lease lost before completion; response sent but not stored, a retry may execute again"
-            );
-            Ok(executed(response, Completion::LeaseLost))
-        }
-        Err(error) => {
-            tracing::warn!(key = %lease.key(), %error, "idempotency: completion failed; retrying in the background");
-            tokio::spawn(async move { lease.complete_in_background(record, retention).await });
-            Ok(executed(response, Completion::Pending))
-        }
-    }
+    let key = lease.key().clone();
+    Ok(
+        match lease
+            .finish(Arc::new(record), shared.config.retention)
+            .await
+        {
+            Finished::Stored => {
+                tracing::debug!(%key, ?completion, "idempotency: executed");
+                executed(response, completion)
+            }
+            Finished::Lost => executed(response, Completion::LeaseLost),
+            Finished::Pending => executed(response, Completion::Pending),
+            // The handler's writes committed with the record, or not at all:
+            // its response must not go out, since it may describe an effect that
+            // was rolled back. The retry replays or executes, both right.
+            Finished::NotCommitted(error) => withheld(shared, &key, error),
+        },
+    )
 }
 
 /// The answer when a transactional store could not commit the handler's
 /// writes with the record.
-fn withheld<St: Store, Sc, P, F>(
+fn withheld<St, Sc, P, F>(
     shared: &Shared<St, Sc, P, F>,
-    lease: &Lease<St>,
-    stored: Result<bool, StoreError>,
+    key: &StorageKey,
+    error: StoreError,
 ) -> Response<Body> {
-    match stored {
-        Err(StoreError::TransactionHeld) => {
-            tracing::error!(
-                key = %lease.key(),
-                "idempotency: the handler's transaction is still held elsewhere (an IdempotentTx kept past the handler); rolled back"
-            );
-            shared.rejection(RejectionKind::TransactionHeld)
-        }
-        other => {
-            tracing::warn!(
-                key = %lease.key(), outcome = ?other,
-                "idempotency: the transaction did not commit (or its outcome is unknown); response withheld"
-            );
-            let retry_after = shared.config.unavailable_retry_after;
-            shared.rejection(RejectionKind::StoreUnavailable { retry_after })
-        }
+    if let StoreError::TransactionHeld = error {
+        tracing::error!(
+            %key,
+            "idempotency: the handler's transaction is still held elsewhere (an IdempotentTx kept past the handler); rolled back"
+        );
+        return shared.rejection(RejectionKind::TransactionHeld);
     }
+    tracing::warn!(%key, %error, "idempotency: the transaction did not commit (or its outcome is unknown); response withheld");
+    let retry_after = shared.config.unavailable_retry_after;
+    shared.rejection(RejectionKind::StoreUnavailable { retry_after })
 }
 
 fn executed(mut response: Response<Body>, completion: Completion) -> Response<Body> {

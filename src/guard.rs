@@ -16,11 +16,11 @@ use crate::{
     fingerprint::FingerprintStrategy,
     key::IdempotencyKey,
     lease::Lease,
-    observe,
+    observe::{self, Throttle},
     policy::StorePolicy,
     record::CompletedRecord,
     rejection::RejectionKind,
-    store::{Claim, StorageKey, Store},
+    store::{Claim, StorageKey, Store, StoreError},
 };
 
 /// A guarded request that passed the synchronous checks: it has a valid key
@@ -102,33 +102,35 @@ where
                     return Ok(shared.rejection(RejectionKind::InFlight { retry_after }));
                 }
             },
-            Err(error) if config.fail_open => {
-                match shared.outage_log.admit() {
-                    Some(suppressed) => tracing::warn!(
-                        %key, %error, suppressed,
-                        "idempotency: store unavailable, running UNPROTECTED (fail-open); `suppressed` more since the last such line"
-                    ),
-                    None => {
-                        tracing::debug!(%key, %error, "idempotency: store unavailable, running UNPROTECTED (fail-open)")
-                    }
-                }
-                let request = Request::from_parts(parts, Body::from(body));
-                return execute::unprotected(inner, request).await;
-            }
             Err(error) => {
-                match shared.outage_log.admit() {
-                    Some(suppressed) => tracing::error!(
-                        %key, %error, suppressed,
-                        "idempotency: store unavailable, request refused (fail closed); `suppressed` more since the last such line"
-                    ),
-                    None => {
-                        tracing::debug!(%key, %error, "idempotency: store unavailable, request refused (fail closed)")
-                    }
+                log_outage(&shared.outage_log, &key, &error, config.fail_open);
+                if config.fail_open {
+                    let request = Request::from_parts(parts, Body::from(body));
+                    return execute::unprotected(inner, request).await;
                 }
                 let retry_after = config.unavailable_retry_after;
                 return Ok(shared.rejection(RejectionKind::StoreUnavailable { retry_after }));
             }
         }
+    }
+}
+
+/// A store outage: once a second at `WARN` (fail open) or `ERROR` (fail
+/// closed), with the number of such requests since; the rest at `DEBUG`.
+fn log_outage(throttle: &Throttle, key: &StorageKey, error: &StoreError, fail_open: bool) {
+    let what = if fail_open {
+        "idempotency: store unavailable, running UNPROTECTED (fail-open)"
+    } else {
+        "idempotency: store unavailable, request refused (fail closed)"
+    };
+    match throttle.admit() {
+        Some(suppressed) if fail_open => {
+            tracing::warn!(%key, %error, suppressed, "{what}; `suppressed` more since the last such line")
+        }
+        Some(suppressed) => {
+            tracing::error!(%key, %error, suppressed, "{what}; `suppressed` more since the last such line")
+        }
+        None => tracing::debug!(%key, %error, "{what}"),
     }
 }
 

@@ -12,6 +12,22 @@ use crate::{
     store::{LeaseToken, StorageKey, Store, StoreError},
 };
 
+/// What became of a completion: decided here, once, for HTTP and messages.
+pub(crate) enum Finished {
+    /// Stored; retries replay it.
+    Stored,
+    /// The lease was lost first: the outcome went out unstored, and a retry
+    /// may execute again (logged, counted).
+    Lost,
+    /// Storing failed; it is retried in the background while the lease
+    /// holds.
+    Pending,
+    /// The store commits the work's writes with the record, and that did not
+    /// happen (or its outcome is unknown): the work took no effect, and its
+    /// result must not be reported as done.
+    NotCommitted(StoreError),
+}
+
 pub(crate) struct Lease<St> {
     store: St,
     key: StorageKey,
@@ -111,6 +127,40 @@ impl<St: Store> Lease<St> {
             self.store
                 .complete(&self.key, self.token, &self.fingerprint, record, retention);
         observe::store_call("complete", complete).await
+    }
+
+    /// Stores the outcome and decides what became of it (see [`Finished`]).
+    pub(crate) async fn finish(
+        self,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Finished {
+        let stored = self.complete(record.clone(), retention).await;
+        if self.store.commits_effects() {
+            return match stored {
+                Ok(true) => Finished::Stored,
+                Ok(false) => Finished::NotCommitted(StoreError::Unavailable(
+                    "the claim was lost before the commit".into(),
+                )),
+                Err(error) => Finished::NotCommitted(error),
+            };
+        }
+        match stored {
+            Ok(true) => Finished::Stored,
+            Ok(false) => {
+                observe::completion_lost();
+                tracing::error!(
+                    key = %self.key,
+                    "idempotency: lease lost before completion; the outcome went out unstored, a retry may execute again"
+                );
+                Finished::Lost
+            }
+            Err(error) => {
+                tracing::warn!(key = %self.key, %error, "idempotency: completion failed; retrying in the background");
+                tokio::spawn(async move { self.complete_in_background(record, retention).await });
+                Finished::Pending
+            }
+        }
     }
 
     /// Keeps retrying the completion with backoff while the heartbeat holds

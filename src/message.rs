@@ -64,7 +64,7 @@ use crate::{
     config::{MAX_LEASE, MAX_RETENTION},
     fingerprint::{Fingerprint, FingerprintHasher},
     key::{IdempotencyKey, InvalidKey},
-    lease::Lease,
+    lease::{Finished, Lease},
     observe,
     record::{CompletedRecord, StoredResponse},
     store::{Claim, StorageKey, Store, StoreError},
@@ -336,26 +336,9 @@ impl<St: Store> Idempotent<St> {
             body.into(),
             SystemTime::now(),
         )));
-        match lease.complete(record.clone(), self.retention).await {
-            Ok(true) => Ok(Processed::Executed(value)),
-            Ok(false) if self.store.commits_effects() => Err(ProcessError::NotCommitted(
-                StoreError::Unavailable("the claim was lost before the commit".into()),
-            )),
-            Err(error) if self.store.commits_effects() => Err(ProcessError::NotCommitted(error)),
-            Ok(false) => {
-                observe::completion_lost();
-                tracing::error!(
-                    key = %lease.key(),
-                    "idempotency: lease lost before the result was stored; a redelivery may run the work again"
-                );
-                Ok(Processed::Executed(value))
-            }
-            Err(error) => {
-                tracing::warn!(key = %lease.key(), %error, "idempotency: storing the result failed; retrying in the background");
-                let retention = self.retention;
-                tokio::spawn(async move { lease.complete_in_background(record, retention).await });
-                Ok(Processed::Executed(value))
-            }
+        match lease.finish(record, self.retention).await {
+            Finished::Stored | Finished::Lost | Finished::Pending => Ok(Processed::Executed(value)),
+            Finished::NotCommitted(error) => Err(ProcessError::NotCommitted(error)),
         }
     }
 }

@@ -254,6 +254,34 @@ async fn sixty_four_concurrent_duplicates_one_charge_and_no_one_waits_for_it() {
     assert_eq!(charges(&db).await, 1);
 }
 
+/// The claim carries the key inside SQL text (it travels with `BEGIN` in the
+/// simple protocol): keys with quotes and backslashes must stay data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_with_quotes_and_backslashes_are_data_not_sql() {
+    let db = TestDatabase::create();
+    let app = app(transactional(&db).await);
+    for key in [
+        r"it's",
+        r"back\slash",
+        r"');DROP/**/TABLE/**/charges;--",
+        r"\'\\'",
+    ] {
+        let first = oneshot(&app, request("/charges", key, CHARGE)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{key}: {:?}", first.body);
+        assert!(
+            oneshot(&app, request("/charges", key, CHARGE))
+                .await
+                .is_replay(),
+            "{key}"
+        );
+    }
+    assert_eq!(charges(&db).await, 4);
+    assert_eq!(
+        db.count("SELECT count(*) FROM idempotency_records").await,
+        4
+    );
+}
+
 /// Replays take no lock: concurrent retries of a completed key all replay
 /// (a claim that tried the key's lock first answered some of them 409).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
