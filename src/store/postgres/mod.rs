@@ -682,24 +682,15 @@ impl Sql {
     }
 }
 
-/// The in-flight row: inserted, or an expired record taken over. $1 key,
-/// $2 fingerprint, $3 token, $4 lease ms.
-macro_rules! insert_claim {
-    ($source:literal) => {
-        concat!(
-            "INSERT INTO {t} AS r (key, fingerprint, token, record, expires_at) ",
-            $source,
-            " ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, \
-             token = EXCLUDED.token, record = NULL, expires_at = EXCLUDED.expires_at \
-             WHERE r.expires_at <= now() RETURNING 1"
-        )
-    };
-}
-
-/// Plain claim, one statement: acquired, or the live record.
+/// Plain claim, one statement: the in-flight row inserted (or an expired
+/// record taken over), or else the live record. $1 key, $2 fingerprint,
+/// $3 token, $4 lease ms.
 const CLAIM: &str = concat!(
-    "WITH claimed AS (",
-    insert_claim!("VALUES ($1, $2, $3, NULL, now() + $4 * interval '1 millisecond')"),
+    "WITH claimed AS (INSERT INTO {t} AS r (key, fingerprint, token, record, expires_at) \
+     VALUES ($1, $2, $3, NULL, now() + $4 * interval '1 millisecond') \
+     ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, \
+     token = EXCLUDED.token, record = NULL, expires_at = EXCLUDED.expires_at \
+     WHERE r.expires_at <= now() RETURNING 1",
     ") SELECT true AS acquired, NULL::bytea AS fingerprint, NULL::bytea AS record, 0::bigint AS ms_left FROM claimed \
      UNION ALL SELECT false, fingerprint, record, \
      (extract(epoch FROM expires_at - now()) * 1000)::bigint \
