@@ -32,6 +32,9 @@ const MAX_DEPTH: usize = 128;
 /// members go straight to the output, and are reordered only if they did not
 /// arrive sorted.
 pub(crate) fn canonical_json(body: &[u8]) -> Option<Vec<u8>> {
+    // JSON is UTF-8: checked once here, so strings without escapes are
+    // copied as they stand.
+    std::str::from_utf8(body).ok()?;
     let mut c = Canonicaliser {
         input: body,
         pos: 0,
@@ -214,9 +217,10 @@ impl<'a> Canonicaliser<'a> {
         }
     }
 
-    /// A string without escapes is already in canonical form (valid UTF-8 and
-    /// no control characters checked); one with escapes is decoded by
-    /// serde_json and written again the one way serde_json escapes.
+    /// A string without escapes is already in canonical form (the body is
+    /// valid UTF-8, and control characters are refused here); one with
+    /// escapes is decoded by serde_json and written again the one way
+    /// serde_json escapes.
     fn string(&mut self) -> Option<()> {
         let start = self.pos;
         let mut i = start + 1;
@@ -238,7 +242,6 @@ impl<'a> Canonicaliser<'a> {
             let text: String = serde_json::from_slice(quoted).ok()?;
             serde_json::to_writer(&mut self.out, &text).expect("writing to a Vec cannot fail");
         } else {
-            std::str::from_utf8(&quoted[1..quoted.len() - 1]).ok()?;
             self.out.extend_from_slice(quoted);
         }
         Some(())
