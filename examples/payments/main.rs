@@ -3,7 +3,7 @@
 //! Run with:
 //!
 //! ```not_rust
-//! cargo run --release --example payments
+//! cargo run --release --all-features --example payments
 //! ```
 //!
 //! Environment: `BIND_ADDR` (default `127.0.0.1:3000`); `DATABASE_URL` (set:
