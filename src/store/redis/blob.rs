@@ -1,43 +1,217 @@
-//! The value stored under a record's key: one binary string, so each script
-//! reads and writes it with one command and never re-encodes the body.
+//! The value stored under a record's key: one binary string, so the claim
+//! reads it with one plain command and the scripts with one `GET`, and the
+//! body is never re-encoded.
 //!
 //! ```text
-//! in flight:     'i' | fingerprint (32) | lease token (16)
-//! completed:     the crate's record codec ('r' or 'u' | fingerprint (32) | …)
+//! in flight:  'i' | fingerprint (32) | lease token (16) | lease deadline, Unix ms (u64)
+//! completed:  'c' | expiry, Unix ms (u64) | the crate's record codec ('r' or 'u' | fingerprint | …)
 //! ```
 //!
-//! The scripts read only the first 49 bytes (state, fingerprint, token), at
-//! these offsets.
+//! Integers are big-endian. The scripts read only the state byte and the
+//! token (bytes 34 to 49, 1-based), and `extend` rewrites the deadline in
+//! place (`SETRANGE` at 49, 0-based), which keeps the key's TTL. The times
+//! are the writing server's clock: they inform `Retry-After` and how long
+//! a replay cache may keep a record (with a margin), never a decision.
+//! Completed values written before the expiry was stored (a bare codec
+//! record) still decode, with no expiry known.
 
-use crate::{codec::HEAD, fingerprint::Fingerprint, store::LeaseToken};
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use crate::{
+    codec,
+    fingerprint::Fingerprint,
+    record::{CompletedRecord, CorruptRecord},
+    store::{Claim, LeaseToken},
+};
 
 const IN_FLIGHT: u8 = b'i';
+const COMPLETED: u8 = b'c';
+/// State and fingerprint.
+const HEAD: usize = 1 + 32;
+/// Where an in-flight value's deadline starts (0-based), after the token.
+pub(super) const DEADLINE_AT: usize = HEAD + 16;
 
-pub(super) fn in_flight(fingerprint: &Fingerprint, token: LeaseToken) -> [u8; HEAD + 16] {
-    let mut blob = [0; HEAD + 16];
-    blob[0] = IN_FLIGHT;
-    blob[1..HEAD].copy_from_slice(fingerprint.as_bytes());
-    blob[HEAD..].copy_from_slice(&token.to_bytes());
+/// A replay cache keeps a record this much less than its stored expiry, so
+/// that clocks of servers that disagree by up to this much never make it
+/// outlive the store's copy.
+const CLOCK_SKEW_MARGIN: Duration = Duration::from_secs(5);
+
+pub(super) fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn until(unix_ms_at: u64) -> Duration {
+    Duration::from_millis(unix_ms_at.saturating_sub(unix_ms(SystemTime::now())))
+}
+
+pub(super) fn in_flight(fingerprint: &Fingerprint, token: LeaseToken, lease: Duration) -> Vec<u8> {
+    let mut blob = Vec::with_capacity(DEADLINE_AT + 8);
+    blob.push(IN_FLIGHT);
+    blob.extend_from_slice(fingerprint.as_bytes());
+    blob.extend_from_slice(&token.to_bytes());
+    blob.extend_from_slice(&deadline(lease));
     blob
+}
+
+fn after(at: SystemTime, d: Duration) -> [u8; 8] {
+    unix_ms(at)
+        .saturating_add(d.as_millis().try_into().unwrap_or(u64::MAX))
+        .to_be_bytes()
+}
+
+/// The deadline of a lease starting now, as stored.
+pub(super) fn deadline(lease: Duration) -> [u8; 8] {
+    after(SystemTime::now(), lease)
+}
+
+/// The expiry is counted from the record's creation, not from now: every
+/// attempt at one completion writes the very same bytes (so a retry can
+/// recognise an earlier attempt that Redis applied late), and it is never
+/// later than Redis's own expiry, counted from the completion.
+pub(super) fn completed(
+    fingerprint: &Fingerprint,
+    record: &CompletedRecord,
+    retention: Duration,
+) -> Vec<u8> {
+    let created_at = match record {
+        CompletedRecord::Response(response) => response.created_at(),
+        CompletedRecord::Unreplayable { created_at, .. } => *created_at,
+    };
+    let record = codec::encode(fingerprint, record);
+    let mut blob = Vec::with_capacity(1 + 8 + record.len());
+    blob.push(COMPLETED);
+    blob.extend_from_slice(&after(created_at, retention));
+    blob.extend_from_slice(&record);
+    blob
+}
+
+/// What a claim found: the value `SET … NX GET` returned (`None`: the key
+/// was free and is now ours).
+pub(super) fn decode_claim(
+    found: Option<Vec<u8>>,
+    fingerprint: &Fingerprint,
+    token: LeaseToken,
+    lease: Duration,
+) -> Result<Claim, CorruptRecord> {
+    let Some(found) = found else {
+        return Ok(Claim::Acquired(token));
+    };
+    let (expires_in, record) = match found.first() {
+        Some(&IN_FLIGHT) => {
+            let stored = found.get(1..HEAD).ok_or(CorruptRecord("truncated claim"))?;
+            if stored != fingerprint.as_bytes() {
+                return Ok(Claim::Mismatch);
+            }
+            let held = found
+                .get(HEAD..DEADLINE_AT)
+                .ok_or(CorruptRecord("truncated claim"))?;
+            if held == token.to_bytes() {
+                // Our own claim, sent twice (a client-side retry): ours.
+                return Ok(Claim::Acquired(token));
+            }
+            let deadline = found
+                .get(DEADLINE_AT..DEADLINE_AT + 8)
+                .ok_or(CorruptRecord("truncated claim"))?;
+            let deadline = u64::from_be_bytes(deadline.try_into().expect("8 bytes"));
+            return Ok(Claim::InFlight {
+                retry_after: until(deadline).min(lease),
+            });
+        }
+        Some(&COMPLETED) => {
+            let expiry = found.get(1..9).ok_or(CorruptRecord("truncated record"))?;
+            let expiry = u64::from_be_bytes(expiry.try_into().expect("8 bytes"));
+            let left = until(expiry).saturating_sub(CLOCK_SKEW_MARGIN);
+            (left, bytes::Bytes::from(found).slice(9..))
+        }
+        // Written before the expiry was stored: replayable, not cacheable.
+        Some(&codec::RESPONSE | &codec::UNREPLAYABLE) => (Duration::ZERO, found.into()),
+        _ => return Err(CorruptRecord("unknown record state")),
+    };
+    if codec::fingerprint(&record) != Some(*fingerprint) {
+        return Ok(Claim::Mismatch);
+    }
+    Ok(Claim::Completed {
+        record: Arc::new(codec::decode(record)?.1),
+        expires_in,
+    })
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::UNIX_EPOCH;
+
+    use http::StatusCode;
+
     use super::*;
-    use crate::codec;
+
+    fn record() -> CompletedRecord {
+        CompletedRecord::Unreplayable {
+            status: StatusCode::OK,
+            created_at: UNIX_EPOCH + Duration::from_millis(unix_ms(SystemTime::now())),
+        }
+    }
 
     #[test]
-    fn in_flight_layout_matches_the_scripts() {
+    fn every_state_decodes_as_the_claim_decides() {
         let fp = Fingerprint::from_bytes([9; 32]);
-        let token = LeaseToken::generate();
-        let claim = in_flight(&fp, token);
-        assert_eq!(
-            (claim[0], &claim[HEAD..]),
-            (IN_FLIGHT, &token.to_bytes()[..])
+        let other = Fingerprint::from_bytes([8; 32]);
+        let (mine, theirs) = (LeaseToken::generate(), LeaseToken::generate());
+        let lease = Duration::from_secs(30);
+        let decode =
+            |found: Vec<u8>, fp: &Fingerprint| decode_claim(Some(found), fp, mine, lease).unwrap();
+
+        assert!(
+            matches!(decode_claim(None, &fp, mine, lease), Ok(Claim::Acquired(t)) if t == mine)
         );
-        // The scripts find the fingerprint where the codec puts it.
-        assert_eq!(codec::fingerprint(&claim), Some(fp));
-        assert_ne!(IN_FLIGHT, codec::RESPONSE);
-        assert_ne!(IN_FLIGHT, codec::UNREPLAYABLE);
+        let held = in_flight(&fp, theirs, lease);
+        assert_eq!(held[0], IN_FLIGHT);
+        assert_eq!(&held[HEAD..DEADLINE_AT], &theirs.to_bytes());
+        assert!(
+            matches!(decode(held.clone(), &fp), Claim::InFlight { retry_after } if retry_after <= lease && retry_after > lease - Duration::from_secs(5))
+        );
+        assert!(matches!(decode(held, &other), Claim::Mismatch));
+        assert!(
+            matches!(decode(in_flight(&fp, mine, lease), &fp), Claim::Acquired(t) if t == mine)
+        );
+
+        let now = record();
+        let done = completed(&fp, &now, Duration::from_secs(3600));
+        // Every attempt at one completion writes the same bytes.
+        assert_eq!(done, completed(&fp, &now, Duration::from_secs(3600)));
+        match decode(done.clone(), &fp) {
+            Claim::Completed {
+                record: r,
+                expires_in,
+            } => {
+                assert_eq!(*r, now);
+                assert!(expires_in <= Duration::from_secs(3600) - CLOCK_SKEW_MARGIN);
+                assert!(expires_in > Duration::from_secs(3500));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(decode(done, &other), Claim::Mismatch));
+        // A value from before the expiry was stored: replayed, not cached.
+        let legacy = codec::encode(&fp, &record());
+        assert!(
+            matches!(decode(legacy, &fp), Claim::Completed { expires_in, .. } if expires_in == Duration::ZERO)
+        );
+        // Every attempt at one completion writes the same bytes.
+        let retention = Duration::from_secs(3600);
+        assert_eq!(
+            completed(&fp, &record(), retention),
+            completed(&fp, &record(), retention)
+        );
+        // Absurd durations saturate, they never overflow.
+        in_flight(&fp, mine, Duration::MAX);
+        completed(&fp, &record(), Duration::MAX);
+        // Absurd durations saturate; they never overflow.
+        in_flight(&fp, mine, Duration::MAX);
+        completed(&fp, &now, Duration::MAX);
+        assert!(decode_claim(Some(b"x".to_vec()), &fp, mine, lease).is_err());
+        assert!(decode_claim(Some(b"i12".to_vec()), &fp, mine, lease).is_err());
     }
 }

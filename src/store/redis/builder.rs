@@ -5,7 +5,7 @@ use std::{sync::Arc, time::Duration};
 
 use redis::Value;
 
-use super::{CLAIM, COMPLETE, Durable, EXTEND, Inner, RELEASE, RedisStore, connection::Connection};
+use super::{COMPLETE, Durable, EXTEND, Inner, RELEASE, RedisStore, connection::Connection};
 use crate::store::StoreError;
 
 /// What to do when Redis may evict idempotency records: a `maxmemory-policy`
@@ -283,7 +283,7 @@ impl RedisStoreBuilder {
         check_version(&connection).await?;
         check_eviction_policy(&connection, self.eviction).await?;
         // Load the scripts now so the first requests need no NOSCRIPT detour.
-        for lua in [&*CLAIM, &*EXTEND, &*COMPLETE, &*RELEASE] {
+        for lua in [&*EXTEND, &*COMPLETE, &*RELEASE] {
             connection.on_every_master(lua.load()).await?;
         }
         Ok(RedisStore {
@@ -303,7 +303,7 @@ impl RedisStoreBuilder {
     }
 }
 
-/// The claim script's `SET … NX GET` needs Redis 7.0; fail at start-up, not
+/// The claim's `SET … NX GET` needs Redis 7.0; fail at start-up, not
 /// on every request.
 async fn check_version(connection: &Connection) -> Result<(), StoreError> {
     let mut info = redis::cmd("INFO");

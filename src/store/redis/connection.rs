@@ -59,7 +59,8 @@ impl Connection {
         }
     }
 
-    async fn query(&self, cmd: &Cmd) -> RedisResult<Value> {
+    /// One command, routed by its key on a cluster.
+    pub(super) async fn query(&self, cmd: &Cmd) -> RedisResult<Value> {
         match self.clone() {
             Self::Single(mut c) => cmd.query_async(&mut c).await,
             #[cfg(feature = "cluster")]

@@ -2,24 +2,30 @@
 //!
 //! # Protocol
 //!
-//! Claim, extend, complete and release are each one Lua script that touches
-//! exactly one key, so every decision is atomic and the same scripts run on
-//! Redis Cluster without CROSSSLOT errors. The claim script returns the
-//! completed record itself, so a replay costs one round trip; a first execution
-//! costs two (claim, complete), plus one extension per third of a lease for
-//! slow handlers. Extend, complete and release act only while the stored lease
-//! token is the caller's (fencing).
+//! Every decision is one atomic command touching exactly one key, so it runs
+//! unchanged on Redis Cluster without CROSSSLOT errors. The claim is one plain
+//! command, `SET key <claim> NX PX <lease> GET`: it creates the claim or
+//! returns what is stored, and the client decides 409, 422 or replay from
+//! those bytes — so a replay costs one round trip and one `SET`. Extend,
+//! complete and release are compare-and-set on the lease token (fencing), the
+//! only thing a plain command cannot do: each is one Lua script. A first
+//! execution costs two round trips (claim, complete), plus one extension per
+//! third of a lease for slow handlers.
 //!
 //! # Layout
 //!
 //! One binary string per record at `{prefix}{SHA-256 of the scope}:{key}`
-//! (see [`StorageKey`]): an in-flight claim is `i`, the 32-byte fingerprint
-//! and the 16-byte lease token; a completed record is in the crate's
-//! record [`codec`] (`r` response or `u` unreplayable, the fingerprint,
-//! status, created-at, headers and body) — no JSON or base64 anywhere. Each script reads and
-//! writes it with one command; the claim is a single `SET NX GET`, so Redis
-//! **7.0 or newer** is required. An in-flight record's TTL is the lease; a
-//! completed record's TTL is the retention (`PX`), so nothing needs a sweeper.
+//! (see [`StorageKey`]): an in-flight claim is `i`, the 32-byte fingerprint,
+//! the 16-byte lease token and the lease's deadline; a completed record is
+//! `c`, its expiry, then the crate's record [`codec`](crate::codec) (`r` response or `u`
+//! unreplayable, the fingerprint, status, created-at, headers and body) — no
+//! JSON or base64 anywhere. The deadline and the expiry (Unix milliseconds,
+//! by the writing server's clock) give `Retry-After` and how long a
+//! [`CachedStore`](crate::CachedStore) may keep the record, less a 5 s margin
+//! for clocks that disagree; they never decide anything. `SET NX GET` needs
+//! Redis **7.0 or newer**. An in-flight record's TTL is the lease; a completed
+//! record's TTL is the retention (`PX`), so nothing needs a sweeper. Records
+//! written before the expiry was stored (a bare codec value) still replay.
 //!
 //! # Eviction
 //!
@@ -77,12 +83,10 @@ use redis::Value;
 use self::connection::{Connection, Lua};
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
 use crate::{
-    codec,
     fingerprint::Fingerprint,
     record::{CompletedRecord, CorruptRecord},
 };
 
-static CLAIM: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("claim.lua")));
 static EXTEND: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("extend.lua")));
 static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("complete.lua")));
 static RELEASE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("release.lua")));
@@ -191,16 +195,30 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let token = LeaseToken::generate();
-        let lease_ms = millis(lease, "lease")?;
-        let claim = blob::in_flight(fingerprint, token);
-        let args: [&[u8]; 3] = [&claim, fingerprint.as_bytes(), lease_ms.as_bytes()];
-        let evalsha = CLAIM.evalsha(&self.redis_key(key), &args);
+        // One plain command: it creates the claim, or returns what is there
+        // (the client then decides 409, 422 or replay from those bytes).
+        let mut set = redis::cmd("SET");
+        set.arg(self.redis_key(key))
+            .arg(blob::in_flight(fingerprint, token, lease))
+            .arg("NX")
+            .arg("PX")
+            .arg(millis(lease, "lease")?)
+            .arg("GET");
         let connection = self.inner.connection.clone();
         // Owned and boxed, so that it can outlive this call (below).
-        let mut reply = Box::pin(async move { connection.eval_cmd(&CLAIM, &evalsha).await });
+        let mut reply = Box::pin(async move { connection.query(&set).await });
+        let fingerprint = *fingerprint;
+        let decode = move |found: Value| -> Result<Claim, StoreError> {
+            let found = match found {
+                Value::Nil => None,
+                Value::BulkString(bytes) => Some(bytes),
+                _ => return Err(CorruptRecord("claim reply is not a string").into()),
+            };
+            Ok(blob::decode_claim(found, &fingerprint, token, lease)?)
+        };
         let timeout = self.inner.timeout;
         match tokio::time::timeout(timeout, &mut reply).await {
-            Ok(reply) => decode_claim(reply?, token),
+            Ok(found) => decode(found?),
             Err(_) => {
                 // Redis may still run the claim (a stalled server runs queued
                 // commands when it wakes): wait for its reply in the
@@ -212,7 +230,7 @@ impl Store for RedisStore {
                     let Ok(Ok(late)) = tokio::time::timeout(lease, reply).await else {
                         return;
                     };
-                    if let Ok(Claim::Acquired(token)) = decode_claim(late, token) {
+                    if let Ok(Claim::Acquired(token)) = decode(late) {
                         let released = store.release(&key, token).await;
                         tracing::warn!(%key, ?released, "idempotency: a claim that timed out was applied late; released");
                     }
@@ -229,7 +247,8 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let lease_ms = millis(lease, "lease")?;
-        let args: [&[u8]; 2] = [&token.to_bytes(), lease_ms.as_bytes()];
+        let deadline = blob::deadline(lease);
+        let args: [&[u8]; 3] = [&token.to_bytes(), lease_ms.as_bytes(), &deadline];
         self.run_fenced(&self.inner.connection, &EXTEND, &self.redis_key(key), &args)
             .await
     }
@@ -246,7 +265,7 @@ impl Store for RedisStore {
         let durable = self.inner.durable.as_ref();
         let on = durable.map_or(&self.inner.connection, |d| &d.connection);
         let retention_ms = millis(retention, "retention")?;
-        let completed = codec::encode(fingerprint, &record);
+        let completed = blob::completed(fingerprint, &record, retention);
         let args: [&[u8]; 3] = [&token.to_bytes(), &completed, retention_ms.as_bytes()];
         let stored = self.run_fenced(on, &COMPLETE, &redis_key, &args).await?;
         if let (true, Some(durable)) = (stored, durable) {
@@ -305,38 +324,6 @@ fn millis(d: Duration, what: &str) -> Result<String, StoreError> {
         )));
     }
     Ok(d.as_millis().max(1).to_string())
-}
-
-fn decode_claim(reply: Value, token: LeaseToken) -> Result<Claim, StoreError> {
-    let corrupt = |what| StoreError::Corrupt(CorruptRecord(what));
-    let Value::Array(items) = reply else {
-        return Err(corrupt("claim reply is not an array"));
-    };
-    let mut items = items.into_iter();
-    let mut next_int = |what| match items.next() {
-        Some(Value::Int(n)) => Ok(n),
-        _ => Err(corrupt(what)),
-    };
-    let tag = next_int("claim reply has no tag")?;
-    if tag == 1 {
-        return Ok(Claim::Acquired(token));
-    }
-    if tag == 3 {
-        return Ok(Claim::Mismatch);
-    }
-    let ttl = Duration::from_millis(next_int("record without TTL")?.max(0) as u64);
-    match (tag, items.next()) {
-        // Our own claim, sent twice (a client-side retry): it is ours.
-        (2, Some(Value::BulkString(held))) if *held == token.to_bytes() => {
-            Ok(Claim::Acquired(token))
-        }
-        (2, _) => Ok(Claim::InFlight { retry_after: ttl }),
-        (4, Some(Value::BulkString(record))) => Ok(Claim::Completed {
-            record: Arc::new(codec::decode(record)?.1),
-            expires_in: ttl,
-        }),
-        _ => Err(corrupt("unknown claim reply")),
-    }
 }
 
 impl From<redis::RedisError> for StoreError {
