@@ -49,7 +49,7 @@ pub(crate) const RESPONSE: u8 = b'r';
 /// The tag of an unreplayable completion.
 pub(crate) const UNREPLAYABLE: u8 = b'u';
 /// Tag and fingerprint: what every encoded record starts with.
-pub(crate) const HEAD: usize = 1 + 32;
+const HEAD: usize = 1 + 32;
 /// Head, status and created-at: where a response's header block length starts.
 const META: usize = HEAD + 2 + 8;
 

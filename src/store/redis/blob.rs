@@ -32,14 +32,14 @@ const COMPLETED: u8 = b'c';
 /// State and fingerprint.
 const HEAD: usize = 1 + 32;
 /// Where an in-flight value's deadline starts (0-based), after the token.
-pub(super) const DEADLINE_AT: usize = HEAD + 16;
+const DEADLINE_AT: usize = HEAD + 16;
 
 /// A replay cache keeps a record this much less than its stored expiry, so
 /// that clocks of servers that disagree by up to this much never make it
 /// outlive the store's copy.
 const CLOCK_SKEW_MARGIN: Duration = Duration::from_secs(5);
 
-pub(super) fn unix_ms(at: SystemTime) -> u64 {
+fn unix_ms(at: SystemTime) -> u64 {
     at.duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
 }
@@ -168,6 +168,8 @@ mod tests {
             matches!(decode_claim(None, &fp, mine, lease), Ok(Claim::Acquired(t)) if t == mine)
         );
         let held = in_flight(&fp, theirs, lease);
+        // extend.lua rewrites the deadline with SETRANGE at this offset.
+        assert_eq!(DEADLINE_AT, 49);
         assert_eq!(held[0], IN_FLIGHT);
         assert_eq!(&held[HEAD..DEADLINE_AT], &theirs.to_bytes());
         assert!(
