@@ -182,38 +182,55 @@ pub fn try_command(port: u16, args: &[&str]) -> std::io::Result<String> {
     stream.write_all(request.as_bytes())?;
     let mut reader = BufReader::new(stream);
     let mut out = String::new();
-    read_reply(&mut reader, &mut out);
+    read_reply(&mut reader, &mut out)?;
     Ok(out)
 }
 
-fn read_reply(reader: &mut impl BufRead, out: &mut String) {
+/// Reads one reply. A connection reset or an early close (a server that is
+/// still starting, or is exiting because the port was taken) is an error the
+/// caller can retry; so is a Redis error reply (e.g. `LOADING`).
+fn read_reply(reader: &mut impl BufRead, out: &mut String) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    let bad = |what: String| Error::new(ErrorKind::InvalidData, what);
     let mut line = String::new();
-    reader.read_line(&mut line).expect("read redis reply");
+    if reader.read_line(&mut line)? == 0 {
+        return Err(Error::new(
+            ErrorKind::UnexpectedEof,
+            "redis closed the connection",
+        ));
+    }
     let line = line.trim_end();
-    let (kind, rest) = line.split_at(1);
+    let Some((kind, rest)) = line.split_at_checked(1) else {
+        return Err(bad(format!("empty RESP line {line:?}")));
+    };
     match kind {
         "+" | ":" => {
             out.push_str(rest);
             out.push('\n');
         }
-        "-" => panic!("redis error: {rest}"),
+        "-" => return Err(Error::other(format!("redis error: {rest}"))),
         "$" => {
-            let len: i64 = rest.parse().unwrap();
+            let len: i64 = rest
+                .parse()
+                .map_err(|_| bad(format!("bulk length {rest:?}")))?;
             if len >= 0 {
                 let mut buf = vec![0; len as usize + 2];
-                reader.read_exact(&mut buf).unwrap();
+                reader.read_exact(&mut buf)?;
                 out.push_str(&String::from_utf8_lossy(&buf[..len as usize]));
                 out.push('\n');
             }
         }
         "*" => {
-            let n: i64 = rest.parse().unwrap();
+            let n: i64 = rest
+                .parse()
+                .map_err(|_| bad(format!("array length {rest:?}")))?;
             for _ in 0..n.max(0) {
-                read_reply(reader, out);
+                read_reply(reader, out)?;
             }
         }
-        other => panic!("unexpected RESP type {other:?}"),
+        other => return Err(bad(format!("unexpected RESP type {other:?}"))),
     }
+    Ok(())
 }
 
 /// `INFO commandstats` as (command, calls) pairs, e.g. `("evalsha", 2)`.
