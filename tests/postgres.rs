@@ -17,8 +17,10 @@ use axum::{
     routing::post,
 };
 use tower_idempotency::{
-    IdempotencyLayer, IdempotencyOutcome, IdempotentTx, PostgresStore, RejectionKind,
+    IdempotencyKey, IdempotencyLayer, IdempotencyOutcome, IdempotentTx, PostgresStore,
+    RejectionKind,
     sqlx::{self, PgPool},
+    store::StorageKey,
 };
 
 use support::{
@@ -301,6 +303,105 @@ async fn concurrent_replays_of_a_completed_key_all_replay() {
         }
     }
     assert_eq!(charges(&db).await, 1);
+}
+
+/// Inserts a charge, then a live record for its own key behind the layer's
+/// back (as a writer that ignores the key's lock would): the completion
+/// finds the key taken and must roll the charge back.
+async fn raced_by_a_foreign_record(State(pool): State<PgPool>, mut tx: IdempotentTx) -> StatusCode {
+    insert(&mut tx).await;
+    let key = StorageKey::new("", &IdempotencyKey::new("raced").unwrap());
+    sqlx::query(
+        "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) \
+         VALUES ($1, '\\x00', '\\x00', now() + interval '1 hour')",
+    )
+    .bind(key.as_str())
+    .execute(&pool)
+    .await
+    .unwrap();
+    StatusCode::CREATED
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_appears_before_the_commit_rolls_the_charge_back() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    let pool = store.pool().clone();
+    let app = Router::new()
+        .route("/raced", post(raced_by_a_foreign_record))
+        .layer(IdempotencyLayer::new(store))
+        .with_state(pool);
+    let reply = oneshot(&app, request("/raced", "raced", CHARGE)).await;
+    assert_eq!(
+        reply.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{:?}",
+        reply.body
+    );
+    assert_eq!(charges(&db).await, 0, "the charge must roll back");
+    // The foreign record (another fingerprint) is what the key now holds.
+    let retry = oneshot(&app, request("/raced", "raced", CHARGE)).await;
+    assert_eq!(retry.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(charges(&db).await, 0);
+}
+
+/// Sessions of the test database that sit idle inside a transaction.
+async fn idle_in_transaction(db: &TestDatabase) -> i64 {
+    db.count(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND state = 'idle in transaction'",
+    )
+    .await
+}
+
+/// A replay's transaction (nothing to do in it) is rolled back with the
+/// next claim or, when none comes, shortly after: no session is left idle in
+/// a transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_leave_no_transaction_open() {
+    let db = TestDatabase::create();
+    let server = Server::start(app(transactional(&db).await)).await;
+    assert_eq!(
+        server.post("/charges", "k", CHARGE).await.status,
+        StatusCode::CREATED
+    );
+    let replies =
+        futures_util::future::join_all((0..16).map(|_| server.post("/charges", "k", CHARGE))).await;
+    assert!(replies.iter().all(|r| r.is_replay()));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while idle_in_transaction(&db).await > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "replays left transactions open for 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(charges(&db).await, 1);
+}
+
+/// A replay's transaction waiting for the next claim can be ended by the
+/// server meanwhile (a restart, `idle_in_transaction_session_timeout`): the
+/// next claim then runs on a fresh connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_transaction_the_server_closed_does_not_fail_the_next_claim() {
+    let db = TestDatabase::create();
+    let server = Server::start(app(transactional(&db).await)).await;
+    assert_eq!(
+        server.post("/charges", "k", CHARGE).await.status,
+        StatusCode::CREATED
+    );
+    assert!(server.post("/charges", "k", CHARGE).await.is_replay());
+    let terminated = db
+        .count(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = current_database() AND state = 'idle in transaction'",
+        )
+        .await;
+    assert!(terminated >= 1, "the replay's transaction was not waiting");
+    let next = server.post("/charges", "k2", CHARGE).await;
+    assert_eq!(next.status, StatusCode::CREATED, "{:?}", next.body);
+    assert!(server.post("/charges", "k", CHARGE).await.is_replay());
+    assert_eq!(charges(&db).await, 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

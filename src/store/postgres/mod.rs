@@ -30,8 +30,12 @@
 //! gets `409` at once, it never waits on a row lock. The lock's 64-bit key is
 //! derived from the record key; an application that uses advisory locks for
 //! its own purposes may, very rarely, see a spurious `409`. No row is written
-//! until the completion, so a first execution costs the handler's own
-//! transaction plus one upsert in it. Each request in flight holds one pooled
+//! until the completion, which sends the record with `COMMIT` in one round
+//! trip: a first execution costs the handler's own statements plus two round
+//! trips, like a transaction the handler began and committed itself. A
+//! replay's transaction wrote nothing and holds no lock; it is rolled back in
+//! front of the next claim on its connection, or within 200 ms when none
+//! comes. Each request in flight holds one pooled
 //! connection for the duration of its handler: size the pool for your
 //! concurrency. A connection whose transaction is dropped unfinished is
 //! closed, not returned to the pool, so no other request inherits it.
@@ -57,7 +61,7 @@
 //!
 //! `record` holds the completed record in the crate's [`codec`]
 //! format; `token` the lease token while a plain-mode claim is in flight. The
-//! function is the transactional claim.
+//! functions are the transactional claim and completion.
 //!
 //! # Expiry
 //!
@@ -79,6 +83,7 @@
 //! is waiting for a pooled connection: an unreachable database or an
 //! exhausted pool answers `503` (fail closed), never a hang.
 
+mod idle;
 mod tx;
 
 use std::{
@@ -91,7 +96,10 @@ use sha2::{Digest, Sha256};
 use sqlx::{Executor, PgConnection, PgPool, Row, postgres::PgPoolOptions};
 
 pub use self::tx::IdempotentTx;
-use self::tx::{OpenTx, TxHandle, TxSlot};
+use self::{
+    idle::IdleTransactions,
+    tx::{OpenTx, TxHandle, TxSlot},
+};
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
 use crate::{codec, fingerprint::Fingerprint, record::CompletedRecord};
 
@@ -146,8 +154,15 @@ struct Inner {
     pool: PgPool,
     timeout: Duration,
     sql: Sql,
-    /// `Some` in transactional mode: the open transaction of each claim.
-    transactions: Option<Mutex<HashMap<LeaseToken, Arc<TxSlot>>>>,
+    /// `Some` in transactional mode.
+    transactions: Option<Transactions>,
+}
+
+struct Transactions {
+    /// The open transaction of each claim taken.
+    claimed: Mutex<HashMap<LeaseToken, Arc<TxSlot>>>,
+    /// Transactions of claims that were not taken, to be rolled back.
+    idle: Arc<IdleTransactions>,
 }
 
 /// Configures and connects a [`PostgresStore`].
@@ -192,7 +207,8 @@ impl PostgresStore {
         &self.inner.pool
     }
 
-    /// Creates the table and its index if they are missing (idempotent).
+    /// Creates the table and its index if they are missing and (re)defines
+    /// the schema's functions: idempotent.
     ///
     /// # Examples
     ///
@@ -326,42 +342,56 @@ impl PostgresStore {
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
-        transactions: &Mutex<HashMap<LeaseToken, Arc<TxSlot>>>,
+        transactions: &Transactions,
     ) -> Result<Claim, StoreError> {
         // BEGIN and the claim in one round trip, so in the simple protocol,
-        // without parameters. The key is visible ASCII, written as an escape
-        // string literal with `\` and `'` escaped.
-        let literal = key.as_str().replace('\\', "\\\\").replace('\'', "\\'");
-        let begin = format!(
-            "BEGIN; SELECT * FROM {}(E'{literal}', {})",
+        // without parameters.
+        let claim = format!(
+            "BEGIN; SELECT * FROM {}({}, {})",
             self.inner.sql.claim_function,
+            text_literal(key.as_str()),
             advisory_key(key)
         );
         let (tx, row) = self
             .bounded(async {
-                let connection = self.inner.pool.acquire().await?;
-                // From here on, a failure closes the connection (see `OpenTx`).
-                let mut tx = OpenTx::begun(connection);
                 // `Executor::fetch_one`, boxed, rather than `RawSql::fetch_one`,
                 // an `async fn` whose future trips rustc's inference of
                 // higher-ranked `Send` bounds (rust-lang/rust#100013).
+                if let Some(mut parked) = transactions.idle.take() {
+                    // Its ROLLBACK travels with this claim.
+                    let sql = format!("ROLLBACK; {claim}");
+                    let on: &mut PgConnection = &mut parked;
+                    match on.fetch_one(sqlx::raw_sql(&sql)).await {
+                        Ok(row) => return Ok((parked, row)),
+                        // E.g. closed by the server meanwhile (a restart, an
+                        // idle timeout): dropped, which closes it; a fresh
+                        // connection gets the claim.
+                        Err(error) => {
+                            tracing::debug!(%error, "idempotency: a parked claim transaction failed");
+                        }
+                    }
+                }
+                let connection = self.inner.pool.acquire().await?;
+                // From here on, a failure closes the connection (see `OpenTx`).
+                let mut tx = OpenTx::begun(connection);
                 let on: &mut PgConnection = &mut tx;
-                let row = on.fetch_one(sqlx::raw_sql(&begin)).await?;
+                let row = on.fetch_one(sqlx::raw_sql(&claim)).await?;
                 Ok((tx, row))
             })
             .await?;
         let state: String = row.try_get("state")?;
-        if state == "acquired" {
-            let token = LeaseToken::generate();
-            lock(transactions).insert(token, Arc::new(TxSlot::new(tx)));
-            return Ok(Claim::Acquired(token));
-        }
-        // Nothing to do in this transaction: end it off the request's path.
-        tokio::spawn(async move {
-            if let Err(error) = tx.rollback().await {
-                tracing::debug!(%error, "idempotency: rolling back a claim that was not taken");
+        match state.as_str() {
+            "acquired" => {
+                let token = LeaseToken::generate();
+                lock(&transactions.claimed).insert(token, Arc::new(TxSlot::new(tx)));
+                return Ok(Claim::Acquired(token));
             }
-        });
+            // Nothing to do in this transaction. One that holds the key's
+            // lock ends now, off the request's path; one that holds nothing
+            // ends with the next claim.
+            "completed_locked" => transactions.idle.roll_back(tx),
+            _ => transactions.idle.park(tx, &self.inner.pool),
+        }
         if state == "in_flight" {
             return Ok(Claim::InFlight {
                 retry_after: IN_FLIGHT_RETRY_AFTER,
@@ -377,29 +407,62 @@ impl PostgresStore {
         fingerprint: &Fingerprint,
         record: Vec<u8>,
         retention: Duration,
-        transactions: &Mutex<HashMap<LeaseToken, Arc<TxSlot>>>,
+        transactions: &Transactions,
     ) -> Result<bool, StoreError> {
-        let Some(slot) = lock(transactions).remove(&token) else {
+        let Some(slot) = lock(&transactions.claimed).remove(&token) else {
             return Ok(false);
         };
         // `None`: the handler still holds it. It rolls back when dropped.
-        let mut tx = slot.take().ok_or(StoreError::TransactionHeld)?;
-        let updated = self
-            .bounded(
-                sqlx::query(&self.inner.sql.complete_locked)
-                    .bind(key.as_str())
-                    .bind(&fingerprint.as_bytes()[..])
-                    .bind(record)
-                    .bind(millis(retention, "retention")?)
-                    .execute(&mut *tx),
-            )
-            .await?;
-        if updated.rows_affected() != 1 {
-            return Ok(false);
+        let tx = slot.take().ok_or(StoreError::TransactionHeld)?;
+        // The record and COMMIT in one round trip (simple protocol, so the
+        // values are literals). If the record cannot be written, the function
+        // raises and COMMIT never runs.
+        let complete = format!(
+            "SELECT {}({}, {}, {}, {})",
+            self.inner.sql.complete_function,
+            text_literal(key.as_str()),
+            bytea_literal(fingerprint.as_bytes()),
+            bytea_literal(&record),
+            millis(retention, "retention")?
+        );
+        match self.bounded(tx.commit_after(&complete)).await {
+            Ok(()) => Ok(true),
+            // Dropping the transaction (inside `commit_after`) closed its
+            // connection: everything rolled back.
+            Err(StoreError::Unavailable(error))
+                if error
+                    .downcast_ref::<sqlx::Error>()
+                    .and_then(sqlx::Error::as_database_error)
+                    .and_then(|e| e.code())
+                    .is_some_and(|code| code == RECORD_EXISTS) =>
+            {
+                Ok(false)
+            }
+            Err(error) => Err(error),
         }
-        self.bounded(tx.commit()).await?;
-        Ok(true)
     }
+}
+
+/// The SQLSTATE the completion function raises when a live record holds the
+/// key (see the schema).
+const RECORD_EXISTS: &str = "IR001";
+
+/// `s` as an escape string literal: visible ASCII keys, `\` and `'` escaped.
+fn text_literal(s: &str) -> String {
+    format!("E'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
+/// `bytes` as a `bytea` literal in hex, `E'\\x…'`.
+fn bytea_literal(bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2 + 6);
+    out.push_str("E'\\\\x");
+    for byte in bytes {
+        out.push(HEX[usize::from(byte >> 4)] as char);
+        out.push(HEX[usize::from(byte & 15)] as char);
+    }
+    out.push('\'');
+    out
 }
 
 impl std::fmt::Debug for PostgresStore {
@@ -507,12 +570,16 @@ impl PostgresStoreBuilder {
     /// ```
     pub fn with_pool(self, pool: PgPool) -> Result<PostgresStore, StoreError> {
         let sql = Sql::new(&self.table)?;
+        let transactions = self.transactional.then(|| Transactions {
+            claimed: Mutex::default(),
+            idle: Arc::new(IdleTransactions::new(&pool, self.timeout)),
+        });
         Ok(PostgresStore {
             inner: Arc::new(Inner {
                 pool,
                 timeout: self.timeout,
                 sql,
-                transactions: self.transactional.then(Mutex::default),
+                transactions,
             }),
         })
     }
@@ -542,7 +609,7 @@ impl Store for PostgresStore {
     ) -> Result<bool, StoreError> {
         if let Some(transactions) = &self.inner.transactions {
             // The claim lives as long as its transaction.
-            return Ok(lock(transactions).contains_key(&token));
+            return Ok(lock(&transactions.claimed).contains_key(&token));
         }
         let updated = self
             .bounded(
@@ -585,7 +652,7 @@ impl Store for PostgresStore {
 
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
         if let Some(transactions) = &self.inner.transactions {
-            let Some(slot) = lock(transactions).remove(&token) else {
+            let Some(slot) = lock(&transactions.claimed).remove(&token) else {
                 return Ok(false);
             };
             // If the handler still holds it, it rolls back when dropped.
@@ -609,7 +676,7 @@ impl Store for PostgresStore {
         let Some(transactions) = &self.inner.transactions else {
             return;
         };
-        if let Some(slot) = lock(transactions).get(&token) {
+        if let Some(slot) = lock(&transactions.claimed).get(&token) {
             extensions.insert(TxHandle(slot.clone()));
         }
     }
@@ -619,8 +686,9 @@ impl Store for PostgresStore {
     }
 }
 
-/// A panic while holding this lock cannot leave the map half-written (every
-/// critical section is one map operation), so a poisoned lock is safe to use.
+/// A panic while holding one of the store's locks cannot leave its map or
+/// list half-written (every critical section is one operation on it), so a
+/// poisoned lock is safe to use.
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
@@ -649,7 +717,7 @@ struct Sql {
     claim_function: String,
     extend: String,
     complete: String,
-    complete_locked: String,
+    complete_function: String,
     release: String,
     delete_expired: String,
 }
@@ -675,7 +743,7 @@ impl Sql {
             claim_function: format!("{table}_claim"),
             extend: t(EXTEND),
             complete: t(COMPLETE),
-            complete_locked: t(COMPLETE_LOCKED),
+            complete_function: format!("{table}_complete"),
             release: t(RELEASE),
             delete_expired: t(DELETE_EXPIRED),
         })
@@ -704,15 +772,6 @@ const EXTEND: &str = "UPDATE {t} SET expires_at = now() + $3 * interval '1 milli
 /// also counts as stored.
 const COMPLETE: &str = "UPDATE {t} SET token = NULL, record = $3, expires_at = now() + $4 * interval '1 millisecond' \
      WHERE key = $1 AND ((token = $2 AND expires_at > now()) OR record = $3)";
-
-/// The transactional completion: the record, written under the key's lock
-/// (an expired one replaced). $1 key, $2 fingerprint, $3 record, $4 ms.
-const COMPLETE_LOCKED: &str = concat!(
-    "INSERT INTO {t} AS r (key, fingerprint, token, record, expires_at) ",
-    "VALUES ($1, $2, NULL, $3, now() + $4 * interval '1 millisecond') ",
-    "ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, token = NULL, \
-     record = EXCLUDED.record, expires_at = EXCLUDED.expires_at WHERE r.expires_at <= now()"
-);
 
 const RELEASE: &str = "DELETE FROM {t} WHERE key = $1 AND token = $2";
 

@@ -1,23 +1,29 @@
+-- Keys are ASCII and only ever compared for equality: the "C" collation
+-- compares bytes, cheaper than a locale's rules.
 CREATE TABLE IF NOT EXISTS idempotency_records (
-    key         text        PRIMARY KEY,
+    key         text        COLLATE "C" PRIMARY KEY,
     fingerprint bytea       NOT NULL,
     token       bytea,
     record      bytea,
     expires_at  timestamptz NOT NULL
 );
+-- For the cleaner. Rows arrive roughly in expiry order, so a BRIN index
+-- finds the expired ones at a fraction of a B-tree's cost per insert.
 CREATE INDEX IF NOT EXISTS idempotency_records_expires_at_idx
-    ON idempotency_records (expires_at);
+    ON idempotency_records USING brin (expires_at);
 -- The transactional claim, sent with BEGIN in one round trip: the live
 -- record if there is one (replays need no lock); else the key's advisory
 -- lock, taken without waiting; then the live record once more, in case one
--- was committed meanwhile (each query here takes a fresh snapshot).
+-- was committed meanwhile (each query here takes a fresh snapshot). The
+-- state says whether the lock is held: 'acquired' and 'completed_locked'.
 CREATE OR REPLACE FUNCTION idempotency_records_claim(claim_key text, lock_key bigint)
 RETURNS TABLE (state text, fingerprint bytea, record bytea, ms_left bigint)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 BEGIN
     FOR attempt IN 1..2 LOOP
-        RETURN QUERY SELECT 'completed'::text, r.fingerprint, r.record,
+        RETURN QUERY SELECT CASE attempt WHEN 1 THEN 'completed' ELSE 'completed_locked' END,
+            r.fingerprint, r.record,
             (extract(epoch FROM r.expires_at - now()) * 1000)::bigint
             FROM idempotency_records r WHERE r.key = claim_key AND r.expires_at > now();
         IF FOUND THEN
@@ -29,5 +35,24 @@ BEGIN
         END IF;
     END LOOP;
     RETURN QUERY SELECT 'acquired'::text, NULL::bytea, NULL::bytea, 0::bigint;
+END
+$$;
+-- The transactional completion, sent with COMMIT in one round trip: the
+-- record written under the key's lock (an expired one replaced). A live
+-- record in its place raises SQLSTATE IR001, so the COMMIT after it never
+-- runs and the transaction rolls back.
+CREATE OR REPLACE FUNCTION idempotency_records_complete(claim_key text, claim_fingerprint bytea, completed bytea, retention_ms bigint)
+RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO idempotency_records AS r (key, fingerprint, token, record, expires_at)
+    VALUES (claim_key, claim_fingerprint, NULL, completed, now() + retention_ms * interval '1 millisecond')
+    ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, token = NULL,
+        record = EXCLUDED.record, expires_at = EXCLUDED.expires_at
+        WHERE r.expires_at <= now();
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'a live idempotency record already holds key %', claim_key
+            USING ERRCODE = 'IR001';
+    END IF;
 END
 $$;

@@ -34,17 +34,19 @@ impl OpenTx {
         }
     }
 
-    pub(super) async fn commit(mut self) -> Result<(), sqlx::Error> {
-        self.end("COMMIT").await
+    /// Runs `statement`, then `COMMIT` if it succeeded: one round trip.
+    pub(super) async fn commit_after(mut self, statement: &str) -> Result<(), sqlx::Error> {
+        self.end(&format!("{statement}; COMMIT")).await
     }
 
     pub(super) async fn rollback(mut self) -> Result<(), sqlx::Error> {
         self.end("ROLLBACK").await
     }
 
-    async fn end(&mut self, statement: &'static str) -> Result<(), sqlx::Error> {
+    /// `sql` (simple protocol) must end the transaction when it succeeds.
+    async fn end(&mut self, sql: &str) -> Result<(), sqlx::Error> {
         let connection: &mut PgConnection = &mut self.connection;
-        sqlx::Executor::execute(connection, statement).await?;
+        sqlx::Executor::execute(connection, sqlx::raw_sql(sql)).await?;
         self.open = false;
         Ok(())
     }
