@@ -57,7 +57,7 @@ struct Variant {
     addr: SocketAddr,
     /// The variant this one is measured against ("x ref"), in the same round.
     reference: &'static str,
-    /// Whether it writes to PostgreSQL (commits per request are reported).
+    /// Whether it writes to PostgreSQL (its costs there are reported).
     postgres: bool,
 }
 
@@ -98,6 +98,35 @@ async fn insert_charge(connection: &mut PgConnection, new: &NewCharge) {
 async fn charge_committed(State(pool): State<PgPool>, Json(new): Json<NewCharge>) -> Response {
     let mut tx = pool.begin().await.expect("begin");
     insert_charge(&mut tx, &new).await;
+    tx.commit().await.expect("commit");
+    charge(Json(new)).await
+}
+
+/// The Postgres floor for exactly-once effects, hand-written without the
+/// layer: the charge and a record row of the same shape (a 100-character
+/// key, a 32-byte fingerprint, a 200-byte response) inserted in one
+/// transaction of its own — no claim, no lock, no fingerprinting, no replay.
+async fn charge_and_record(
+    State(pool): State<PgPool>,
+    headers: http::HeaderMap,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let mut tx = pool.begin().await.expect("begin");
+    insert_charge(&mut tx, &new).await;
+    sqlx::query(
+        "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) \
+         VALUES ($1, $2, $3, now() + interval '120 seconds')",
+    )
+    .bind(format!("{:064}:{key}", 0))
+    .bind(&[7u8; 32][..])
+    .bind(&[7u8; 200][..])
+    .execute(&mut *tx)
+    .await
+    .expect("insert the record");
     tx.commit().await.expect("commit");
     charge(Json(new)).await
 }
@@ -224,6 +253,14 @@ async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
         ("redis-replay-cached", Keys::Replay, "bare", layered(cached)),
         ("pg-floor", Keys::Unique, "pg-floor", committed()),
         (
+            "pg-floor-record",
+            Keys::Unique,
+            "pg-floor",
+            Router::new()
+                .route("/v1/charges", post(charge_and_record))
+                .with_state(pool.clone()),
+        ),
+        (
             "pg-tx",
             Keys::Unique,
             "pg-floor",
@@ -254,6 +291,7 @@ async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
                 ("redis", "redis-floor"),
                 ("redis-replay", "redis-replay-floor"),
                 ("pg-tx", "pg-floor"),
+                ("pg-tx", "pg-floor-record"),
                 ("pg-tx-replay", "pg-floor"),
                 ("pg-redis", "pg-floor"),
             ]
@@ -316,33 +354,57 @@ struct Run {
     cpu_us: f64,
 }
 
-/// PostgreSQL's own counters: committed transactions of the benchmark's
-/// database, and WAL flushes (fsyncs) of the whole server.
+/// PostgreSQL's own counters, read at once (the `pg_stat_*` views lag by up
+/// to seconds, so they cannot be cut at a run's edges): transaction ids
+/// handed out (one per transaction that wrote, committed or not), WAL bytes
+/// written, and the CPU time of every `postgres` process on the machine.
 #[derive(Clone, Copy, Default)]
 struct PgCounters {
-    commits: f64,
-    wal_syncs: f64,
+    xids: f64,
+    wal_bytes: f64,
+    cpu_us: f64,
 }
 
 async fn pg_counters(pool: &PgPool) -> PgCounters {
-    let (commits, wal_syncs): (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()), \
-                (SELECT wal_sync FROM pg_stat_wal)",
+    let (xids, wal_bytes): (i64, i64) = sqlx::query_as(
+        "SELECT txid_snapshot_xmax(txid_current_snapshot()), \
+                pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint",
     )
     .fetch_one(pool)
     .await
     .unwrap();
     PgCounters {
-        commits: commits as f64,
-        wal_syncs: wal_syncs as f64,
+        xids: xids as f64,
+        wal_bytes: wal_bytes as f64,
+        cpu_us: processes_cpu_us("postgres"),
     }
 }
 
-/// User + system CPU time of this process so far, in µs (Linux; 0 elsewhere).
-fn process_cpu_us() -> f64 {
-    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+/// User + system CPU time, in µs, of every process whose command is `name`
+/// (Linux; 0 elsewhere). Exited processes are not counted.
+fn processes_cpu_us(name: &str) -> f64 {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
         return 0.0;
     };
+    entries
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|stat| {
+            stat.split_once(" (")
+                .is_some_and(|(_, rest)| rest.starts_with(&format!("{name})")))
+        })
+        .map(|stat| stat_cpu_us(&stat))
+        .sum()
+}
+
+/// User + system CPU time in a `/proc/<pid>/stat` line, in µs.
+fn stat_cpu_us(stat: &str) -> f64 {
     // Fields after the command name, which is parenthesised and may hold spaces.
     let fields: Vec<&str> = stat
         .rsplit_once(')')
@@ -353,6 +415,11 @@ fn process_cpu_us() -> f64 {
         t.iter().filter_map(|v| v.parse::<f64>().ok()).sum()
     });
     ticks * 1e6 / 100.0 // USER_HZ is 100 on Linux
+}
+
+/// User + system CPU time of this process so far, in µs (Linux; 0 elsewhere).
+fn process_cpu_us() -> f64 {
+    std::fs::read_to_string("/proc/self/stat").map_or(0.0, |stat| stat_cpu_us(&stat))
 }
 
 fn wrk(variant: &Variant, run_id: &str, secs: u64, connections: u32) -> Run {
@@ -447,8 +514,9 @@ fn print_row(v: &Variant, run: &Run, ratio: f64, ratio_ref: f64, extra: &str) {
 /// What a variant costs its backing service per request.
 #[derive(Clone, Copy, Default)]
 struct Costs {
-    pg_commits: f64,
-    pg_wal_syncs: f64,
+    pg_xids: f64,
+    pg_wal_bytes: f64,
+    pg_cpu_us: f64,
     redis_calls: f64,
 }
 
@@ -456,8 +524,8 @@ impl Costs {
     fn describe(&self, v: &Variant) -> String {
         if v.postgres {
             format!(
-                "{:.2} commits, {:.2} WAL fsyncs",
-                self.pg_commits, self.pg_wal_syncs
+                "{:.2} write xacts, {:.0} WAL bytes, {:.1} pg cpu us",
+                self.pg_xids, self.pg_wal_bytes, self.pg_cpu_us
             )
         } else if v.name.starts_with("redis") {
             format!("{:.2} Redis calls", self.redis_calls)
@@ -554,9 +622,9 @@ fn main() {
             let pg_after = runtime.block_on(pg_counters(&pool));
             let requests = (run.rps * secs as f64).max(1.0);
             let costs = Costs {
-                // Minus the two counter queries themselves.
-                pg_commits: (pg_after.commits - pg_before.commits - 1.0).max(0.0) / requests,
-                pg_wal_syncs: (pg_after.wal_syncs - pg_before.wal_syncs) / requests,
+                pg_xids: (pg_after.xids - pg_before.xids) / requests,
+                pg_wal_bytes: (pg_after.wal_bytes - pg_before.wal_bytes) / requests,
+                pg_cpu_us: (pg_after.cpu_us - pg_before.cpu_us) / requests,
                 redis_calls: (redis_calls(redis.port()) - redis_before) / requests,
             };
             results[i].push((run, costs));
@@ -585,8 +653,9 @@ fn main() {
             errors: runs.iter().map(|r| r.0.errors).sum(),
         };
         let costs = Costs {
-            pg_commits: med(&|r| r.1.pg_commits),
-            pg_wal_syncs: med(&|r| r.1.pg_wal_syncs),
+            pg_xids: med(&|r| r.1.pg_xids),
+            pg_wal_bytes: med(&|r| r.1.pg_wal_bytes),
+            pg_cpu_us: med(&|r| r.1.pg_cpu_us),
             redis_calls: med(&|r| r.1.redis_calls),
         };
         let ratio_to = |name: &str| {
@@ -605,6 +674,23 @@ fn main() {
             ratio_to(v.reference),
             &costs.describe(v),
         );
+    }
+    // Ratios to a second reference, when both ran.
+    for (name, reference) in [("pg-tx", "pg-floor-record")] {
+        let (Some(v), Some(r)) = (
+            variants.iter().position(|v| v.name == name),
+            variants.iter().position(|v| v.name == reference),
+        ) else {
+            continue;
+        };
+        let ratio = median(
+            results[v]
+                .iter()
+                .zip(&results[r])
+                .map(|(a, b)| a.0.rps / b.0.rps)
+                .collect(),
+        );
+        println!("{name} x {reference}: {ratio:.3} (median of the per-round ratios)");
     }
     let errors: u64 = results.iter().flatten().map(|r| r.0.errors).sum();
     assert_eq!(
