@@ -380,8 +380,9 @@ async fn pg_counters(pool: &PgPool) -> PgCounters {
     }
 }
 
-/// User + system CPU time, in µs, of every process whose command is `name`
-/// (Linux; 0 elsewhere). Exited processes are not counted.
+/// User + system CPU time, in µs, of every process whose command is `name`,
+/// with that of their exited children (the postmaster's reaped backends and
+/// workers), so the sum only grows (Linux; 0 elsewhere).
 fn processes_cpu_us(name: &str) -> f64 {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return 0.0;
@@ -399,27 +400,31 @@ fn processes_cpu_us(name: &str) -> f64 {
             stat.split_once(" (")
                 .is_some_and(|(_, rest)| rest.starts_with(&format!("{name})")))
         })
-        .map(|stat| stat_cpu_us(&stat))
+        .map(|stat| stat_cpu_us(&stat, true))
         .sum()
 }
 
-/// User + system CPU time in a `/proc/<pid>/stat` line, in µs.
-fn stat_cpu_us(stat: &str) -> f64 {
+/// User + system CPU time in a `/proc/<pid>/stat` line, in µs; with
+/// `children`, plus that of the exited children it waited for.
+fn stat_cpu_us(stat: &str, children: bool) -> f64 {
     // Fields after the command name, which is parenthesised and may hold spaces.
     let fields: Vec<&str> = stat
         .rsplit_once(')')
         .map_or("", |(_, rest)| rest)
         .split_whitespace()
         .collect();
-    let ticks: f64 = fields.get(11..13).map_or(0.0, |t| {
-        t.iter().filter_map(|v| v.parse::<f64>().ok()).sum()
-    });
+    let ticks: f64 = fields
+        .get(11..if children { 15 } else { 13 })
+        .map_or(0.0, |t| {
+            t.iter().filter_map(|v| v.parse::<f64>().ok()).sum()
+        });
     ticks * 1e6 / 100.0 // USER_HZ is 100 on Linux
 }
 
 /// User + system CPU time of this process so far, in µs (Linux; 0 elsewhere).
 fn process_cpu_us() -> f64 {
-    std::fs::read_to_string("/proc/self/stat").map_or(0.0, |stat| stat_cpu_us(&stat))
+    // Not its children: they are the `wrk` runs.
+    std::fs::read_to_string("/proc/self/stat").map_or(0.0, |stat| stat_cpu_us(&stat, false))
 }
 
 fn wrk(variant: &Variant, run_id: &str, secs: u64, connections: u32) -> Run {
