@@ -42,7 +42,20 @@ impl Fingerprint {
 
 impl fmt::Display for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.0.iter().try_for_each(|b| write!(f, "{b:02x}"))
+        let mut hex = String::with_capacity(64);
+        push_hex(&mut hex, &self.0);
+        f.write_str(&hex)
+    }
+}
+
+/// Appends `bytes` in lowercase hex. On the request path (every storage key
+/// holds a hashed scope), where `{:02x}` per byte cost more than the hash.
+pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    out.reserve(bytes.len() * 2);
+    for byte in bytes {
+        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        out.push(char::from(DIGITS[usize::from(byte & 15)]));
     }
 }
 

@@ -55,15 +55,10 @@
 //! # let _ = layer;
 //! ```
 
-use std::{
-    fmt::{self, Write},
-    future::Future,
-    sync::Arc,
-    time::Duration,
-};
+use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use crate::{
-    fingerprint::{Fingerprint, FingerprintHasher},
+    fingerprint::{Fingerprint, FingerprintHasher, push_hex},
     key::IdempotencyKey,
     record::{CompletedRecord, CorruptRecord},
 };
@@ -206,8 +201,9 @@ impl StorageKey {
         let mut hasher = FingerprintHasher::new("tower-idempotency/scope/v1");
         hasher.field(scope.as_bytes());
         let mut encoded = String::with_capacity(64 + 1 + key.as_str().len());
-        // `Fingerprint`'s `Display` is lowercase hex.
-        write!(encoded, "{}:{key}", hasher.finish()).expect("writing to a String cannot fail");
+        push_hex(&mut encoded, hasher.finish().as_bytes());
+        encoded.push(':');
+        encoded.push_str(key.as_str());
         Self(encoded.into())
     }
 

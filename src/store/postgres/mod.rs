@@ -101,7 +101,11 @@ use self::{
     tx::{OpenTx, TxHandle, TxSlot},
 };
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
-use crate::{codec, fingerprint::Fingerprint, record::CompletedRecord};
+use crate::{
+    codec,
+    fingerprint::{Fingerprint, push_hex},
+    record::CompletedRecord,
+};
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
@@ -454,13 +458,9 @@ fn text_literal(s: &str) -> String {
 
 /// `bytes` as a `bytea` literal in hex, `E'\\x…'`.
 fn bytea_literal(bytes: &[u8]) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut out = String::with_capacity(bytes.len() * 2 + 6);
     out.push_str("E'\\\\x");
-    for byte in bytes {
-        out.push(HEX[usize::from(byte >> 4)] as char);
-        out.push(HEX[usize::from(byte & 15)] as char);
-    }
+    push_hex(&mut out, bytes);
     out.push('\'');
     out
 }
