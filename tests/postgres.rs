@@ -345,6 +345,46 @@ async fn a_record_that_appears_before_the_commit_rolls_the_charge_back() {
     assert_eq!(charges(&db).await, 0);
 }
 
+async fn isolation(mut tx: IdempotentTx) -> String {
+    sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap()
+}
+
+/// The claim's second look (after taking the key's lock) must see records
+/// committed since its first; under a database default of REPEATABLE READ
+/// both would share one snapshot and a concurrent duplicate could execute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_request_transaction_is_read_committed_whatever_the_database_default() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    sqlx::raw_sql(
+        "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation = %L', \
+         current_database(), 'repeatable read'); END $$",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    // A new pool, so its sessions start with the new default.
+    let store = PostgresStore::builder()
+        .transactional()
+        .connect(db.url())
+        .await
+        .unwrap();
+    let default: String = sqlx::query_scalar("SHOW default_transaction_isolation")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(default, "repeatable read");
+    let app = Router::new()
+        .route("/isolation", post(isolation))
+        .layer(IdempotencyLayer::new(store));
+    let reply = oneshot(&app, request("/isolation", "k", CHARGE)).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(reply.body, "read committed");
+}
+
 /// Sessions of the test database that sit idle inside a transaction.
 async fn idle_in_transaction(db: &TestDatabase) -> i64 {
     db.count(

@@ -38,7 +38,9 @@
 //! comes. Each request in flight holds one pooled
 //! connection for the duration of its handler: size the pool for your
 //! concurrency. A connection whose transaction is dropped unfinished is
-//! closed, not returned to the pool, so no other request inherits it.
+//! closed, not returned to the pool, so no other request inherits it. The
+//! transaction runs at `READ COMMITTED`, whatever the database's default:
+//! the claim relies on each statement seeing the latest commits.
 //!
 //! **Plain** (the default): the store implements the claim protocol like the
 //! Redis store, each operation one short autocommit statement: a claim with a
@@ -349,9 +351,11 @@ impl PostgresStore {
         transactions: &Transactions,
     ) -> Result<Claim, StoreError> {
         // BEGIN and the claim in one round trip, so in the simple protocol,
-        // without parameters.
+        // without parameters. READ COMMITTED whatever the database's default:
+        // the claim's second look, after taking the lock, must see what
+        // committed since its first.
         let claim = format!(
-            "BEGIN; SELECT * FROM {}({}, {})",
+            "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT * FROM {}({}, {})",
             self.inner.sql.claim_function,
             text_literal(key.as_str()),
             advisory_key(key)
