@@ -20,7 +20,7 @@ use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, IdempotencyOutcome, IdempotentTx, PostgresStore,
     RejectionKind,
     sqlx::{self, PgPool},
-    store::StorageKey,
+    store::{CachedStore, StorageKey},
 };
 
 use support::{
@@ -383,6 +383,32 @@ async fn the_request_transaction_is_read_committed_whatever_the_database_default
     let reply = oneshot(&app, request("/isolation", "k", CHARGE)).await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.body, "read committed");
+}
+
+/// A cache in front of the transactional store hands the transaction to the
+/// handler, commits the charge with the record, and then replays from the
+/// process without asking the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_cache_the_charge_commits_and_replays_come_from_the_cache() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    let pool = store.pool().clone();
+    let app = Router::new()
+        .route("/charges", post(charge))
+        .layer(IdempotencyLayer::new(CachedStore::new(store, 1 << 20)))
+        .with_state(pool.clone());
+    let first = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
+    assert_eq!(charges(&db).await, 1);
+    // With the record gone from the database, only the cache can replay.
+    sqlx::raw_sql("DELETE FROM idempotency_records")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let again = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert!(again.is_replay(), "{} {:?}", again.status, again.body);
+    assert_eq!(again.body, first.body);
+    assert_eq!(charges(&db).await, 1);
 }
 
 /// Sessions of the test database that sit idle inside a transaction.

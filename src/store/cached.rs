@@ -196,4 +196,14 @@ impl<St: Store> Store for CachedStore<St> {
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
         self.inner.release(key, token).await
     }
+
+    // A cache in front of a transactional store must hand the transaction
+    // on, and say that completions commit the handler's writes.
+    fn attach(&self, token: LeaseToken, extensions: &mut http::Extensions) {
+        self.inner.attach(token, extensions);
+    }
+
+    fn commits_effects(&self) -> bool {
+        self.inner.commits_effects()
+    }
 }
