@@ -354,8 +354,8 @@ impl PostgresStore {
         // without parameters. READ COMMITTED whatever the database's default:
         // the claim's second look, after taking the lock, must see what
         // committed since its first.
-        let claim = format!(
-            "BEGIN ISOLATION LEVEL READ COMMITTED; SELECT * FROM {}({}, {})",
+        let select = format!(
+            "SELECT * FROM {}({}, {})",
             self.inner.sql.claim_function,
             text_literal(key.as_str()),
             advisory_key(key)
@@ -366,8 +366,9 @@ impl PostgresStore {
                 // an `async fn` whose future trips rustc's inference of
                 // higher-ranked `Send` bounds (rust-lang/rust#100013).
                 if let Some(mut parked) = transactions.idle.take() {
-                    // Its ROLLBACK travels with this claim.
-                    let sql = format!("ROLLBACK; {claim}");
+                    // Its ROLLBACK travels with this claim; AND CHAIN begins
+                    // the next transaction at the same (READ COMMITTED) level.
+                    let sql = format!("ROLLBACK AND CHAIN; {select}");
                     let on: &mut PgConnection = &mut parked;
                     match on.fetch_one(sqlx::raw_sql(&sql)).await {
                         Ok(row) => return Ok((parked, row)),
@@ -383,7 +384,8 @@ impl PostgresStore {
                 // From here on, a failure closes the connection (see `OpenTx`).
                 let mut tx = OpenTx::begun(connection);
                 let on: &mut PgConnection = &mut tx;
-                let row = on.fetch_one(sqlx::raw_sql(&claim)).await?;
+                let sql = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {select}");
+                let row = on.fetch_one(sqlx::raw_sql(&sql)).await?;
                 Ok((tx, row))
             })
             .await?;
