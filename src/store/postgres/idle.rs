@@ -1,7 +1,7 @@
 //! Transactions that a claim opened and found nothing to do in (a replay, a
-//! key in flight elsewhere). Their `ROLLBACK` travels in front of the next
-//! claim's `BEGIN` instead of costing a round trip of its own; a sweeper rolls
-//! back the ones no claim picked up within [`IDLE_FOR`].
+//! key in flight elsewhere). The next claim ends one with `ROLLBACK AND
+//! CHAIN` in front of its own statement, instead of a round trip of its own;
+//! a sweeper rolls back the ones no claim picked up within [`IDLE_FOR`].
 //!
 //! Only transactions that hold no lock wait here: an idle transaction in
 //! `READ COMMITTED` that wrote nothing holds no snapshot and no xid, so it
