@@ -13,6 +13,7 @@ use axum_core::{
 use http::{StatusCode, request::Parts};
 use sqlx::{PgConnection, Postgres, pool::PoolConnection};
 
+use super::lock;
 use crate::problem::Problem;
 
 /// A pooled connection inside a transaction the store began (the claim is
@@ -85,17 +86,11 @@ impl TxSlot {
 
     /// The transaction, unless someone holds it.
     pub(super) fn take(&self) -> Option<OpenTx> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .take()
+        lock(&self.0).take()
     }
 
     fn put_back(&self, tx: OpenTx) {
-        *self
-            .0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(tx);
+        *lock(&self.0) = Some(tx);
     }
 }
 
