@@ -427,15 +427,21 @@ impl PostgresStore {
         // The record and COMMIT in one round trip (simple protocol, so the
         // values are literals). If the record cannot be written, the function
         // raises and COMMIT never runs.
-        let complete = format!(
-            "SELECT {}({}, {}, {}, {})",
+        // Written into one buffer: the record's literal can run to megabytes.
+        let retention = millis(retention, "retention")?;
+        let mut complete = format!(
+            "SELECT {}({}, ",
             self.inner.sql.complete_function,
-            text_literal(key.as_str()),
-            bytea_literal(fingerprint.as_bytes()),
-            bytea_literal(&record),
-            millis(retention, "retention")?
+            text_literal(key.as_str())
         );
-        match self.bounded(tx.commit_after(&complete)).await {
+        complete.reserve(2 * (fingerprint.as_bytes().len() + record.len()) + 64);
+        push_bytea_literal(&mut complete, fingerprint.as_bytes());
+        complete.push_str(", ");
+        push_bytea_literal(&mut complete, &record);
+        complete.push_str(", ");
+        complete.push_str(&retention.to_string());
+        complete.push(')');
+        match self.bounded(tx.commit_after(complete)).await {
             Ok(()) => Ok(true),
             // Dropping the transaction (inside `commit_after`) closed its
             // connection: everything rolled back.
@@ -462,13 +468,11 @@ fn text_literal(s: &str) -> String {
     format!("E'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
-/// `bytes` as a `bytea` literal in hex, `E'\\x…'`.
-fn bytea_literal(bytes: &[u8]) -> String {
-    let mut out = String::with_capacity(bytes.len() * 2 + 6);
+/// Appends `bytes` as a `bytea` literal in hex, `E'\\x…'`.
+fn push_bytea_literal(out: &mut String, bytes: &[u8]) {
     out.push_str("E'\\\\x");
-    push_hex(&mut out, bytes);
+    push_hex(out, bytes);
     out.push('\'');
-    out
 }
 
 impl std::fmt::Debug for PostgresStore {

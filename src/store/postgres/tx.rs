@@ -36,8 +36,9 @@ impl OpenTx {
     }
 
     /// Runs `statement`, then `COMMIT` if it succeeded: one round trip.
-    pub(super) async fn commit_after(mut self, statement: &str) -> Result<(), sqlx::Error> {
-        self.end(&format!("{statement}; COMMIT")).await
+    pub(super) async fn commit_after(mut self, mut statement: String) -> Result<(), sqlx::Error> {
+        statement.push_str("; COMMIT");
+        self.end(&statement).await
     }
 
     pub(super) async fn rollback(mut self) -> Result<(), sqlx::Error> {
