@@ -55,27 +55,41 @@ const META: usize = HEAD + 2 + 8;
 
 /// Encodes `record`, the answer to requests with `fingerprint`.
 pub fn encode(fingerprint: &Fingerprint, record: &CompletedRecord) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(encoded_len(record));
+    encode_into(&mut bytes, fingerprint, record);
+    bytes
+}
+
+/// The length of [`encode`]'s output.
+pub(crate) fn encoded_len(record: &CompletedRecord) -> usize {
+    match record {
+        CompletedRecord::Response(r) => META + 4 + r.headers_len() + r.body().len(),
+        CompletedRecord::Unreplayable { .. } => META,
+    }
+}
+
+/// Appends [`encode`]'s output to `bytes`, for a store that puts the record
+/// behind a header of its own without copying it a second time.
+pub(crate) fn encode_into(
+    bytes: &mut Vec<u8>,
+    fingerprint: &Fingerprint,
+    record: &CompletedRecord,
+) {
     let (tag, status, created_at, response) = match record {
         CompletedRecord::Response(r) => (RESPONSE, r.status(), r.created_at(), Some(r)),
         CompletedRecord::Unreplayable { status, created_at } => {
             (UNREPLAYABLE, *status, *created_at, None)
         }
     };
-    let headers = response
-        .map(StoredResponse::encode_headers)
-        .unwrap_or_default();
-    let body = response.map_or(&[][..], |r| r.body());
-    let mut bytes = Vec::with_capacity(META + 4 + headers.len() + body.len());
     bytes.push(tag);
     bytes.extend_from_slice(fingerprint.as_bytes());
     bytes.extend_from_slice(&status.as_u16().to_be_bytes());
     bytes.extend_from_slice(&to_unix_millis(created_at).to_be_bytes());
-    if response.is_some() {
-        bytes.extend_from_slice(&(headers.len() as u32).to_be_bytes());
-        bytes.extend_from_slice(&headers);
-        bytes.extend_from_slice(body);
+    if let Some(response) = response {
+        bytes.extend_from_slice(&(response.headers_len() as u32).to_be_bytes());
+        response.encode_headers_into(bytes);
+        bytes.extend_from_slice(response.body());
     }
-    bytes
 }
 
 /// The fingerprint of an encoded record, without decoding the rest; `None`
@@ -159,6 +173,7 @@ mod tests {
             },
         ] {
             let bytes = encode(&fp, &record);
+            assert_eq!(bytes.len(), encoded_len(&record));
             assert_eq!(&bytes[1..HEAD], fp.as_bytes());
             assert_eq!(decode(bytes).unwrap(), (fp, record));
         }

@@ -114,19 +114,27 @@ impl StoredResponse {
     /// a `u16` name length, the name, a `u32` value length, the value (lengths
     /// big-endian).
     pub fn encode_headers(&self) -> Vec<u8> {
-        let len = self
-            .headers
+        let mut out = Vec::with_capacity(self.headers_len());
+        self.encode_headers_into(&mut out);
+        out
+    }
+
+    /// The length of [`encode_headers`](Self::encode_headers)' block.
+    pub(crate) fn headers_len(&self) -> usize {
+        self.headers
             .iter()
             .map(|(n, v)| 6 + n.as_str().len() + v.len())
-            .sum();
-        let mut out = Vec::with_capacity(len);
+            .sum()
+    }
+
+    /// Appends the header block to `out`.
+    pub(crate) fn encode_headers_into(&self, out: &mut Vec<u8>) {
         for (name, value) in &self.headers {
             out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
             out.extend_from_slice(name.as_str().as_bytes());
             out.extend_from_slice(&(value.len() as u32).to_be_bytes());
             out.extend_from_slice(value.as_bytes());
         }
-        out
     }
 
     /// Decodes a block written by [`encode_headers`](Self::encode_headers).

@@ -81,11 +81,10 @@ pub(super) fn completed(
         CompletedRecord::Response(response) => response.created_at(),
         CompletedRecord::Unreplayable { created_at, .. } => *created_at,
     };
-    let record = codec::encode(fingerprint, record);
-    let mut blob = Vec::with_capacity(1 + 8 + record.len());
+    let mut blob = Vec::with_capacity(1 + 8 + codec::encoded_len(record));
     blob.push(COMPLETED);
     blob.extend_from_slice(&after(created_at, retention));
-    blob.extend_from_slice(&record);
+    codec::encode_into(&mut blob, fingerprint, record);
     blob
 }
 
