@@ -11,14 +11,15 @@ use std::{
 };
 
 use axum_core::{BoxError, body::Body};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt, stream};
 use http::{Request, Response, response::Parts};
-use http_body_util::{BodyExt, BodyStream, StreamBody};
+use http_body_util::{BodyStream, StreamBody};
 use tower_service::Service;
 use tracing::Instrument;
 
 use crate::{
+    body::{self, Buffered},
     config::Shared,
     lease::{Finished, Lease},
     outcome::{Completion, IdempotencyOutcome},
@@ -175,40 +176,12 @@ where
         .unwrap_or(Handled::Panicked)
 }
 
-async fn read_up_to<E>(parts: Parts, mut body: Body, limit: usize) -> Handled<E> {
-    // Most bodies are one chunk: keep it without copying or a Vec.
-    let mut first: Option<Bytes> = None;
-    let mut more: Vec<Bytes> = Vec::new();
-    let mut len = 0;
-    while let Some(frame) = body.frame().await {
-        let Ok(frame) = frame else {
-            return Handled::BodyFailed;
-        };
-        // Trailers are not stored; a replay has none.
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        len += data.len();
-        match first {
-            None => first = Some(data),
-            Some(_) => more.push(data),
-        }
-        if len > limit {
-            let read = first.into_iter().chain(more).collect();
-            return Handled::TooLarge(parts, read, body);
-        }
+async fn read_up_to<E>(parts: Parts, body: Body, limit: usize) -> Handled<E> {
+    match body::buffer(body, limit).await {
+        Buffered::Complete(body) => Handled::Final(parts, body),
+        Buffered::TooLarge(read, rest) => Handled::TooLarge(parts, read, rest),
+        Buffered::Failed => Handled::BodyFailed,
     }
-    let body = match (first, more.is_empty()) {
-        (None, _) => Bytes::new(),
-        (Some(only), true) => only,
-        (Some(first), false) => {
-            let mut all = BytesMut::with_capacity(len);
-            all.extend_from_slice(&first);
-            more.iter().for_each(|chunk| all.extend_from_slice(chunk));
-            all.freeze()
-        }
-    };
-    Handled::Final(parts, body)
 }
 
 /// Stores or releases the outcome, then sends the response (stored before

@@ -6,11 +6,11 @@ use std::{sync::Arc, time::Duration};
 use axum_core::{BoxError, body::Body};
 use bytes::Bytes;
 use http::{Request, Response, request::Parts};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::{
+    body::{self, Buffered},
     config::Shared,
     execute,
     fingerprint::FingerprintStrategy,
@@ -143,10 +143,10 @@ where
     if body.size_hint().lower() > limit as u64 {
         return Err(RejectionKind::BodyTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.is::<LengthLimitError>() => Err(RejectionKind::BodyTooLarge { limit }),
-        Err(_) => Err(RejectionKind::BodyUnreadable),
+    match body::buffer(std::pin::pin!(body), limit).await {
+        Buffered::Complete(bytes) => Ok(bytes),
+        Buffered::TooLarge(..) => Err(RejectionKind::BodyTooLarge { limit }),
+        Buffered::Failed => Err(RejectionKind::BodyUnreadable),
     }
 }
 

@@ -7,6 +7,7 @@
 // execute → lease → store → record → outcome → rejection → key, with config
 // (built by the layer, read below it) and the leaves policy, scope and
 // fingerprint → canonical_json beside the path. lib.rs only re-exports.
+mod body;
 mod canonical_json;
 pub mod codec;
 mod config;
