@@ -51,12 +51,28 @@ impl fmt::Display for Fingerprint {
 /// Appends `bytes` in lowercase hex. On the request path (every storage key
 /// holds a hashed scope), where `{:02x}` per byte cost more than the hash.
 pub(crate) fn push_hex(out: &mut String, bytes: &[u8]) {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     out.reserve(bytes.len() * 2);
-    for byte in bytes {
-        out.push(char::from(DIGITS[usize::from(byte >> 4)]));
-        out.push(char::from(DIGITS[usize::from(byte & 15)]));
+    for &byte in bytes {
+        let [high, low] = hex_pair(byte);
+        out.push(char::from(high));
+        out.push(char::from(low));
     }
+}
+
+/// Writes `bytes` in lowercase hex into `out`, two digits per byte.
+pub(crate) fn write_hex(out: &mut [u8], bytes: &[u8]) {
+    debug_assert_eq!(out.len(), bytes.len() * 2);
+    for (pair, &byte) in out.chunks_exact_mut(2).zip(bytes) {
+        pair.copy_from_slice(&hex_pair(byte));
+    }
+}
+
+fn hex_pair(byte: u8) -> [u8; 2] {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    [
+        DIGITS[usize::from(byte >> 4)],
+        DIGITS[usize::from(byte & 15)],
+    ]
 }
 
 impl fmt::Debug for Fingerprint {

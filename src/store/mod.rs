@@ -58,7 +58,7 @@
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use crate::{
-    fingerprint::{Fingerprint, FingerprintHasher, push_hex},
+    fingerprint::{Fingerprint, FingerprintHasher, write_hex},
     key::IdempotencyKey,
     record::{CompletedRecord, CorruptRecord},
 };
@@ -200,11 +200,19 @@ impl StorageKey {
     pub fn new(scope: &str, key: &IdempotencyKey) -> Self {
         let mut hasher = FingerprintHasher::new("tower-idempotency/scope/v1");
         hasher.field(scope.as_bytes());
-        let mut encoded = String::with_capacity(64 + 1 + key.as_str().len());
-        push_hex(&mut encoded, hasher.finish().as_bytes());
-        encoded.push(':');
-        encoded.push_str(key.as_str());
-        Self(encoded.into())
+        // Assembled on the stack, so the key costs one allocation: its `Arc`.
+        let mut encoded = [0; 64 + 1 + IdempotencyKey::MAX_LEN];
+        let (hex, rest) = encoded.split_at_mut(64);
+        write_hex(hex, hasher.finish().as_bytes());
+        rest[0] = b':';
+        let key = key.as_str().as_bytes();
+        rest[1..=key.len()].copy_from_slice(key);
+        let encoded = &encoded[..64 + 1 + key.len()];
+        Self(
+            std::str::from_utf8(encoded)
+                .expect("hex and an ASCII key")
+                .into(),
+        )
     }
 
     /// The encoded key.
