@@ -30,6 +30,20 @@ mod names {
     pub(super) const STORE_SECONDS: &str = "idempotency_store_duration_seconds";
 }
 
+/// A metric whose one label takes its value from a known set. `metrics`
+/// builds the key of a literal label once, statically, but allocates it on
+/// every call for a value held in a variable — so the known values are
+/// matched to literals, and any other takes the allocating path.
+#[cfg(feature = "metrics")]
+macro_rules! labelled {
+    ($kind:ident!($name:expr, $label:literal => $value:expr, one of [$($known:tt),*])) => {
+        match $value {
+            $($known => metrics::$kind!($name, $label => $known),)*
+            other => metrics::$kind!($name, $label => other),
+        }
+    };
+}
+
 /// The span of one keyed request: the handler's own logs nest inside it.
 /// The scope is never a field (it may be a credential); the storage key,
 /// which carries its hash, is.
@@ -61,7 +75,10 @@ fn record_outcome(span: &tracing::Span, outcome: &IdempotencyOutcome) {
         tracing::field::display(outcome.name()),
     );
     #[cfg(feature = "metrics")]
-    metrics::counter!(names::OUTCOMES, "outcome" => outcome.name()).increment(1);
+    labelled!(
+        counter!(names::OUTCOMES, "outcome" => outcome.name(), one of ["executed", "replayed"])
+    )
+    .increment(1);
 }
 
 /// A response went out unstored: a retry may execute again.
@@ -73,7 +90,8 @@ pub(crate) fn completion_lost() {
 /// A background completion retry ended: `stored`, `lost` or `gave_up`.
 pub(crate) fn completion_retried(result: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!(names::COMPLETION_RETRIES, "result" => result).increment(1);
+    labelled!(counter!(names::COMPLETION_RETRIES, "result" => result, one of ["stored", "lost", "gave_up"]))
+        .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = result;
 }
@@ -82,7 +100,8 @@ pub(crate) fn completion_retried(result: &'static str) {
 #[cfg_attr(not(feature = "cache"), allow(dead_code))]
 pub(crate) fn cache_lookup(result: &'static str) {
     #[cfg(feature = "metrics")]
-    metrics::counter!(names::CACHE_LOOKUPS, "result" => result).increment(1);
+    labelled!(counter!(names::CACHE_LOOKUPS, "result" => result, one of ["hit", "miss"]))
+        .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = result;
 }
@@ -93,8 +112,9 @@ pub(crate) async fn store_call<T>(operation: &'static str, call: impl Future<Out
     {
         let started = Instant::now();
         let output = call.await;
-        metrics::histogram!(names::STORE_SECONDS, "operation" => operation)
-            .record(started.elapsed().as_secs_f64());
+        labelled!(histogram!(names::STORE_SECONDS, "operation" => operation,
+            one of ["claim", "extend", "complete", "release"]))
+        .record(started.elapsed().as_secs_f64());
         output
     }
     #[cfg(not(feature = "metrics"))]
