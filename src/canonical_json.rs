@@ -281,22 +281,38 @@ impl<'a> Canonicaliser<'a> {
             }
         }
         // The value is 0.d₁d₂…dₖ × 10ⁿ, with d₁ and dₖ not zero.
-        let mut digits = std::mem::take(&mut self.digits);
-        digits.clear();
-        let all = integer.iter().chain(fraction);
-        let leading = all.clone().take_while(|&&d| d == b'0').count();
-        digits.extend(all.skip(leading));
-        let trailing = digits.iter().rev().take_while(|&&d| d == b'0').count();
-        digits.truncate(digits.len() - trailing);
+        let zeros = |d: &&u8| **d == b'0';
+        let leading = integer.iter().chain(fraction).take_while(zeros).count();
+        let fraction =
+            &fraction[..fraction.len() - fraction.iter().rev().take_while(zeros).count()];
+        let n = integer.len() as i128 - leading as i128 + exponent;
+        // The significant digits are one slice of the input unless they
+        // straddle the point (12.5); only then are they joined in a buffer.
+        if fraction.is_empty() {
+            let integer = &integer[leading.min(integer.len())..];
+            let integer =
+                &integer[..integer.len() - integer.iter().rev().take_while(zeros).count()];
+            self.write_significant(negative, integer, n);
+        } else if leading >= integer.len() {
+            self.write_significant(negative, &fraction[leading - integer.len()..], n);
+        } else {
+            let mut digits = std::mem::take(&mut self.digits);
+            digits.clear();
+            digits.extend_from_slice(&integer[leading..]);
+            digits.extend_from_slice(fraction);
+            self.write_significant(negative, &digits, n);
+            self.digits = digits;
+        }
+        Some(())
+    }
+
+    fn write_significant(&mut self, negative: bool, digits: &[u8], n: i128) {
         if digits.is_empty() {
             // Every zero is one number, -0 included.
             self.out.push(b'0');
         } else {
-            let n = integer.len() as i128 - leading as i128 + exponent;
-            self.write_number(negative, &digits, n);
+            self.write_number(negative, digits, n);
         }
-        self.digits = digits;
-        Some(())
     }
 
     fn eat(&mut self, byte: u8) -> bool {
