@@ -235,6 +235,14 @@ async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
     let variants = [
         ("bare", Keys::Unique, "bare", routes()),
         ("memory", Keys::Unique, "bare", layered(MemoryStore::new())),
+        // The same with a 1 s retention: the store stays small, so this is the
+        // layer's own work without a million records kept alive.
+        (
+            "memory-1s",
+            Keys::Unique,
+            "bare",
+            routes().layer(layer(MemoryStore::new()).retention(Duration::from_secs(1))),
+        ),
         (
             "memory-replay",
             Keys::Replay,
