@@ -5,8 +5,9 @@
 
 // Imports run one way, along a request's path: layer → service → guard →
 // execute → lease → store → record → outcome → rejection → key, with config
-// (built by the layer, read below it) and the leaves policy, scope and
-// fingerprint → canonical_json beside the path. lib.rs only re-exports.
+// (built by the layer, read below it) and the leaves policy, scope, body
+// (buffering, for guard and execute) and fingerprint → canonical_json beside
+// the path. lib.rs only re-exports.
 mod body;
 mod canonical_json;
 pub mod codec;
