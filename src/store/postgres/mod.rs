@@ -94,6 +94,7 @@ use std::{
     time::Duration,
 };
 
+use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use sqlx::{Executor, PgConnection, PgPool, Row, postgres::PgPoolOptions};
 
@@ -106,7 +107,7 @@ use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
 use crate::{
     codec,
     fingerprint::{Fingerprint, push_hex},
-    record::CompletedRecord,
+    record::{CompletedRecord, CorruptRecord},
 };
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
@@ -297,7 +298,17 @@ impl PostgresStore {
     fn found(fingerprint: &Fingerprint, row: &sqlx::postgres::PgRow) -> Result<Claim, StoreError> {
         let stored: Vec<u8> = row.try_get("fingerprint")?;
         let record: Option<Vec<u8>> = row.try_get("record")?;
-        let left = Duration::from_millis(row.try_get::<i64, _>("ms_left")?.max(0) as u64);
+        let left = row.try_get::<i64, _>("ms_left")?;
+        Self::decide(fingerprint, &stored, record.map(Bytes::from), left)
+    }
+
+    fn decide(
+        fingerprint: &Fingerprint,
+        stored: &[u8],
+        record: Option<Bytes>,
+        ms_left: i64,
+    ) -> Result<Claim, StoreError> {
+        let left = Duration::from_millis(ms_left.max(0) as u64);
         if stored != fingerprint.as_bytes() {
             return Ok(Claim::Mismatch);
         }
@@ -355,7 +366,7 @@ impl PostgresStore {
         // the claim's second look, after taking the lock, must see what
         // committed since its first.
         let select = format!(
-            "SELECT * FROM {}({}, {})",
+            "SELECT {}({}, {})",
             self.inner.sql.claim_function,
             text_literal(key.as_str()),
             advisory_key(key)
@@ -389,9 +400,18 @@ impl PostgresStore {
                 Ok((tx, row))
             })
             .await?;
-        let state: String = row.try_get("state")?;
-        match state.as_str() {
-            "acquired" => {
+        // The schema's claim function answers with one bytea: a state byte,
+        // then, for a found record, milliseconds left, the fingerprint
+        // (length-prefixed) and the record.
+        let answer = match row.try_get::<Vec<u8>, _>(0) {
+            Ok(answer) => Bytes::from(answer),
+            Err(error) => {
+                transactions.idle.roll_back(tx);
+                return Err(error.into());
+            }
+        };
+        match answer.first() {
+            Some(b'a') => {
                 let token = LeaseToken::generate();
                 lock(&transactions.claimed).insert(token, Arc::new(TxSlot::new(tx)));
                 return Ok(Claim::Acquired(token));
@@ -399,15 +419,26 @@ impl PostgresStore {
             // Nothing to do in this transaction. One that holds the key's
             // lock ends now, off the request's path; one that holds nothing
             // ends with the next claim.
-            "completed_locked" => transactions.idle.roll_back(tx),
-            _ => transactions.idle.park(tx, &self.inner.pool),
+            Some(b'C') => transactions.idle.roll_back(tx),
+            Some(b'i' | b'c') => transactions.idle.park(tx, &self.inner.pool),
+            _ => {
+                transactions.idle.roll_back(tx);
+                return Err(CorruptRecord("unknown claim answer").into());
+            }
         }
-        if state == "in_flight" {
+        if answer[0] == b'i' {
             return Ok(Claim::InFlight {
                 retry_after: IN_FLIGHT_RETRY_AFTER,
             });
         }
-        Self::found(fingerprint, &row)
+        let truncated = CorruptRecord("truncated claim answer");
+        let left = answer.get(1..9).ok_or(truncated)?;
+        let left = i64::from_be_bytes(left.try_into().expect("8 bytes"));
+        let len = answer.get(9..13).ok_or(truncated)?;
+        let record_at = 13 + u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
+        let stored = answer.get(13..record_at).ok_or(truncated)?;
+        let record = Some(answer.slice(record_at..)).filter(|r| !r.is_empty());
+        Self::decide(fingerprint, stored, record, left)
     }
 
     async fn complete_in_transaction(
@@ -750,7 +781,7 @@ impl Sql {
         Ok(Self {
             schema: SCHEMA.replace(DEFAULT_TABLE, table),
             claim: t(CLAIM),
-            claim_function: format!("{table}_claim"),
+            claim_function: format!("{table}_claim_v2"),
             extend: t(EXTEND),
             complete: t(COMPLETE),
             complete_function: format!("{table}_complete"),

@@ -14,27 +14,34 @@ CREATE INDEX IF NOT EXISTS idempotency_records_expires_at_idx
 -- The transactional claim, sent with BEGIN in one round trip: the live
 -- record if there is one (replays need no lock); else the key's advisory
 -- lock, taken without waiting; then the live record once more, in case one
--- was committed meanwhile (each query here takes a fresh snapshot). The
--- state says whether the lock is held: 'acquired' and 'completed_locked'.
-CREATE OR REPLACE FUNCTION idempotency_records_claim(claim_key text, lock_key bigint)
-RETURNS TABLE (state text, fingerprint bytea, record bytea, ms_left bigint)
+-- was committed meanwhile (each query here takes a fresh snapshot). One
+-- bytea comes back, a scalar rather than a row set (cheaper to plan and to
+-- return): 'a' (acquired: the lock is held), 'i' (in flight elsewhere), or
+-- 'c' / 'C' (found; 'C' with the lock held), then milliseconds left (int8),
+-- the fingerprint's length (int4), the fingerprint and the record. (`_v2`: an earlier version returned a
+-- table; instances still running it keep their own function meanwhile.)
+CREATE OR REPLACE FUNCTION idempotency_records_claim_v2(claim_key text, lock_key bigint)
+RETURNS bytea
 LANGUAGE plpgsql AS $$
-#variable_conflict use_column
+DECLARE
+    found_fingerprint bytea;
+    found_record bytea;
+    found_ms_left bigint;
 BEGIN
     FOR attempt IN 1..2 LOOP
-        RETURN QUERY SELECT CASE attempt WHEN 1 THEN 'completed' ELSE 'completed_locked' END,
-            r.fingerprint, r.record,
-            (extract(epoch FROM r.expires_at - now()) * 1000)::bigint
+        SELECT r.fingerprint, r.record, (extract(epoch FROM r.expires_at - now()) * 1000)::bigint
+            INTO found_fingerprint, found_record, found_ms_left
             FROM idempotency_records r WHERE r.key = claim_key AND r.expires_at > now();
         IF FOUND THEN
-            RETURN;
+            RETURN (CASE attempt WHEN 1 THEN 'c' ELSE 'C' END)::bytea || int8send(found_ms_left)
+                || int4send(length(found_fingerprint)) || found_fingerprint
+                || coalesce(found_record, ''::bytea);
         END IF;
         IF attempt = 1 AND NOT pg_try_advisory_xact_lock(lock_key) THEN
-            RETURN QUERY SELECT 'in_flight'::text, NULL::bytea, NULL::bytea, 0::bigint;
-            RETURN;
+            RETURN 'i'::bytea;
         END IF;
     END LOOP;
-    RETURN QUERY SELECT 'acquired'::text, NULL::bytea, NULL::bytea, 0::bigint;
+    RETURN 'a'::bytea;
 END
 $$;
 -- The transactional completion, sent with COMMIT in one round trip: the
