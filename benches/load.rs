@@ -281,6 +281,12 @@ async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
             in_transaction().layer(layer(transactional())),
         ),
         (
+            "pg-tx-replay-cached",
+            Keys::Replay,
+            "pg-floor",
+            in_transaction().layer(layer(CachedStore::new(transactional(), 64 * 1024 * 1024))),
+        ),
+        (
             "pg-redis",
             Keys::Unique,
             "pg-floor",
@@ -301,6 +307,7 @@ async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
                 ("pg-tx", "pg-floor"),
                 ("pg-tx", "pg-floor-record"),
                 ("pg-tx-replay", "pg-floor"),
+                ("pg-tx-replay-cached", "pg-floor"),
                 ("pg-redis", "pg-floor"),
             ]
             .iter()
