@@ -302,6 +302,22 @@ impl PostgresStore {
         Self::decide(fingerprint, &stored, record.map(Bytes::from), left)
     }
 
+    /// The same, from the transactional claim's answer: after the state
+    /// byte, milliseconds left (`i64`) and the fingerprint's length (`u32`),
+    /// both big-endian, then the fingerprint and the record.
+    fn found_in_answer(fingerprint: &Fingerprint, answer: Bytes) -> Result<Claim, StoreError> {
+        let truncated = CorruptRecord("truncated claim answer");
+        let left = answer.get(1..9).ok_or(truncated)?;
+        let left = i64::from_be_bytes(left.try_into().expect("8 bytes"));
+        let len = answer.get(9..13).ok_or(truncated)?;
+        let record_at = 13 + u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
+        let stored = answer.get(13..record_at).ok_or(truncated)?;
+        let record = Some(answer.slice(record_at..)).filter(|r| !r.is_empty());
+        Self::decide(fingerprint, stored, record, left)
+    }
+
+    /// Another fingerprint is a mismatch; a row without a record yet (a
+    /// plain-mode claim) is in flight; a record is a replay.
     fn decide(
         fingerprint: &Fingerprint,
         stored: &[u8],
@@ -400,9 +416,8 @@ impl PostgresStore {
                 Ok((tx, row))
             })
             .await?;
-        // The schema's claim function answers with one bytea: a state byte,
-        // then, for a found record, milliseconds left, the fingerprint
-        // (length-prefixed) and the record.
+        // The schema's claim function answers with one bytea, led by a
+        // state byte.
         let answer = match row.try_get::<Vec<u8>, _>(0) {
             Ok(answer) => Bytes::from(answer),
             Err(error) => {
@@ -419,26 +434,20 @@ impl PostgresStore {
             // Nothing to do in this transaction. One that holds the key's
             // lock ends now, off the request's path; one that holds nothing
             // ends with the next claim.
+            Some(b'i') => {
+                transactions.idle.park(tx, &self.inner.pool);
+                return Ok(Claim::InFlight {
+                    retry_after: IN_FLIGHT_RETRY_AFTER,
+                });
+            }
+            Some(b'c') => transactions.idle.park(tx, &self.inner.pool),
             Some(b'C') => transactions.idle.roll_back(tx),
-            Some(b'i' | b'c') => transactions.idle.park(tx, &self.inner.pool),
             _ => {
                 transactions.idle.roll_back(tx);
                 return Err(CorruptRecord("unknown claim answer").into());
             }
         }
-        if answer[0] == b'i' {
-            return Ok(Claim::InFlight {
-                retry_after: IN_FLIGHT_RETRY_AFTER,
-            });
-        }
-        let truncated = CorruptRecord("truncated claim answer");
-        let left = answer.get(1..9).ok_or(truncated)?;
-        let left = i64::from_be_bytes(left.try_into().expect("8 bytes"));
-        let len = answer.get(9..13).ok_or(truncated)?;
-        let record_at = 13 + u32::from_be_bytes(len.try_into().expect("4 bytes")) as usize;
-        let stored = answer.get(13..record_at).ok_or(truncated)?;
-        let record = Some(answer.slice(record_at..)).filter(|r| !r.is_empty());
-        Self::decide(fingerprint, stored, record, left)
+        Self::found_in_answer(fingerprint, answer)
     }
 
     async fn complete_in_transaction(
@@ -822,5 +831,51 @@ const DELETE_EXPIRED: &str = "DELETE FROM {t} WHERE key IN (SELECT key FROM {t} 
 impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {
         StoreError::Unavailable(Box::new(error))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use http::StatusCode;
+
+    use super::*;
+
+    /// What the schema's claim function sends for a found record.
+    fn answer(state: u8, ms_left: i64, fingerprint: &[u8], record: &[u8]) -> Bytes {
+        let mut bytes = vec![state];
+        bytes.extend_from_slice(&ms_left.to_be_bytes());
+        bytes.extend_from_slice(&(fingerprint.len() as u32).to_be_bytes());
+        bytes.extend_from_slice(fingerprint);
+        bytes.extend_from_slice(record);
+        bytes.into()
+    }
+
+    #[test]
+    fn a_found_answer_decodes_as_the_claim_decides() {
+        let fp = Fingerprint::from_bytes([3; 32]);
+        let record = CompletedRecord::Unreplayable {
+            status: StatusCode::CREATED,
+            created_at: UNIX_EPOCH,
+        };
+        let encoded = codec::encode(&fp, &record);
+        let found = |a| PostgresStore::found_in_answer(&fp, a).unwrap();
+        assert!(matches!(
+            found(answer(b'c', 1500, fp.as_bytes(), &encoded)),
+            Claim::Completed { record: r, expires_in } if *r == record && expires_in == Duration::from_millis(1500)
+        ));
+        assert!(matches!(
+            found(answer(b'c', 10, &[0], &encoded)),
+            Claim::Mismatch
+        ));
+        assert!(matches!(
+            found(answer(b'c', 10, fp.as_bytes(), &[])),
+            Claim::InFlight { .. }
+        ));
+        let whole = answer(b'c', 10, fp.as_bytes(), &encoded);
+        for cut in [1, 9, 12, 20] {
+            assert!(PostgresStore::found_in_answer(&fp, whole.slice(..cut)).is_err());
+        }
     }
 }

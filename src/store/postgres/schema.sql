@@ -14,12 +14,14 @@ CREATE INDEX IF NOT EXISTS idempotency_records_expires_at_idx
 -- The transactional claim, sent with BEGIN in one round trip: the live
 -- record if there is one (replays need no lock); else the key's advisory
 -- lock, taken without waiting; then the live record once more, in case one
--- was committed meanwhile (each query here takes a fresh snapshot). One
--- bytea comes back, a scalar rather than a row set (cheaper to plan and to
--- return): 'a' (acquired: the lock is held), 'i' (in flight elsewhere), or
--- 'c' / 'C' (found; 'C' with the lock held), then milliseconds left (int8),
--- the fingerprint's length (int4), the fingerprint and the record. (`_v2`: an earlier version returned a
--- table; instances still running it keep their own function meanwhile.)
+-- was committed meanwhile (each query here takes a fresh snapshot). The
+-- answer is one bytea, a scalar rather than a row set (cheaper to plan and
+-- to return): 'a' (acquired: the lock is held), 'i' (in flight elsewhere),
+-- or 'c' / 'C' (found; 'C' with the lock held) followed by milliseconds
+-- left (int8), the fingerprint's length (int4), the fingerprint and the
+-- record. `_v2`: the version before returned a table under the name
+-- idempotency_records_claim; instances still running it keep using it
+-- during an upgrade, and it can be dropped once none does.
 CREATE OR REPLACE FUNCTION idempotency_records_claim_v2(claim_key text, lock_key bigint)
 RETURNS bytea
 LANGUAGE plpgsql AS $$
