@@ -138,7 +138,6 @@ fn log_outage(throttle: &Throttle, key: &StorageKey, error: &StoreError, fail_op
 async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, RejectionKind>
 where
     B: http_body::Body<Data = Bytes>,
-    B::Error: Into<BoxError>,
 {
     if body.size_hint().lower() > limit as u64 {
         return Err(RejectionKind::BodyTooLarge { limit });
