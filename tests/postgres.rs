@@ -28,6 +28,7 @@ use support::{
     payments::{Payments, charge_request},
     postgres::TestDatabase,
     redis_server::{RedisServer, free_port},
+    relay::Relay,
 };
 
 const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
@@ -605,4 +606,229 @@ async fn killed_mid_charge_on_redis_charges_twice_the_documented_crash_window() 
         2,
         "charged twice: the record and the charge were not one transaction"
     );
+}
+
+/// The two modes, each with a handler whose effect is one `charges` row:
+/// inserted through the request's transaction (transactional) or on its own
+/// (plain: effects committed apart from the record).
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Plain,
+    Transactional,
+}
+
+async fn charge_apart(State(pool): State<PgPool>) -> StatusCode {
+    sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
+        .execute(&pool)
+        .await
+        .expect("insert the charge");
+    StatusCode::CREATED
+}
+
+/// Creates the tables, then opens the store `builder` describes at `url`
+/// (the test database itself, or the same through a relay).
+async fn mode_app(
+    db: &TestDatabase,
+    mode: Mode,
+    url: &str,
+    builder: tower_idempotency::store::postgres::PostgresStoreBuilder,
+) -> Router {
+    drop(transactional(db).await);
+    let builder = match mode {
+        Mode::Plain => builder,
+        Mode::Transactional => builder.transactional(),
+    };
+    let store = builder.connect(url).await.expect("connect the store");
+    match mode {
+        Mode::Transactional => app(store),
+        Mode::Plain => {
+            let pool = store.pool().clone();
+            Router::new()
+                .route("/charges", post(charge_apart))
+                .layer(IdempotencyLayer::new(store))
+                .with_state(pool)
+        }
+    }
+}
+
+/// Retries `key` while it is answered `409` (for at most `within`).
+async fn retry_while_in_flight(app: &Router, key: &str, within: Duration) -> support::http::Reply {
+    let deadline = Instant::now() + within;
+    loop {
+        let reply = oneshot(app, request("/charges", key, CHARGE)).await;
+        if reply.status != StatusCode::CONFLICT || Instant::now() > deadline {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Database unreachable (every connection to it cut, new ones refused):
+/// `503` with `Retry-After` at once, nothing written; service resumes
+/// without a restart when it comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_database_is_a_503_and_service_resumes_when_it_returns() {
+    for mode in [Mode::Plain, Mode::Transactional] {
+        let db = TestDatabase::create();
+        let relay = Relay::start(&db.host_port()).await;
+        let builder = PostgresStore::builder().command_timeout(Duration::from_millis(500));
+        let app = mode_app(&db, mode, &db.url_via(relay.port()), builder).await;
+        let first = oneshot(&app, request("/charges", "k1", CHARGE)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{mode:?}");
+
+        relay.cut();
+        let started = Instant::now();
+        let down = oneshot(&app, request("/charges", "k2", CHARGE)).await;
+        down.assert_problem(503);
+        assert!(down.header("retry-after").is_some(), "{mode:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{mode:?}: answered within the command timeout, not hung ({:?})",
+            started.elapsed()
+        );
+        assert_eq!(charges(&db).await, 1, "{mode:?}: the handler never ran");
+
+        relay.restore();
+        let back = oneshot(&app, request("/charges", "k2", CHARGE)).await;
+        assert_eq!(
+            back.status,
+            StatusCode::CREATED,
+            "{mode:?}: {:?}",
+            back.body
+        );
+        assert!(
+            oneshot(&app, request("/charges", "k1", CHARGE))
+                .await
+                .is_replay(),
+            "{mode:?}"
+        );
+        assert_eq!(charges(&db).await, 2, "{mode:?}");
+    }
+}
+
+/// A database that stops answering (no error, no bytes): `503` once the
+/// documented default command timeout (1 s) has passed — not earlier, not
+/// never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_database_is_a_503_after_the_documented_default_timeout() {
+    for mode in [Mode::Plain, Mode::Transactional] {
+        let db = TestDatabase::create();
+        let relay = Relay::start(&db.host_port()).await;
+        let app = mode_app(
+            &db,
+            mode,
+            &db.url_via(relay.port()),
+            PostgresStore::builder(),
+        )
+        .await;
+        let first = oneshot(&app, request("/charges", "k1", CHARGE)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{mode:?}");
+
+        relay.stall();
+        let started = Instant::now();
+        let hung = oneshot(&app, request("/charges", "k2", CHARGE)).await;
+        let waited = started.elapsed();
+        hung.assert_problem(503);
+        assert!(
+            waited >= Duration::from_secs(1) && waited < Duration::from_secs(3),
+            "{mode:?}: the 1 s default is the timeout in force, waited {waited:?}"
+        );
+
+        relay.restore();
+        let back = retry_while_in_flight(&app, "k2", Duration::from_secs(5)).await;
+        assert_eq!(
+            back.status,
+            StatusCode::CREATED,
+            "{mode:?}: {:?}",
+            back.body
+        );
+        assert_eq!(charges(&db).await, 2, "{mode:?}");
+    }
+}
+
+/// Every pooled connection held by a request in its handler: the next
+/// request gets `503` once the command timeout passes, instead of waiting
+/// for a connection to come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_pool_is_a_503_not_a_wait() {
+    let db = TestDatabase::create();
+    let builder = PostgresStore::builder()
+        .max_connections(2)
+        .command_timeout(Duration::from_millis(300));
+    let app = mode_app(&db, Mode::Transactional, db.url(), builder).await;
+    let server = Server::start(app).await;
+    let slow = ["a", "b"].map(|key| {
+        let client = server.client.clone();
+        let mut req = request("/charges?ms=4000", key, CHARGE);
+        *req.uri_mut() = server.url("/charges?ms=4000").parse().unwrap();
+        tokio::spawn(async move { client.send(req).await.status })
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while idle_in_transaction(&db).await < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the two slow requests never started"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let started = Instant::now();
+    let third = server.post("/charges", "c", CHARGE).await;
+    third.assert_problem(503);
+    assert!(third.header("retry-after").is_some());
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "answered while the pool was still exhausted ({:?})",
+        started.elapsed()
+    );
+
+    for slow in slow {
+        assert_eq!(slow.await.unwrap(), StatusCode::CREATED);
+    }
+    let again = server.post("/charges", "c", CHARGE).await;
+    assert_eq!(again.status, StatusCode::CREATED, "{:?}", again.body);
+    assert_eq!(charges(&db).await, 3);
+}
+
+/// A claim blocked in the database (here by a table lock, as a migration
+/// takes) times out with `503`, and the database runs it once unblocked.
+/// That claim has no holder: it must not keep the key in flight for a whole
+/// lease — a retry soon after executes, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_the_database_runs_after_its_timeout_does_not_block_the_key() {
+    for mode in [Mode::Plain, Mode::Transactional] {
+        let db = TestDatabase::create();
+        // One connection, its statements prepared by a first request: the
+        // blocked claim is then sent whole, not stuck in its preparation.
+        let builder = PostgresStore::builder()
+            .command_timeout(Duration::from_millis(300))
+            .max_connections(1);
+        let app = mode_app(&db, mode, db.url(), builder).await;
+        let warm = oneshot(&app, request("/charges", "warm", CHARGE)).await;
+        assert_eq!(warm.status, StatusCode::CREATED);
+        let mut locker = <sqlx::PgConnection as sqlx::Connection>::connect(db.url())
+            .await
+            .unwrap();
+        sqlx::raw_sql("BEGIN; LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
+            .execute(&mut locker)
+            .await
+            .unwrap();
+
+        oneshot(&app, request("/charges", "k", CHARGE))
+            .await
+            .assert_problem(503);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sqlx::raw_sql("COMMIT").execute(&mut locker).await.unwrap();
+
+        // The default lease is 30 s: a claim left behind would answer 409
+        // for all of it.
+        let retry = retry_while_in_flight(&app, "k", Duration::from_secs(5)).await;
+        assert_eq!(
+            retry.status,
+            StatusCode::CREATED,
+            "{mode:?}: {:?}",
+            retry.body
+        );
+        assert_eq!(charges(&db).await, 2, "{mode:?}");
+    }
 }

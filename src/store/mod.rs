@@ -65,6 +65,8 @@ use crate::{
 
 #[cfg(feature = "cache")]
 mod cached;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod late_claim;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "postgres")]

@@ -12,4 +12,5 @@ pub mod logs;
 pub mod payments;
 pub mod postgres;
 pub mod redis_server;
+pub mod relay;
 pub mod suite;

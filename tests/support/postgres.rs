@@ -29,6 +29,13 @@ fn with_database(url: &str, database: &str) -> String {
     }
 }
 
+/// `scheme://`, the authority (credentials and `host:port`), the rest.
+fn split_authority(url: &str) -> (&str, &str, &str) {
+    let start = url.find("://").map_or(0, |i| i + 3);
+    let end = url[start..].find('/').map_or(url.len(), |i| start + i);
+    (&url[..start], &url[start..end], &url[end..])
+}
+
 /// Runs `f` on its own thread and runtime: database set-up and tear-down
 /// happen from synchronous places (constructors, `Drop`), inside tests'
 /// runtimes.
@@ -85,6 +92,25 @@ impl TestDatabase {
 
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The server's `host:port`, e.g. for a [`Relay`](super::relay::Relay).
+    pub fn host_port(&self) -> String {
+        let (_, host_port, _) = split_authority(&self.url);
+        let host_port = host_port.rsplit_once('@').map_or(host_port, |(_, h)| h);
+        if host_port.contains(':') {
+            host_port.to_owned()
+        } else {
+            format!("{host_port}:5432")
+        }
+    }
+
+    /// This database's URL with the server at `127.0.0.1:port` instead.
+    pub fn url_via(&self, port: u16) -> String {
+        let (scheme, authority, rest) = split_authority(&self.url);
+        let credentials = authority.rsplit_once('@').map_or("", |(c, _)| c);
+        let at = if credentials.is_empty() { "" } else { "@" };
+        format!("{scheme}{credentials}{at}127.0.0.1:{port}{rest}")
     }
 
     /// One query on a fresh connection, for assertions: the first column of

@@ -103,7 +103,7 @@ use self::{
     idle::IdleTransactions,
     tx::{OpenTx, TxHandle, TxSlot},
 };
-use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
+use super::{Claim, LeaseToken, StorageKey, Store, StoreError, late_claim};
 use crate::{
     codec,
     fingerprint::{Fingerprint, push_hex},
@@ -343,32 +343,36 @@ impl PostgresStore {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let token = LeaseToken::generate();
-        // The read half sees the statement's snapshot: a row committed just
-        // after it began, which made the insert conflict, is invisible to it.
-        // Then nothing comes back, and the claim is simply asked again.
-        for _ in 0..3 {
-            let row = self
-                .bounded(
-                    sqlx::query(&self.inner.sql.claim)
-                        .bind(key.as_str())
-                        .bind(&fingerprint.as_bytes()[..])
-                        .bind(&token.to_bytes()[..])
-                        .bind(millis(lease, "lease")?)
-                        .fetch_optional(&self.inner.pool),
-                )
-                .await?;
-            match row {
-                Some(row) if row.try_get::<bool, _>("acquired")? => {
-                    return Ok(Claim::Acquired(token));
+        let lease_ms = millis(lease, "lease")?;
+        // Owned, so that it can outlive this call (see `late_claim`).
+        let (store, owned_key, fingerprint) = (self.clone(), key.clone(), *fingerprint);
+        let claim = async move {
+            let token = LeaseToken::generate();
+            // The read half sees the statement's snapshot: a row committed
+            // just after it began, which made the insert conflict, is
+            // invisible to it. Then nothing comes back, and the claim is
+            // simply asked again.
+            for _ in 0..3 {
+                let row = sqlx::query(&store.inner.sql.claim)
+                    .bind(owned_key.as_str())
+                    .bind(&fingerprint.as_bytes()[..])
+                    .bind(&token.to_bytes()[..])
+                    .bind(lease_ms)
+                    .fetch_optional(&store.inner.pool)
+                    .await?;
+                match row {
+                    Some(row) if row.try_get::<bool, _>("acquired")? => {
+                        return Ok(Claim::Acquired(token));
+                    }
+                    Some(row) => return Self::found(&fingerprint, &row),
+                    None => continue,
                 }
-                Some(row) => return Self::found(fingerprint, &row),
-                None => continue,
             }
-        }
-        Err(StoreError::Unavailable(
-            "the claim found a record it could not read three times".into(),
-        ))
+            Err(StoreError::Unavailable(
+                "the claim found a record it could not read three times".into(),
+            ))
+        };
+        late_claim::within(self, key, self.inner.timeout, lease, claim).await
     }
 
     async fn claim_in_transaction(
@@ -540,8 +544,11 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The longest any statement, or the wait for a pooled connection, may
-    /// take before the request gets `503` (default 1 s).
+    /// The longest a store operation — its statements and the wait for a
+    /// pooled connection — may take before the request gets `503` (default
+    /// 1 s). A plain-mode claim the database still runs after that (it was
+    /// blocked, say, by a migration's table lock) is released once it has
+    /// run, so it does not keep the key in flight for a lease.
     ///
     /// # Examples
     ///

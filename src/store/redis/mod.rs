@@ -81,7 +81,7 @@ use std::{
 use redis::Value;
 
 use self::connection::{Connection, Lua};
-use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
+use super::{Claim, LeaseToken, StorageKey, Store, StoreError, late_claim};
 use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, CorruptRecord},
@@ -205,39 +205,17 @@ impl Store for RedisStore {
             .arg(millis(lease, "lease")?)
             .arg("GET");
         let connection = self.inner.connection.clone();
-        // Owned and boxed, so that it can outlive this call (below).
-        let mut reply = Box::pin(async move { connection.query(&set).await });
         let fingerprint = *fingerprint;
-        let decode = move |found: Value| -> Result<Claim, StoreError> {
-            let found = match found {
+        // Owned, so that it can outlive this call (see `late_claim`).
+        let claim = async move {
+            let found = match connection.query(&set).await? {
                 Value::Nil => None,
                 Value::BulkString(bytes) => Some(bytes),
                 _ => return Err(CorruptRecord("claim reply is not a string").into()),
             };
             Ok(blob::decode_claim(found, &fingerprint, token, lease)?)
         };
-        let timeout = self.inner.timeout;
-        match tokio::time::timeout(timeout, &mut reply).await {
-            Ok(found) => decode(found?),
-            Err(_) => {
-                // Redis may still run the claim (a stalled server runs queued
-                // commands when it wakes): wait for its reply in the
-                // background, and release the claim if it was taken, so that
-                // it does not block the key for a whole lease.
-                let store = self.clone();
-                let key = key.clone();
-                tokio::spawn(async move {
-                    let Ok(Ok(late)) = tokio::time::timeout(lease, reply).await else {
-                        return;
-                    };
-                    if let Ok(Claim::Acquired(token)) = decode(late) {
-                        let released = store.release(&key, token).await;
-                        tracing::warn!(%key, ?released, "idempotency: a claim that timed out was applied late; released");
-                    }
-                });
-                Err(StoreError::Timeout(timeout))
-            }
-        }
+        late_claim::within(self, key, self.inner.timeout, lease, claim).await
     }
 
     async fn extend(

@@ -1,0 +1,97 @@
+//! A TCP relay in front of a real server, to take the network to it away:
+//! [`Relay::cut`] drops every relayed connection and refuses new ones (the
+//! server is unreachable), [`Relay::stall`] stops moving bytes (the server
+//! hangs), [`Relay::restore`] brings it back. The server itself keeps
+//! running; tests share it.
+
+use std::net::SocketAddr;
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+    sync::watch,
+};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Open,
+    Stalled,
+    Cut,
+}
+
+pub struct Relay {
+    addr: SocketAddr,
+    mode: watch::Sender<Mode>,
+}
+
+impl Relay {
+    /// Relays a port on loopback to `upstream` (`host:port`).
+    pub async fn start(upstream: &str) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (mode, _) = watch::channel(Mode::Open);
+        let modes = mode.clone();
+        let upstream = upstream.to_owned();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if *modes.borrow() == Mode::Cut {
+                    continue; // dropped: the connection is reset
+                }
+                let upstream = upstream.clone();
+                let mode = modes.subscribe();
+                tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(&upstream).await {
+                        pipe(client, server, mode).await;
+                    }
+                });
+            }
+        });
+        Self { addr, mode }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.addr.port()
+    }
+
+    pub fn cut(&self) {
+        self.mode.send_replace(Mode::Cut);
+    }
+
+    pub fn stall(&self) {
+        self.mode.send_replace(Mode::Stalled);
+    }
+
+    pub fn restore(&self) {
+        self.mode.send_replace(Mode::Open);
+    }
+}
+
+/// Moves bytes both ways while open, none while stalled, and drops both
+/// sockets when cut.
+async fn pipe(mut client: TcpStream, mut server: TcpStream, mut mode: watch::Receiver<Mode>) {
+    let (mut up, mut down) = ([0u8; 16 * 1024], [0u8; 16 * 1024]);
+    loop {
+        let current = *mode.borrow_and_update();
+        match current {
+            Mode::Cut => return,
+            Mode::Stalled => {
+                if mode.changed().await.is_err() {
+                    return;
+                }
+            }
+            Mode::Open => {
+                tokio::select! {
+                    read = client.read(&mut up) => match read {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => if server.write_all(&up[..n]).await.is_err() { return },
+                    },
+                    read = server.read(&mut down) => match read {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => if client.write_all(&down[..n]).await.is_err() { return },
+                    },
+                    changed = mode.changed() => if changed.is_err() { return },
+                }
+            }
+        }
+    }
+}
