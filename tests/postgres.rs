@@ -1,7 +1,8 @@
 //! The transactional Postgres store on a real PostgreSQL: the handler's
 //! writes and the record commit together or not at all, counted in rows of
 //! the handler's own table. Plain mode runs the behaviour suite
-//! (`behaviour.rs`).
+//! (`behaviour.rs`); outages (the network to the database cut or stalled by
+//! a relay, an exhausted pool, a blocked claim) are tried in both modes here.
 
 mod support;
 
@@ -53,6 +54,9 @@ struct Params {
     ms: u64,
     #[serde(default = "created")]
     status: u16,
+    /// Answer without reading the charges back after the wait.
+    #[serde(default)]
+    blind: bool,
 }
 
 fn created() -> u16 {
@@ -67,10 +71,13 @@ async fn insert(tx: &mut IdempotentTx) {
 }
 
 /// Inserts a charge in the request's transaction, waits `ms`, answers
-/// `status`.
+/// `status` (with the number of charges it sees, unless `blind`).
 async fn charge(mut tx: IdempotentTx, Query(p): Query<Params>) -> (StatusCode, String) {
     insert(&mut tx).await;
     tokio::time::sleep(Duration::from_millis(p.ms)).await;
+    if p.blind {
+        return (StatusCode::from_u16(p.status).unwrap(), "charged".into());
+    }
     let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
         .fetch_one(&mut *tx)
         .await
@@ -704,6 +711,40 @@ async fn an_unreachable_database_is_a_503_and_service_resumes_when_it_returns() 
         );
         assert_eq!(charges(&db).await, 2, "{mode:?}");
     }
+}
+
+/// The network to the database cut while the handler holds an uncommitted
+/// charge (the database is gone mid-request): `503`, nothing half-written;
+/// once it is back, the retry charges once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_lost_mid_request_is_a_503_and_the_retry_charges_once() {
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let builder = PostgresStore::builder().command_timeout(Duration::from_millis(500));
+    let app = mode_app(&db, Mode::Transactional, &db.url_via(relay.port()), builder).await;
+    let request_in_flight = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            oneshot(&app, request("/charges?ms=1000&blind=true", "k", CHARGE)).await
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while idle_in_transaction(&db).await < 1 {
+        assert!(Instant::now() < deadline, "the handler never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    relay.cut();
+    request_in_flight.await.unwrap().assert_problem(503);
+    assert_eq!(charges(&db).await, 0, "nothing half-written");
+    assert_eq!(
+        db.count("SELECT count(*) FROM idempotency_records").await,
+        0
+    );
+
+    relay.restore();
+    let retry = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(charges(&db).await, 1);
 }
 
 /// A database that stops answering (no error, no bytes): `503` once the
