@@ -26,6 +26,7 @@ use tower_idempotency::{
 
 use support::{
     http::{HttpClient, Server, oneshot, post as request},
+    logs::Logs,
     payments::{Payments, charge_request},
     postgres::TestDatabase,
     redis_server::{RedisServer, free_port},
@@ -829,6 +830,47 @@ async fn an_exhausted_pool_is_a_503_not_a_wait() {
     let again = server.post("/charges", "c", CHARGE).await;
     assert_eq!(again.status, StatusCode::CREATED, "{:?}", again.body);
     assert_eq!(charges(&db).await, 3);
+}
+
+/// In plain mode the pool is only held for a statement, but it runs out all
+/// the same under load: `503`, and the claim that timed out waiting for a
+/// connection was never sent, so it is dropped — not run later, adding
+/// load to a pool already short of connections.
+#[tokio::test]
+async fn plain_mode_on_an_exhausted_pool_is_a_503_and_the_claim_is_dropped() {
+    let (logs, _guard) = Logs::capture("tower_idempotency=debug");
+    let db = TestDatabase::create();
+    drop(transactional(&db).await);
+    // The application's own pool, with sqlx's default acquire timeout (30 s):
+    // the store's command timeout bounds the wait all the same.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(db.url())
+        .await
+        .unwrap();
+    let store = PostgresStore::builder()
+        .command_timeout(Duration::from_millis(300))
+        .with_pool(pool.clone())
+        .unwrap();
+    let app = Router::new()
+        .route("/charges", post(charge_apart))
+        .layer(IdempotencyLayer::new(store))
+        .with_state(pool.clone());
+
+    let held = pool.acquire().await.unwrap();
+    oneshot(&app, request("/charges", "k", CHARGE))
+        .await
+        .assert_problem(503);
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !logs.text().contains("applied late"),
+        "the abandoned claim ran: {}",
+        logs.text()
+    );
+    let retry = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(charges(&db).await, 1);
 }
 
 /// A claim blocked in the database (here by a table lock, as a migration

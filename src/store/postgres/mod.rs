@@ -91,7 +91,7 @@ mod tx;
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use bytes::Bytes;
@@ -344,6 +344,11 @@ impl PostgresStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let lease_ms = millis(lease, "lease")?;
+        let started = Instant::now();
+        // Waiting for a connection sends nothing: a claim that times out here
+        // is simply abandoned (carrying it on would add load to a pool
+        // already exhausted).
+        let mut connection = self.bounded(self.inner.pool.acquire()).await?;
         // Owned, so that it can outlive this call (see `late_claim`).
         let (store, owned_key, fingerprint) = (self.clone(), key.clone(), *fingerprint);
         let claim = async move {
@@ -358,7 +363,7 @@ impl PostgresStore {
                     .bind(&fingerprint.as_bytes()[..])
                     .bind(&token.to_bytes()[..])
                     .bind(lease_ms)
-                    .fetch_optional(&store.inner.pool)
+                    .fetch_optional(&mut *connection)
                     .await?;
                 match row {
                     Some(row) if row.try_get::<bool, _>("acquired")? => {
@@ -372,7 +377,7 @@ impl PostgresStore {
                 "the claim found a record it could not read three times".into(),
             ))
         };
-        late_claim::within(self, key, self.inner.timeout, lease, claim).await
+        late_claim::within(self, key, started, self.inner.timeout, lease, claim).await
     }
 
     async fn claim_in_transaction(
@@ -611,9 +616,10 @@ impl PostgresStoreBuilder {
         self.with_pool(pool)
     }
 
-    /// Uses a pool you configured yourself (TLS, credentials, sizes). Give it
-    /// an acquire timeout no longer than the command timeout, so an exhausted
-    /// pool answers `503` quickly.
+    /// Uses a pool you configured yourself (TLS, credentials, sizes). The
+    /// command timeout bounds the wait for one of its connections too,
+    /// whatever the pool's own acquire timeout: an exhausted pool answers
+    /// `503` once it has passed.
     ///
     /// # Examples
     ///

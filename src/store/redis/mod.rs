@@ -75,7 +75,7 @@ pub use builder::{EvictionPolicyCheck, RedisStoreBuilder};
 
 use std::{
     sync::{Arc, LazyLock},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use redis::Value;
@@ -215,7 +215,8 @@ impl Store for RedisStore {
             };
             Ok(blob::decode_claim(found, &fingerprint, token, lease)?)
         };
-        late_claim::within(self, key, self.inner.timeout, lease, claim).await
+        let started = Instant::now();
+        late_claim::within(self, key, started, self.inner.timeout, lease, claim).await
     }
 
     async fn extend(
