@@ -265,6 +265,41 @@ async fn sixty_four_concurrent_duplicates_one_charge_and_no_one_waits_for_it() {
     assert_eq!(charges(&db).await, 1);
 }
 
+/// The client hangs up while the handler holds its uncommitted charge: the
+/// handler runs on, detached, and the layer commits the charge with the
+/// record; the retry replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_hang_up_mid_handler_still_commits_the_charge_with_its_record() {
+    use tokio::io::AsyncWriteExt;
+    let db = TestDatabase::create();
+    let server = Server::start(app(transactional(&db).await)).await;
+    let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let raw = format!(
+        "POST /charges?ms=500 HTTP/1.1\r\nhost: x\r\nidempotency-key: k\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{CHARGE}",
+        CHARGE.len()
+    );
+    socket.write_all(raw.as_bytes()).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while idle_in_transaction(&db).await < 1 {
+        assert!(Instant::now() < deadline, "the handler never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    drop(socket);
+
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while charges(&db).await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the detached handler's charge never committed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let retry = server.post("/charges?ms=500", "k", CHARGE).await;
+    assert!(retry.is_replay(), "{} {:?}", retry.status, retry.body);
+    assert_eq!(retry.body, "charge 1");
+    assert_eq!(charges(&db).await, 1);
+}
+
 /// The claim carries the key inside SQL text (it travels with `BEGIN` in the
 /// simple protocol): keys with quotes and backslashes must stay data.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
