@@ -24,6 +24,7 @@ use support::{
     backend::{Backend, Postgres, SingleRedis},
     consumer::OrdersConsumer,
     postgres::TestDatabase,
+    relay::Relay,
 };
 
 const ORDER: &[u8] = br#"{"order_id":"order-1","amount":500,"currency":"eur"}"#;
@@ -279,6 +280,34 @@ async fn killed_mid_work_nothing_commits_and_the_redelivery_executes_once() {
     assert_eq!(charges(&db).await, 0, "nothing committed");
 
     let consumer = OrdersConsumer::start(&env).await;
+    consumer.wait_for(|l| l == "executed order-1").await;
+    drained(&queue).await;
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
+}
+
+/// The database unreachable while an order waits: the consumer puts the
+/// message back (no ack, nothing charged, nothing lost) and charges the
+/// order once the database is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_database_unreachable_an_order_waits_and_is_charged_once_it_returns() {
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let queue = TestQueue::declare().await;
+    let url = db.url_via(relay.port());
+    let consumer = OrdersConsumer::start(&[("DATABASE_URL", &url), ("QUEUE", &queue.name)]).await;
+
+    relay.cut();
+    queue.publish(&order("order-1", 500)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !consumer.lines().iter().any(|l| l.ends_with("order-1")),
+        "no outcome while the database is away: {:?}",
+        consumer.lines()
+    );
+    assert_eq!(charges(&db).await, 0);
+
+    relay.restore();
     consumer.wait_for(|l| l == "executed order-1").await;
     drained(&queue).await;
     assert_eq!(charges(&db).await, 1);
