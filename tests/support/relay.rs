@@ -35,7 +35,7 @@ impl Relay {
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if *modes.borrow() == Mode::Cut {
-                    continue; // dropped: the connection is reset
+                    continue; // dropped: closed at once
                 }
                 let upstream = upstream.clone();
                 let mode = modes.subscribe();
