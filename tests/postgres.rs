@@ -764,9 +764,18 @@ async fn a_database_lost_mid_request_is_a_503_and_the_retry_charges_once() {
             oneshot(&app, request("/charges?ms=1000&blind=true", "k", CHARGE)).await
         })
     };
+    // Cut once the charge is inserted: the handler's session then waits
+    // inside its transaction with the insert as its last statement.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while idle_in_transaction(&db).await < 1 {
-        assert!(Instant::now() < deadline, "the handler never started");
+    while db
+        .count(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+             AND state = 'idle in transaction' AND query LIKE 'INSERT INTO charges%'",
+        )
+        .await
+        < 1
+    {
+        assert!(Instant::now() < deadline, "the handler never inserted");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     relay.cut();
