@@ -131,8 +131,20 @@ fn app(store: PostgresStore) -> Router {
         .with_state(pool)
 }
 
+const CHARGES: &str = "SELECT count(*) FROM charges";
+
 async fn charges(db: &TestDatabase) -> i64 {
-    db.count("SELECT count(*) FROM charges").await
+    db.count(CHARGES).await
+}
+
+/// Waits until the count `sql` returns satisfies `done`; fails with `what`
+/// after 5 s.
+async fn wait_for_count(db: &TestDatabase, sql: &str, done: impl Fn(i64) -> bool, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !done(db.count(sql).await) {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -279,21 +291,17 @@ async fn a_client_hang_up_mid_handler_still_commits_the_charge_with_its_record()
         CHARGE.len()
     );
     socket.write_all(raw.as_bytes()).await.unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while idle_in_transaction(&db).await < 1 {
-        assert!(Instant::now() < deadline, "the handler never started");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_count(
+        &db,
+        IDLE_IN_TRANSACTION,
+        |n| n >= 1,
+        "the handler never started",
+    )
+    .await;
     drop(socket);
 
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while charges(&db).await == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "the detached handler's charge never committed"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let committed = "the detached handler's charge never committed";
+    wait_for_count(&db, CHARGES, |n| n > 0, committed).await;
     let retry = server.post("/charges?ms=500", "k", CHARGE).await;
     assert!(retry.is_replay(), "{} {:?}", retry.status, retry.body);
     assert_eq!(retry.body, "charge 1");
@@ -456,13 +464,8 @@ async fn behind_a_cache_the_charge_commits_and_replays_come_from_the_cache() {
 }
 
 /// Sessions of the test database that sit idle inside a transaction.
-async fn idle_in_transaction(db: &TestDatabase) -> i64 {
-    db.count(
-        "SELECT count(*) FROM pg_stat_activity \
-         WHERE datname = current_database() AND state = 'idle in transaction'",
-    )
-    .await
-}
+const IDLE_IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity \
+     WHERE datname = current_database() AND state = 'idle in transaction'";
 
 /// A replay's transaction (nothing to do in it) is rolled back with the
 /// next claim or, when none comes, shortly after: no session is left idle in
@@ -478,14 +481,8 @@ async fn replays_leave_no_transaction_open() {
     let replies =
         futures_util::future::join_all((0..16).map(|_| server.post("/charges", "k", CHARGE))).await;
     assert!(replies.iter().all(|r| r.is_replay()));
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while idle_in_transaction(&db).await > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "replays left transactions open for 5 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let left_open = "replays left transactions open for 5 s";
+    wait_for_count(&db, IDLE_IN_TRANSACTION, |n| n == 0, left_open).await;
     assert_eq!(charges(&db).await, 1);
 }
 
@@ -684,14 +681,17 @@ async fn mode_app(
     let store = builder.connect(url).await.expect("connect the store");
     match mode {
         Mode::Transactional => app(store),
-        Mode::Plain => {
-            let pool = store.pool().clone();
-            Router::new()
-                .route("/charges", post(charge_apart))
-                .layer(IdempotencyLayer::new(store))
-                .with_state(pool)
-        }
+        Mode::Plain => plain_app(store),
     }
+}
+
+/// A plain store in front of `charge_apart`.
+fn plain_app(store: PostgresStore) -> Router {
+    let pool = store.pool().clone();
+    Router::new()
+        .route("/charges", post(charge_apart))
+        .layer(IdempotencyLayer::new(store))
+        .with_state(pool)
 }
 
 /// Retries `key` while it is answered `409` (for at most `within`).
@@ -766,18 +766,8 @@ async fn a_database_lost_mid_request_is_a_503_and_the_retry_charges_once() {
     };
     // Cut once the charge is inserted: the handler's session then waits
     // inside its transaction with the insert as its last statement.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while db
-        .count(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-             AND state = 'idle in transaction' AND query LIKE 'INSERT INTO charges%'",
-        )
-        .await
-        < 1
-    {
-        assert!(Instant::now() < deadline, "the handler never inserted");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let inserted = format!("{IDLE_IN_TRANSACTION} AND query LIKE 'INSERT INTO charges%'");
+    wait_for_count(&db, &inserted, |n| n >= 1, "the handler never inserted").await;
     relay.cut();
     request_in_flight.await.unwrap().assert_problem(503);
     assert_eq!(charges(&db).await, 0, "nothing half-written");
@@ -849,14 +839,8 @@ async fn an_exhausted_pool_is_a_503_not_a_wait() {
         *req.uri_mut() = server.url("/charges?ms=4000").parse().unwrap();
         tokio::spawn(async move { client.send(req).await.status })
     });
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while idle_in_transaction(&db).await < 2 {
-        assert!(
-            Instant::now() < deadline,
-            "the two slow requests never started"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let holding = "the two slow requests never started";
+    wait_for_count(&db, IDLE_IN_TRANSACTION, |n| n >= 2, holding).await;
 
     let started = Instant::now();
     let third = server.post("/charges", "c", CHARGE).await;
@@ -896,10 +880,7 @@ async fn plain_mode_on_an_exhausted_pool_is_a_503_and_the_claim_is_dropped() {
         .command_timeout(Duration::from_millis(300))
         .with_pool(pool.clone())
         .unwrap();
-    let app = Router::new()
-        .route("/charges", post(charge_apart))
-        .layer(IdempotencyLayer::new(store))
-        .with_state(pool.clone());
+    let app = plain_app(store);
 
     let held = pool.acquire().await.unwrap();
     oneshot(&app, request("/charges", "k", CHARGE))

@@ -215,8 +215,7 @@ impl Store for RedisStore {
             };
             Ok(blob::decode_claim(found, &fingerprint, token, lease)?)
         };
-        let started = Instant::now();
-        late_claim::within(self, key, started, self.inner.timeout, lease, claim).await
+        late_claim::within(self, key, Instant::now(), self.inner.timeout, lease, claim).await
     }
 
     async fn extend(
