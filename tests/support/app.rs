@@ -10,7 +10,7 @@ use std::{
 };
 
 use axum::{
-    Router,
+    Json, Router,
     body::Bytes,
     extract::{Path, Query, State},
     http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header},
@@ -40,6 +40,7 @@ pub fn routes(counter: Counter) -> Router {
         .route("/panic-once", post(panic_once))
         .route("/status/{code}", post(status))
         .route("/big/{bytes}", post(big))
+        .route("/orders", post(order))
         .with_state(counter)
 }
 
@@ -112,4 +113,11 @@ async fn status(State(c): State<Counter>, Path(code): Path<u16>) -> Response {
 async fn big(State(c): State<Counter>, Path(bytes): Path<usize>) -> Response {
     c.incr();
     vec![b'x'; bytes].into_response()
+}
+
+/// Reads its body with axum's `Json`, which refuses a body not labelled
+/// `application/json` (`415`) before the handler runs.
+async fn order(State(c): State<Counter>, Json(order): Json<serde_json::Value>) -> Response {
+    let n = c.incr();
+    (StatusCode::CREATED, format!("order {order}, execution {n}")).into_response()
 }

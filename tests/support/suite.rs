@@ -4,11 +4,11 @@
 use std::{sync::Arc, time::Duration};
 
 use axum::{Router, body::Body};
-use http::{Method, Request, StatusCode, request::Parts};
+use http::{HeaderMap, Method, Request, StatusCode, request::Parts};
 use tower::{ServiceExt, service_fn};
 use tower_idempotency::{
-    Completion, DefaultFingerprint, FingerprintStrategy, IdempotencyKey, IdempotencyLayer,
-    IdempotencyOutcome, RejectionKind, StoreAll,
+    Completion, DefaultFingerprint, DefaultStorePolicy, FingerprintStrategy, IdempotencyKey,
+    IdempotencyLayer, IdempotencyOutcome, RejectionKind, StoreAll, StorePolicy,
     store::{Claim, StorageKey, Store},
 };
 
@@ -37,6 +37,7 @@ macro_rules! behaviour_cases {
             scope_encoding_cannot_collide,
             non_final_responses_release_the_key,
             store_all_keeps_every_status,
+            a_fixed_request_executes_under_its_key_only_if_client_errors_are_released,
             handler_error_releases_the_key,
             handler_panic_releases_the_key,
             oversized_response_is_sent_and_unreplayable,
@@ -372,6 +373,47 @@ pub async fn store_all_keeps_every_status<B: Backend>(b: &B) {
     let retry = oneshot(&app, post("/status/503", "k", "")).await;
     assert!(retry.is_replay());
     assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.get(), 1);
+}
+
+/// A client fixes a rejected request (it had no JSON content type) and
+/// sends it again under the same key. The default policy stored the `415`,
+/// so the fixed request is another request under a used key: `422`. A
+/// policy that stores no client errors released the key: it executes.
+pub async fn a_fixed_request_executes_under_its_key_only_if_client_errors_are_released<
+    B: Backend,
+>(
+    b: &B,
+) {
+    let unlabelled = |key: &str| {
+        let mut req = post("/orders", key, CHARGE);
+        req.headers_mut().remove(http::header::CONTENT_TYPE);
+        req
+    };
+
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let rejected = oneshot(&app, unlabelled("stored")).await;
+    assert_eq!(rejected.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let fixed = oneshot(&app, post("/orders", "stored", CHARGE)).await;
+    fixed.assert_problem(422);
+    assert_eq!(runs.get(), 0);
+
+    let no_client_errors =
+        DefaultStorePolicy.and(|status: StatusCode, _: &HeaderMap| !status.is_client_error());
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(no_client_errors));
+    let rejected = oneshot(&app, unlabelled("released")).await;
+    assert_eq!(rejected.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(
+        rejected.outcome,
+        Some(IdempotencyOutcome::Executed(Completion::Released))
+    );
+    let fixed = oneshot(&app, post("/orders", "released", CHARGE)).await;
+    assert_eq!(fixed.status, StatusCode::CREATED, "{:?}", fixed.body);
+    assert!(
+        oneshot(&app, post("/orders", "released", CHARGE))
+            .await
+            .is_replay()
+    );
     assert_eq!(runs.get(), 1);
 }
 
