@@ -274,8 +274,21 @@ async fn killed_mid_work_nothing_commits_and_the_redelivery_executes_once() {
     let env = [("DATABASE_URL", db.url()), ("QUEUE", queue.name.as_str())];
     let mut consumer = OrdersConsumer::start(&[env[0], env[1], ("WORK_DELAY_MS", "5000")]).await;
     queue.publish(&order("order-1", 500)).await;
-    // The row is inserted, uncommitted, while the "processor" waits.
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Killed once the row is inserted, uncommitted, while the "processor"
+    // waits.
+    let inserted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                    AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
+    for _ in 0..100 {
+        if db.count(inserted).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        db.count(inserted).await,
+        1,
+        "the work never inserted its row"
+    );
     consumer.kill();
     assert_eq!(charges(&db).await, 0, "nothing committed");
 
