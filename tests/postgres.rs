@@ -287,7 +287,13 @@ async fn a_client_hang_up_mid_handler_still_commits_the_charge_with_its_record()
     );
     socket.write_all(raw.as_bytes()).await.unwrap();
     // The insert is the handler's: the claim has answered, the handler runs.
-    wait_for_count(&db, INSERTING, |n| n >= 1, "the handler never started").await;
+    wait_for_count(
+        &db,
+        UNCOMMITTED_CHARGES,
+        |n| n >= 1,
+        "the handler never started",
+    )
+    .await;
     drop(socket);
 
     let committed = "the detached handler's charge never committed";
@@ -457,9 +463,10 @@ async fn behind_a_cache_the_charge_commits_and_replays_come_from_the_cache() {
 const IDLE_IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity \
      WHERE datname = current_database() AND state = 'idle in transaction'";
 
-/// Sessions whose last statement is a handler's insert.
-const INSERTING: &str = "SELECT count(*) FROM pg_stat_activity \
-     WHERE datname = current_database() AND query LIKE 'INSERT INTO charges%'";
+/// Transactions that inserted a charge and have not committed it.
+const UNCOMMITTED_CHARGES: &str = "SELECT count(*) FROM pg_stat_activity \
+     WHERE datname = current_database() AND state = 'idle in transaction' \
+     AND query LIKE 'INSERT INTO charges%'";
 
 /// A replay's transaction (nothing to do in it) is rolled back with the
 /// next claim or, when none comes, shortly after: no session is left idle in
@@ -549,9 +556,15 @@ async fn expired_records_are_absent_at_once_and_deleted_in_batches() {
 // The point of the transactional store, shown on the example process: kill
 // -9 while the handler holds an uncommitted charge.
 
-/// Starts a charge, kills the example with SIGKILL while its handler waits
-/// for the processor (the charge row already written), and restarts it.
-async fn kill_mid_charge(client: &HttpClient, env: &[(&str, &str)]) -> Payments {
+/// Starts a charge, kills the example with SIGKILL once `charged` (a count
+/// in `db`) reaches 1 — the charge row written, its handler waiting for the
+/// processor — and restarts it.
+async fn kill_mid_charge(
+    client: &HttpClient,
+    env: &[(&str, &str)],
+    db: &TestDatabase,
+    charged: &str,
+) -> Payments {
     let port = free_port();
     let mut payments = Payments::start(port, env);
     let doomed = tokio::spawn({
@@ -563,7 +576,7 @@ async fn kill_mid_charge(client: &HttpClient, env: &[(&str, &str)]) -> Payments 
                     .await;
         }
     });
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    wait_for_count(db, charged, |n| n == 1, "the charge was never written").await;
     payments.child.kill().unwrap();
     payments.child.wait().unwrap();
     doomed.abort();
@@ -587,7 +600,7 @@ async fn killed_mid_charge_on_postgres_leaves_nothing_and_the_retry_charges_once
     let db = TestDatabase::create();
     let client = HttpClient::default();
     let env = [("DATABASE_URL", db.url()), ("PROCESSOR_LATENCY_MS", "2000")];
-    let payments = kill_mid_charge(&client, &env).await;
+    let payments = kill_mid_charge(&client, &env, &db, UNCOMMITTED_CHARGES).await;
     assert_eq!(
         db.count("SELECT count(*) FROM charges").await,
         0,
@@ -625,9 +638,9 @@ async fn killed_mid_charge_on_redis_charges_twice_the_documented_crash_window() 
         ("PROCESSOR_LATENCY_MS", "2000"),
         ("IDEMPOTENCY_LEASE_MS", "1500"),
     ];
-    let payments = kill_mid_charge(&client, &env).await;
+    let payments = kill_mid_charge(&client, &env, &db, CHARGES).await;
     assert_eq!(
-        db.count("SELECT count(*) FROM charges").await,
+        db.count(CHARGES).await,
         1,
         "the charge committed on its own before the crash"
     );

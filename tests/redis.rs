@@ -408,7 +408,14 @@ async fn payments_process_killed_mid_handler_retry_waits_for_the_lease_then_exec
             .await;
         }
     });
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Killed once its claim is in Redis: the handler is running.
+    for _ in 0..100 {
+        if redis.command(&["DBSIZE"]).trim() == "1" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(redis.command(&["DBSIZE"]).trim(), "1", "never claimed");
     payments.child.kill().unwrap(); // SIGKILL, mid-handler
     payments.child.wait().unwrap();
     doomed.abort();
