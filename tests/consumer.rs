@@ -204,8 +204,10 @@ fn order(id: &str, amount: i64) -> String {
     format!(r#"{{"order_id":"{id}","amount":{amount},"currency":"eur"}}"#)
 }
 
+const CHARGES: &str = "SELECT count(*) FROM order_charges";
+
 async fn charges(db: &TestDatabase) -> i64 {
-    db.count("SELECT count(*) FROM order_charges").await
+    db.count(CHARGES).await
 }
 
 /// Waits until the queue holds no ready message (up to 20 s).
@@ -249,13 +251,8 @@ async fn killed_between_commit_and_ack_the_redelivery_is_a_duplicate() {
     let mut consumer = OrdersConsumer::start(&[env[0], env[1], ("ACK_DELAY_MS", "5000")]).await;
     queue.publish(&order("order-1", 500)).await;
     // Committed, not yet acknowledged.
-    for _ in 0..100 {
-        if charges(&db).await == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(charges(&db).await, 1);
+    db.wait_for_count(CHARGES, |n| n == 1, "the order was never charged")
+        .await;
     consumer.kill();
 
     // The broker redelivers the unacknowledged message to the new consumer.
@@ -278,17 +275,8 @@ async fn killed_mid_work_nothing_commits_and_the_redelivery_executes_once() {
     // waits.
     let inserted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
                     AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
-    for _ in 0..100 {
-        if db.count(inserted).await == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(
-        db.count(inserted).await,
-        1,
-        "the work never inserted its row"
-    );
+    db.wait_for_count(inserted, |n| n == 1, "the work never inserted its row")
+        .await;
     consumer.kill();
     assert_eq!(charges(&db).await, 0, "nothing committed");
 

@@ -132,16 +132,6 @@ async fn charges(db: &TestDatabase) -> i64 {
     db.count(CHARGES).await
 }
 
-/// Waits until the count `sql` returns satisfies `done`; fails with `what`
-/// after 5 s.
-async fn wait_for_count(db: &TestDatabase, sql: &str, done: impl Fn(i64) -> bool, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !done(db.count(sql).await) {
-        assert!(Instant::now() < deadline, "{what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_charge_and_the_record_commit_together_and_replay() {
     let db = TestDatabase::create();
@@ -287,17 +277,12 @@ async fn a_client_hang_up_mid_handler_still_commits_the_charge_with_its_record()
     );
     socket.write_all(raw.as_bytes()).await.unwrap();
     // The insert is the handler's: the claim has answered, the handler runs.
-    wait_for_count(
-        &db,
-        UNCOMMITTED_CHARGES,
-        |n| n >= 1,
-        "the handler never started",
-    )
-    .await;
+    db.wait_for_count(UNCOMMITTED_CHARGES, |n| n >= 1, "the handler never started")
+        .await;
     drop(socket);
 
     let committed = "the detached handler's charge never committed";
-    wait_for_count(&db, CHARGES, |n| n > 0, committed).await;
+    db.wait_for_count(CHARGES, |n| n > 0, committed).await;
     let retry = server.post("/charges?ms=500", "k", CHARGE).await;
     assert!(retry.is_replay(), "{} {:?}", retry.status, retry.body);
     assert_eq!(retry.body, "charge 1");
@@ -483,7 +468,8 @@ async fn replays_leave_no_transaction_open() {
         futures_util::future::join_all((0..16).map(|_| server.post("/charges", "k", CHARGE))).await;
     assert!(replies.iter().all(|r| r.is_replay()));
     let left_open = "replays left transactions open for 5 s";
-    wait_for_count(&db, IDLE_IN_TRANSACTION, |n| n == 0, left_open).await;
+    db.wait_for_count(IDLE_IN_TRANSACTION, |n| n == 0, left_open)
+        .await;
     assert_eq!(charges(&db).await, 1);
 }
 
@@ -576,7 +562,8 @@ async fn kill_mid_charge(
                     .await;
         }
     });
-    wait_for_count(db, charged, |n| n == 1, "the charge was never written").await;
+    db.wait_for_count(charged, |n| n == 1, "the charge was never written")
+        .await;
     payments.child.kill().unwrap();
     payments.child.wait().unwrap();
     doomed.abort();
@@ -868,7 +855,8 @@ async fn an_exhausted_pool_is_a_503_not_a_wait() {
         tokio::spawn(async move { client.send(req).await.status })
     });
     let holding = "the two slow requests never started";
-    wait_for_count(&db, IDLE_IN_TRANSACTION, |n| n >= 2, holding).await;
+    db.wait_for_count(IDLE_IN_TRANSACTION, |n| n >= 2, holding)
+        .await;
 
     let started = Instant::now();
     let third = server.post("/charges", "c", CHARGE).await;

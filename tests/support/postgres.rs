@@ -122,6 +122,16 @@ impl TestDatabase {
             .await
             .unwrap()
     }
+
+    /// Polls [`count`](Self::count) of `sql` until `done` holds; fails with
+    /// `what` after 5 s.
+    pub async fn wait_for_count(&self, sql: &str, done: impl Fn(i64) -> bool, what: &str) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !done(self.count(sql).await) {
+            assert!(std::time::Instant::now() < deadline, "{what}");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
 }
 
 impl Drop for TestDatabase {
