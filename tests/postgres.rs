@@ -589,7 +589,7 @@ async fn killed_mid_charge_on_postgres_leaves_nothing_and_the_retry_charges_once
     let env = [("DATABASE_URL", db.url()), ("PROCESSOR_LATENCY_MS", "2000")];
     let payments = kill_mid_charge(&client, &env, &db, UNCOMMITTED_CHARGES).await;
     assert_eq!(
-        db.count("SELECT count(*) FROM charges").await,
+        db.count(CHARGES).await,
         0,
         "the uncommitted charge died with the process"
     );
@@ -604,11 +604,7 @@ async fn killed_mid_charge_on_postgres_leaves_nothing_and_the_retry_charges_once
             .await
             .is_replay()
     );
-    assert_eq!(
-        db.count("SELECT count(*) FROM charges").await,
-        1,
-        "exactly one charge"
-    );
+    assert_eq!(db.count(CHARGES).await, 1, "exactly one charge");
 }
 
 /// The documented contrast: with records in Redis and charges committed on
@@ -636,7 +632,7 @@ async fn killed_mid_charge_on_redis_charges_twice_the_documented_crash_window() 
     assert!(conflicts > 0, "409 until the dead process's lease expired");
     assert_eq!(executed.status, StatusCode::CREATED);
     assert_eq!(
-        db.count("SELECT count(*) FROM charges").await,
+        db.count(CHARGES).await,
         2,
         "charged twice: the record and the charge were not one transaction"
     );
@@ -661,18 +657,28 @@ async fn charge_apart(State(pool): State<PgPool>) -> StatusCode {
 
 /// Creates the tables, then opens the store `builder` describes at `url`
 /// (the test database itself, or the same through a relay).
+async fn mode_store(
+    db: &TestDatabase,
+    mode: Mode,
+    url: &str,
+    builder: tower_idempotency::store::postgres::PostgresStoreBuilder,
+) -> PostgresStore {
+    drop(transactional(db).await);
+    let builder = match mode {
+        Mode::Plain => builder,
+        Mode::Transactional => builder.transactional(),
+    };
+    builder.connect(url).await.expect("connect the store")
+}
+
+/// [`mode_store`] behind the router of its mode.
 async fn mode_app(
     db: &TestDatabase,
     mode: Mode,
     url: &str,
     builder: tower_idempotency::store::postgres::PostgresStoreBuilder,
 ) -> Router {
-    drop(transactional(db).await);
-    let builder = match mode {
-        Mode::Plain => builder,
-        Mode::Transactional => builder.transactional(),
-    };
-    let store = builder.connect(url).await.expect("connect the store");
+    let store = mode_store(db, mode, url, builder).await;
     match mode {
         Mode::Transactional => app(store),
         Mode::Plain => plain_app(store),
@@ -750,13 +756,8 @@ async fn an_unreachable_database_is_a_503_and_service_resumes_when_it_returns() 
 async fn a_database_lost_mid_request_is_a_503_and_the_retry_charges_once() {
     let db = TestDatabase::create();
     let relay = Relay::start(&db.host_port()).await;
-    drop(transactional(&db).await);
-    let store = PostgresStore::builder()
-        .command_timeout(Duration::from_millis(500))
-        .transactional()
-        .connect(&db.url_via(relay.port()))
-        .await
-        .expect("connect the store");
+    let builder = PostgresStore::builder().command_timeout(Duration::from_millis(500));
+    let store = mode_store(&db, Mode::Transactional, &db.url_via(relay.port()), builder).await;
     // The handler says when its insert has answered: the server shows the
     // insert done before the answer has crossed the relay, and a cut in
     // between would fail the insert itself (a 500, not this test).

@@ -2,7 +2,10 @@
 //! at `postgres://postgres@127.0.0.1:5432/postgres`. Each test gets a
 //! throwaway database, dropped when it ends.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::{
+    sync::atomic::{AtomicUsize, Ordering},
+    time::{Duration, Instant},
+};
 
 use sqlx::{Connection, Executor, PgConnection};
 
@@ -126,10 +129,10 @@ impl TestDatabase {
     /// Polls [`count`](Self::count) of `sql` until `done` holds; fails with
     /// `what` after 5 s.
     pub async fn wait_for_count(&self, sql: &str, done: impl Fn(i64) -> bool, what: &str) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let deadline = Instant::now() + Duration::from_secs(5);
         while !done(self.count(sql).await) {
-            assert!(std::time::Instant::now() < deadline, "{what}");
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            assert!(Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 }
