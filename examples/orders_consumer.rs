@@ -20,8 +20,17 @@
 //! into `order_charges` (no unique constraint: a double execution would show
 //! as two rows), in the same transaction as the idempotency record. One line
 //! per delivery on stdout: `executed <order_id>`, `duplicate <order_id>`,
-//! `in-flight <order_id>`, `rejected <order_id>` (same order id, other
-//! payload), `invalid <delivery tag>` (not such JSON).
+//! `in-flight <order_id>` (requeued), `rejected <order_id>` (same order id,
+//! other payload), `refused <order_id>` (the database refused the order's
+//! data), `invalid <delivery tag>` (not such JSON, or an order id that is
+//! not a valid key). Rejected, refused and invalid messages are rejected
+//! without requeue (dead-lettered where the queue has a dead-letter
+//! exchange): one bad message never holds up the orders behind it. Store
+//! outages requeue the message after a pause.
+//!
+//! The process exits with status 2 and a message when the broker ends the
+//! consumer (the queue deleted, a connection forced closed), so a
+//! supervisor restarts it.
 //!
 //! Try it (with `rabbitmqadmin`, or any AMQP client):
 //!
@@ -46,8 +55,8 @@ use lapin::{
 };
 use serde::{Deserialize, Serialize};
 use tower_idempotency::{
-    PostgresStore,
-    message::{Idempotent, Processed},
+    IdempotencyKey, PostgresStore,
+    message::{Idempotent, ProcessError, Processed},
     sqlx,
 };
 
@@ -170,6 +179,20 @@ async fn main() {
             Err(e) => exit_with(&format!("the broker connection failed: {e}")),
         }
     }
+    // The broker cancelled the consumer: a supervisor must see a failure.
+    exit_with(&format!(
+        "the broker ended the consumer of {} (queue deleted or consumer cancelled)",
+        settings.queue
+    ))
+}
+
+/// What to tell the broker about a delivery.
+enum Answer {
+    Ack,
+    /// Put it back after a pause: a later delivery may succeed.
+    Requeue(Duration),
+    /// Never requeue: no delivery of this message can succeed.
+    Reject,
 }
 
 /// Processes one delivery and answers the broker: ack, requeue or reject.
@@ -178,22 +201,15 @@ async fn handle(
     settings: &Settings,
     delivery: Delivery,
 ) -> Result<(), lapin::Error> {
-    let Ok(order) = serde_json::from_slice::<Order>(&delivery.data)
-        .map_err(|e| e.to_string())
-        .and_then(|order| {
-            (order.amount > 0)
-                .then_some(order)
-                .ok_or_else(|| "amount must be positive".into())
-        })
-        .inspect_err(
-            |why| tracing::warn!(tag = delivery.delivery_tag, %why, "invalid order message"),
-        )
-    else {
-        say(&format!("invalid {}", delivery.delivery_tag));
-        delivery
-            .reject(BasicRejectOptions { requeue: false })
-            .await?;
-        return Ok(());
+    // What can be checked up front is: a message that fails it can never
+    // succeed, so it is rejected, not requeued.
+    let order = match parse(&delivery.data) {
+        Ok(order) => order,
+        Err(why) => {
+            tracing::warn!(tag = delivery.delivery_tag, %why, "invalid order message");
+            say(&format!("invalid {}", delivery.delivery_tag));
+            return answer(&delivery, Answer::Reject).await;
+        }
     };
     let work_delay = settings.work_delay;
     let id = order.order_id.clone();
@@ -213,52 +229,88 @@ async fn handle(
             Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
         })
         .await;
-    match processed {
+    let (line, then) = match processed {
+        // Committed: a crash from here to the ack is a redelivery that finds
+        // the record.
         Ok(Processed::Executed(_)) => {
-            // Committed: a crash from here to the ack is a redelivery that
-            // finds the record.
             tokio::time::sleep(settings.ack_delay).await;
-            delivery.ack(BasicAckOptions::default()).await?;
-            say(&format!("executed {id}"));
+            ("executed", Answer::Ack)
         }
-        Ok(Processed::Duplicate(_)) => {
-            delivery.ack(BasicAckOptions::default()).await?;
-            say(&format!("duplicate {id}"));
+        Ok(Processed::Duplicate(_) | Processed::DuplicateUnreadable { .. }) => {
+            ("duplicate", Answer::Ack)
         }
-        Ok(Processed::InFlight { retry_after }) => {
-            // Another consumer runs it now: put it back, after a pause so the
-            // requeued message does not spin.
-            tokio::time::sleep(
-                retry_after.clamp(Duration::from_millis(100), Duration::from_secs(1)),
-            )
-            .await;
-            delivery
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    multiple: false,
-                })
-                .await?;
-            say(&format!("in-flight {id}"));
+        // Another consumer runs it now: put it back, after a pause so the
+        // requeued message does not spin.
+        Ok(Processed::InFlight { retry_after }) => (
+            "in-flight",
+            Answer::Requeue(retry_after.clamp(Duration::from_millis(100), Duration::from_secs(1))),
+        ),
+        Ok(Processed::Mismatch) => ("rejected", Answer::Reject),
+        Err(ProcessError::Work(error)) if refuses_the_data(&error) => {
+            tracing::warn!(order = %id, %error, "the database refused the order; rejected");
+            ("refused", Answer::Reject)
         }
-        Ok(Processed::Mismatch) => {
-            delivery
-                .reject(BasicRejectOptions { requeue: false })
-                .await?;
-            say(&format!("rejected {id}"));
+        Err(
+            error @ (ProcessError::Panicked
+            | ProcessError::Refused(_)
+            | ProcessError::InvalidKey(_)),
+        ) => {
+            tracing::warn!(order = %id, %error, "the order cannot be processed; rejected");
+            ("refused", Answer::Reject)
         }
-        Ok(_) => unreachable!("no other outcome"),
-        Err(error) => {
-            // Nothing was recorded: try again later.
+        Err(
+            error @ (ProcessError::Work(_)
+            | ProcessError::Unavailable(_)
+            | ProcessError::NotCommitted(_)),
+        ) => {
+            // Nothing took effect (or the redelivery finds the record): try
+            // again later.
             tracing::warn!(order = %id, %error, "order not processed; requeued");
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            delivery
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    multiple: false,
-                })
-                .await?;
+            answer(&delivery, Answer::Requeue(Duration::from_millis(500))).await?;
+            return Ok(());
         }
+    };
+    answer(&delivery, then).await?;
+    say(&format!("{line} {id}"));
+    Ok(())
+}
+
+/// An order as the work needs it: JSON of the right shape, a positive
+/// amount, and an order id that is a valid idempotency key.
+fn parse(data: &[u8]) -> Result<Order, String> {
+    let order: Order = serde_json::from_slice(data).map_err(|e| e.to_string())?;
+    if order.amount <= 0 {
+        return Err("amount must be positive".into());
     }
+    IdempotencyKey::new(&order.order_id).map_err(|e| format!("order_id: {e}"))?;
+    Ok(order)
+}
+
+/// Whether the database refused the order's data itself, which no
+/// redelivery changes: a data exception (class 22, e.g. a NUL byte in text)
+/// or an integrity constraint (class 23). Anything else — a lost
+/// connection, a deadlock, a serialization failure — may pass next time.
+fn refuses_the_data(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|e| e.code())
+        .is_some_and(|code| code.starts_with("22") || code.starts_with("23"))
+}
+
+async fn answer(delivery: &Delivery, answer: Answer) -> Result<(), lapin::Error> {
+    // Each returns whether the delivery was still unsettled, which it is.
+    let _ = match answer {
+        Answer::Ack => delivery.ack(BasicAckOptions::default()).await,
+        Answer::Requeue(after) => {
+            tokio::time::sleep(after).await;
+            let requeue = BasicNackOptions {
+                requeue: true,
+                multiple: false,
+            };
+            delivery.nack(requeue).await
+        }
+        Answer::Reject => delivery.reject(BasicRejectOptions { requeue: false }).await,
+    }?;
     Ok(())
 }
 

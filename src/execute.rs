@@ -254,6 +254,18 @@ where
             }
             Finished::Lost => executed(response, Completion::LeaseLost),
             Finished::Pending => executed(response, Completion::Pending),
+            // The database refused the handler's transaction (its own
+            // statement failed): nothing committed, and the handler's answer
+            // is the truth about its request — unless it claims a success.
+            Finished::NotCommitted(StoreError::Refused(error)) => {
+                if response.status().is_success() {
+                    tracing::warn!(%key, %error, "idempotency: the handler answered a success, but its transaction was refused; withheld");
+                    shared.rejection(RejectionKind::TransactionRefused)
+                } else {
+                    tracing::debug!(%key, %error, "idempotency: the handler's transaction was refused; its answer is sent, not stored");
+                    executed(response, Completion::Released)
+                }
+            }
             // The handler's writes committed with the record, or not at all:
             // its response must not go out, since it may describe an effect that
             // was rolled back. The retry replays or executes, both right.

@@ -28,12 +28,18 @@ pub(crate) enum Finished {
     NotCommitted(StoreError),
 }
 
-pub(crate) struct Lease<St> {
+/// A granted claim, held: dropped before it is released or finished (its
+/// future cancelled by a timeout or a shutdown), it releases the key in the
+/// background, so a cancelled caller never leaves the key held beyond the
+/// moment it let go.
+pub(crate) struct Lease<St: Store> {
     store: St,
     key: StorageKey,
     token: LeaseToken,
     fingerprint: Fingerprint,
     duration: Duration,
+    /// Still to be released if dropped.
+    held: bool,
 }
 
 impl<St: Store> Lease<St> {
@@ -50,6 +56,7 @@ impl<St: Store> Lease<St> {
             token,
             fingerprint,
             duration,
+            held: true,
         }
     }
 
@@ -102,7 +109,8 @@ impl<St: Store> Lease<St> {
 
     /// Deletes the claim so the key may be retried. A failure only delays the
     /// retry until the lease expires, so it is logged, not retried.
-    pub(crate) async fn release(&self) {
+    pub(crate) async fn release(mut self) {
+        self.held = false;
         // Boxed, like `extend`: rare, and a store's future can be large.
         let release = self.store.release(&self.key, self.token);
         match Box::pin(observe::store_call("release", release)).await {
@@ -131,10 +139,14 @@ impl<St: Store> Lease<St> {
 
     /// Stores the outcome and decides what became of it (see [`Finished`]).
     pub(crate) async fn finish(
-        self,
+        mut self,
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Finished {
+        // From here on the claim ends in a completion (fenced, so a release
+        // racing it could only delete what it stores): both doors run this
+        // detached, so it is not cancelled halfway.
+        self.held = false;
         let stored = self.complete(record.clone(), retention).await;
         if self.store.commits_effects() {
             return match stored {
@@ -211,6 +223,27 @@ impl<St: Store> Lease<St> {
                 key = %self.key,
                 lease = ?self.duration,
                 "idempotency: completion could not be stored within one lease; the claim expires and a retry may execute again"
+            ),
+        }
+    }
+}
+
+impl<St: Store> Drop for Lease<St> {
+    fn drop(&mut self) {
+        if !self.held {
+            return;
+        }
+        let (store, key, token) = (self.store.clone(), self.key.clone(), self.token);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    let released = store.release(&key, token).await;
+                    tracing::debug!(%key, ?released, "idempotency: a claim dropped unfinished was released");
+                });
+            }
+            Err(_) => tracing::warn!(
+                key = %self.key,
+                "idempotency: a claim was dropped outside a Tokio runtime; the key stays in flight until its lease expires"
             ),
         }
     }

@@ -82,15 +82,23 @@ pub struct Idempotent<St> {
     retention: Duration,
 }
 
-/// What [`Idempotent::run`] did with a message.
+/// What [`Idempotent::run`] did with a message: each variant says what to
+/// tell the broker. Match it exhaustively.
 #[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Processed<T> {
     /// The work ran now; its result is stored. Acknowledge the message.
     Executed(T),
     /// An earlier delivery already did the work: its stored result.
     /// Acknowledge the message without doing anything.
     Duplicate(T),
+    /// An earlier delivery already did the work, but its stored result no
+    /// longer reads as `T` (the result type changed between deploys, or the
+    /// result could not be stored). The work must not run again:
+    /// acknowledge the message.
+    DuplicateUnreadable {
+        /// Why the stored result could not be read.
+        reason: String,
+    },
     /// Another delivery of this message is being processed right now. Put
     /// it back (requeue) after a pause, so it is retried later — never run it
     /// alongside.
@@ -103,33 +111,56 @@ pub enum Processed<T> {
     Mismatch,
 }
 
-/// Why [`Idempotent::run`] could not process a message. In every case
-/// nothing was recorded, so a redelivery may process it.
+/// Why [`Idempotent::run`] could not process a message. Each variant says
+/// whether a redelivery can succeed, so the consumer knows what to tell the
+/// broker: requeue (after a pause) what may succeed later, reject
+/// (dead-letter) what never will — one message requeued forever stops every
+/// message behind it. Match it exhaustively.
+///
+/// | variant | nothing took effect? | the message |
+/// |---|---|---|
+/// | [`Work`](Self::Work) | yes on a transactional store (rolled back) | your error decides |
+/// | [`Panicked`](Self::Panicked) | yes on a transactional store | reject |
+/// | [`Unavailable`](Self::Unavailable) | yes: nothing ran | requeue after a pause |
+/// | [`NotCommitted`](Self::NotCommitted) | yes, or the redelivery finds the record | requeue after a pause |
+/// | [`Refused`](Self::Refused) | yes: rolled back | reject |
+/// | [`InvalidKey`](Self::InvalidKey) | yes: nothing ran | reject |
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ProcessError<E> {
-    /// The work returned an error; the key was released.
+    /// The work returned an error; the key was released (on a transactional
+    /// store its writes rolled back), so a redelivery runs it again. Whether
+    /// that can succeed is for your error to say: requeue after a pause for a
+    /// passing failure (a timeout, a deadlock, a processor that is down),
+    /// reject for one this payload will always meet (a constraint it breaks,
+    /// data the database refuses).
     #[error("the work failed: {0}")]
     Work(E),
-    /// The work panicked; the key was released.
+    /// The work panicked; the key was released. Reject the message: a panic
+    /// is a bug the same payload is likely to hit on every delivery.
     #[error("the work panicked")]
     Panicked,
-    /// The store could not be reached to claim the key; nothing ran.
+    /// The store could not be reached (or did not answer in time) to claim
+    /// the key: nothing ran. Requeue after a pause.
     #[error(transparent)]
-    Store(StoreError),
+    Unavailable(StoreError),
     /// A transactional store could not commit the work's writes with the
-    /// record (or the outcome of the commit is unknown): nothing took
-    /// effect, or the redelivery will find the record.
+    /// record, or the outcome of the commit is unknown (the connection
+    /// dropped during `COMMIT`): either nothing took effect, or the
+    /// redelivery finds the record and is a [`Processed::Duplicate`].
+    /// Requeue after a pause.
     #[error("the work's writes were not committed: {0}")]
     NotCommitted(StoreError),
+    /// The database refused the work's transaction: one of its statements
+    /// failed (which aborts a PostgreSQL transaction) though the work
+    /// returned `Ok`, the commit broke a constraint, or the work kept the
+    /// transaction past its end. Nothing took effect, and a redelivery of
+    /// the same payload meets the same refusal: reject.
+    #[error("the database refused the work's transaction: {0}")]
+    Refused(StoreError),
     /// The business key is not a valid key (1 to 255 visible ASCII
-    /// characters).
+    /// characters): nothing ran, and no redelivery can succeed. Reject.
     #[error("invalid business key: {0}")]
     InvalidKey(InvalidKey),
-    /// The work's result could not be stored, or a stored result read back,
-    /// as JSON.
-    #[error("the result does not round-trip through JSON: {0}")]
-    Result(serde_json::Error),
 }
 
 /// The claim the work runs under. With a transactional
@@ -263,7 +294,15 @@ impl<St: Store> Idempotent<St> {
     /// The work's result is stored as JSON. If the work fails or panics, the
     /// key is released so a redelivery may try again. If storing the result
     /// fails on a non-transactional store, the result is returned and storing
-    /// is retried in the background while the lease holds, as for HTTP.
+    /// is retried in the background while the lease holds, as for HTTP. A
+    /// result that cannot be serialised is recorded as processed without it
+    /// (a redelivery is [`Processed::DuplicateUnreadable`]), never run again.
+    ///
+    /// Cancel-safe: dropping the returned future while the work runs (a
+    /// timeout, a shutdown) releases the key at once — a transactional
+    /// store's transaction rolls back; once the work has returned, the
+    /// completion goes on in the background, so a finished work is recorded.
+    /// Either way the key is never held beyond that.
     ///
     /// # Examples
     ///
@@ -294,12 +333,21 @@ impl<St: Store> Idempotent<St> {
             }
             Ok(Claim::Completed { record, .. }) => {
                 tracing::debug!(key = %storage_key, "idempotency: duplicate message");
-                return stored_result(&record).map(Processed::Duplicate);
+                return Ok(stored_result(&record));
             }
-            Err(error) => return Err(ProcessError::Store(error)),
+            // A record is there, this version cannot read it.
+            Err(StoreError::Corrupt(corrupt)) => {
+                tracing::warn!(key = %storage_key, %corrupt, "idempotency: duplicate message with an unreadable record");
+                return Ok(Processed::DuplicateUnreadable {
+                    reason: corrupt.to_string(),
+                });
+            }
+            Err(error) => return Err(ProcessError::Unavailable(error)),
         };
         let mut extensions = http::Extensions::new();
         self.store.attach(token, &mut extensions);
+        // Held until settled: if this future is dropped while the work runs,
+        // the claim is released (and a transaction rolled back).
         let lease = Lease::new(
             self.store.clone(),
             storage_key,
@@ -323,22 +371,41 @@ impl<St: Store> Idempotent<St> {
                 return Err(ProcessError::Panicked);
             }
         };
-        let body = match serde_json::to_vec(&value) {
-            Ok(body) => body,
+        // The work is done: its outcome is recorded even if it cannot be
+        // stored as JSON (a redelivery is then a duplicate whose result
+        // cannot be read), never released to run again.
+        let created_at = SystemTime::now();
+        let record = match serde_json::to_vec(&value) {
+            Ok(body) => CompletedRecord::Response(StoredResponse::from_parts(
+                StatusCode::OK,
+                Vec::new(),
+                body.into(),
+                created_at,
+            )),
             Err(error) => {
-                lease.release().await;
-                return Err(ProcessError::Result(error));
+                tracing::error!(key = %lease.key(), %error, "idempotency: the work's result cannot be stored as JSON; recorded as processed without it");
+                CompletedRecord::Unreplayable {
+                    status: StatusCode::OK,
+                    created_at,
+                }
             }
         };
-        let record = Arc::new(CompletedRecord::Response(StoredResponse::from_parts(
-            StatusCode::OK,
-            Vec::new(),
-            body.into(),
-            SystemTime::now(),
-        )));
-        match lease.finish(record, self.retention).await {
-            Finished::Stored | Finished::Lost | Finished::Pending => Ok(Processed::Executed(value)),
-            Finished::NotCommitted(error) => Err(ProcessError::NotCommitted(error)),
+        // Detached: a caller that stops waiting now (a timeout, a shutdown)
+        // does not cancel the completion — the work is done, its record (and
+        // on a transactional store its writes) must still be stored.
+        let retention = self.retention;
+        let finished = tokio::spawn(lease.finish(Arc::new(record), retention)).await;
+        match finished {
+            Ok(Finished::Stored | Finished::Lost | Finished::Pending) => {
+                Ok(Processed::Executed(value))
+            }
+            Ok(Finished::NotCommitted(
+                error @ (StoreError::Refused(_) | StoreError::TransactionHeld),
+            )) => Err(ProcessError::Refused(error)),
+            Ok(Finished::NotCommitted(error)) => Err(ProcessError::NotCommitted(error)),
+            Err(panicked) => Err(ProcessError::NotCommitted(StoreError::Unavailable(
+                panicked.into(),
+            ))),
         }
     }
 }
@@ -369,13 +436,18 @@ pub fn fingerprint(payload: &[u8]) -> Fingerprint {
     h.finish()
 }
 
-fn stored_result<T: DeserializeOwned, E>(record: &CompletedRecord) -> Result<T, ProcessError<E>> {
+/// A duplicate's stored result, read back as `T` if it can be.
+fn stored_result<T: DeserializeOwned>(record: &CompletedRecord) -> Processed<T> {
+    let unreadable = |reason: String| Processed::DuplicateUnreadable { reason };
     match record {
-        CompletedRecord::Response(stored) => {
-            serde_json::from_slice(stored.body()).map_err(ProcessError::Result)
+        CompletedRecord::Response(stored) => match serde_json::from_slice(stored.body()) {
+            Ok(value) => Processed::Duplicate(value),
+            Err(error) => unreadable(format!(
+                "the stored result does not read as this type: {error}"
+            )),
+        },
+        CompletedRecord::Unreplayable { .. } => {
+            unreadable("the work's result could not be stored".to_owned())
         }
-        CompletedRecord::Unreplayable { .. } => Err(ProcessError::Store(StoreError::Corrupt(
-            crate::record::CorruptRecord("a message record without its result"),
-        ))),
     }
 }

@@ -74,6 +74,7 @@ impl IdempotencyOutcome {
                 RejectionKind::HandlerPanicked => "rejected_handler_panicked",
                 RejectionKind::ResponseBodyFailed => "rejected_response_body_failed",
                 RejectionKind::TransactionHeld => "rejected_transaction_held",
+                RejectionKind::TransactionRefused => "rejected_transaction_refused",
             },
             Self::Bypassed(BypassReason::UnguardedMethod) => "bypassed_method",
             Self::Bypassed(BypassReason::NoKey) => "bypassed_no_key",

@@ -49,6 +49,13 @@ pub enum RejectionKind {
     /// The handler kept its transaction past its own end (e.g. moved it into
     /// a spawned task), so nothing was committed (`500`).
     TransactionHeld,
+    /// The handler answered with a success, but the database refused its
+    /// transaction — one of the handler's statements failed, which aborts a
+    /// PostgreSQL transaction, or the commit broke a constraint — so nothing
+    /// was committed and the success is withheld (`500`). The key was
+    /// released. A handler that answers an error itself has that answer
+    /// sent instead.
+    TransactionRefused,
 }
 
 /// A response the layer produced itself. Never stored, never replayed.
@@ -96,9 +103,9 @@ impl Rejection {
                 StatusCode::CONFLICT
             }
             RejectionKind::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            RejectionKind::HandlerPanicked | RejectionKind::TransactionHeld => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            RejectionKind::HandlerPanicked
+            | RejectionKind::TransactionHeld
+            | RejectionKind::TransactionRefused => StatusCode::INTERNAL_SERVER_ERROR,
             RejectionKind::ResponseBodyFailed => StatusCode::BAD_GATEWAY,
         }
     }
@@ -127,6 +134,9 @@ impl Rejection {
             }
             RejectionKind::HandlerPanicked => "urn:tower-idempotency:problem:handler-panicked",
             RejectionKind::TransactionHeld => "urn:tower-idempotency:problem:transaction-held",
+            RejectionKind::TransactionRefused => {
+                "urn:tower-idempotency:problem:transaction-refused"
+            }
             RejectionKind::ResponseBodyFailed => {
                 "urn:tower-idempotency:problem:response-body-failed"
             }
@@ -147,6 +157,7 @@ impl Rejection {
             RejectionKind::HandlerPanicked | RejectionKind::TransactionHeld => {
                 "Internal server error"
             }
+            RejectionKind::TransactionRefused => "Transaction refused",
             RejectionKind::ResponseBodyFailed => "Response body failed",
         }
     }
@@ -183,6 +194,9 @@ impl Rejection {
             }
             RejectionKind::TransactionHeld => {
                 "The request's work was not committed; it may be retried with the same key.".into()
+            }
+            RejectionKind::TransactionRefused => {
+                "A statement of the request failed, so the database rolled its work back: nothing was committed and nothing was recorded.".into()
             }
         }
     }

@@ -362,3 +362,256 @@ async fn two_consumers_and_concurrent_duplicates_one_charge_per_order() {
     assert_eq!(executed, orders as usize);
     queue.delete().await;
 }
+
+// Safety, round 2: a poison message, a cancelled future, a result type that
+// changed, a broker that ends the consumer.
+
+/// Orders that can never be processed — an order id that is no valid key, a
+/// currency the database refuses (a NUL byte) — are rejected, not requeued
+/// at the head of the queue: the valid order behind them is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_malformed_order_never_holds_up_the_orders_behind_it() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let consumer =
+        OrdersConsumer::start(&[("DATABASE_URL", db.url()), ("QUEUE", &queue.name)]).await;
+
+    let too_long = "x".repeat(256);
+    for bad_id in ["order 42", "", "ördér-1", too_long.as_str()] {
+        queue.publish(&order(bad_id, 500)).await;
+    }
+    queue
+        .publish(r#"{"order_id":"order-nul","amount":500,"currency":"e\u0000r"}"#)
+        .await;
+    queue.publish(&order("order-1", 500)).await;
+
+    consumer.wait_for(|l| l == "executed order-1").await;
+    consumer.wait_for(|l| l == "refused order-nul").await;
+    drained(&queue).await;
+    let lines = consumer.lines();
+    assert_eq!(
+        lines.iter().filter(|l| l.starts_with("invalid ")).count(),
+        4,
+        "each invalid order id rejected once: {lines:?}"
+    );
+    // Rejected for good: no redelivery comes back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let refused = consumer.lines();
+    assert_eq!(
+        refused.iter().filter(|l| *l == "refused order-nul").count(),
+        1,
+        "{refused:?}"
+    );
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
+}
+
+/// A consumer whose queue is deleted is ended by the broker: the process
+/// must fail, so that a supervisor restarts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_exits_non_zero_when_the_broker_ends_it() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let mut consumer =
+        OrdersConsumer::start(&[("DATABASE_URL", db.url()), ("QUEUE", &queue.name)]).await;
+    queue.delete().await;
+    for _ in 0..100 {
+        if let Some(status) = consumer.child.try_wait().unwrap() {
+            assert!(!status.success(), "exited with {status}");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("still running 10 s after its queue was deleted");
+}
+
+/// The result type changed between deploys: the redelivery of a processed
+/// message is still a duplicate (acknowledged), not an error that requeues
+/// it forever, and the work does not run again.
+#[tokio::test]
+async fn a_stored_result_that_no_longer_reads_is_a_duplicate() {
+    let orders = Idempotent::new(MemoryStore::new());
+    let runs = Runs::default();
+    let first = orders.run("order-1", ORDER, charge(&runs)).await.unwrap();
+    assert_eq!(first, Processed::Executed("ch_1".to_owned()));
+
+    let redeployed = orders
+        .run("order-1", ORDER, async |_| -> Result<u64, String> {
+            panic!("the work ran again")
+        })
+        .await
+        .unwrap();
+    assert!(
+        matches!(redeployed, Processed::DuplicateUnreadable { .. }),
+        "{redeployed:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A result that cannot be stored as JSON is still recorded as processed:
+/// the work ran, and a redelivery must not run it again.
+#[tokio::test]
+async fn a_result_that_cannot_be_stored_still_records_the_work() {
+    let orders = Idempotent::new(MemoryStore::new());
+    let runs = Runs::default();
+    let unstorable = || {
+        let runs = runs.clone();
+        async move |_| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            // JSON object keys must be strings.
+            Ok::<_, String>(std::collections::HashMap::from([((1, 2), "x".to_owned())]))
+        }
+    };
+    let first = orders.run("order-1", ORDER, unstorable()).await.unwrap();
+    assert!(matches!(first, Processed::Executed(_)), "{first:?}");
+    let again = orders.run("order-1", ORDER, unstorable()).await.unwrap();
+    assert!(
+        matches!(again, Processed::DuplicateUnreadable { .. }),
+        "{again:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Drops `run`'s future after 0 to 80 ms (a timeout, a shutdown) — in the
+/// claim, in the work, in the completion — then asks for the key again until
+/// it is not in flight: it must be free well within the lease (30 s), and
+/// `effects()` (which counts and resets) must show the work took effect once
+/// where the store commits the record with the work, at most twice elsewhere
+/// (dropped after its effect and before its record).
+async fn dropping_run_never_wedges_the_key<St, Mk, W>(
+    store: St,
+    work: Mk,
+    effects: impl AsyncFn() -> i64,
+    exactly_once: bool,
+) where
+    St: Store,
+    Mk: Fn() -> W,
+    W: AsyncFnOnce(tower_idempotency::message::Claimed) -> Result<String, String>,
+{
+    let orders = Idempotent::new(store).namespace("cancelled");
+    for ms in (0..80).step_by(2) {
+        let key = format!("order-{ms}");
+        let dropped =
+            tokio::time::timeout(Duration::from_millis(ms), orders.run(&key, ORDER, work())).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        loop {
+            match orders.run(&key, ORDER, work()).await.unwrap() {
+                Processed::Executed(_) | Processed::Duplicate(_) => break,
+                Processed::InFlight { .. } => {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "{key}: still in flight 3 s after its run was dropped at {ms} ms ({dropped:?})"
+                    );
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+        let done = effects().await;
+        if exactly_once {
+            assert_eq!(done, 1, "{key}: dropped at {ms} ms");
+        } else {
+            assert!((1..=2).contains(&done), "{key}: {done} effects");
+        }
+    }
+}
+
+/// Work that counts its effect after 10 ms, then takes 30 ms more.
+fn counted(
+    effects: &Runs,
+) -> impl AsyncFnOnce(tower_idempotency::message::Claimed) -> Result<String, String> {
+    let effects = effects.clone();
+    async move |_| {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        Ok(format!("ch_{n}"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_run_never_wedges_the_key_on_memory_redis_and_plain_postgres() {
+    let redis = SingleRedis::start();
+    let postgres = Postgres::start();
+    let effects = Runs::default();
+    let count = async || effects.swap(0, Ordering::SeqCst) as i64;
+    let work = || counted(&effects);
+    dropping_run_never_wedges_the_key(MemoryStore::new(), work, count, false).await;
+    dropping_run_never_wedges_the_key(redis.store().await, work, count, false).await;
+    dropping_run_never_wedges_the_key(postgres.store().await, work, count, false).await;
+}
+
+/// On the transactional store the work's insert is rolled back with its
+/// dropped claim, and committed with its record once it finished: exactly
+/// one row per order, whenever the future was dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_run_on_transactional_postgres_rolls_back_or_commits_whole() {
+    let db = TestDatabase::create();
+    let store = PostgresStore::builder()
+        .transactional()
+        .connect(db.url())
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE order_charges (order_id text, amount bigint)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let pool = store.pool().clone();
+    let work = || {
+        async move |claimed: tower_idempotency::message::Claimed| {
+            let mut tx = claimed.transaction().expect("transactional");
+            sqlx::query("INSERT INTO order_charges VALUES ('x', 500)")
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            Ok("charged".to_owned())
+        }
+    };
+    let effects = async || {
+        let deleted = sqlx::query("DELETE FROM order_charges")
+            .execute(&pool)
+            .await
+            .unwrap();
+        deleted.rows_affected() as i64
+    };
+    dropping_run_never_wedges_the_key(store, work, effects, true).await;
+    let open = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                AND state = 'idle in transaction'";
+    db.wait_for_count(open, |n| n == 0, "a dropped run left its transaction open")
+        .await;
+}
+
+/// Work that swallows its failed statement and returns `Ok`: PostgreSQL
+/// aborted the transaction, nothing commits, and the error says no
+/// redelivery can succeed (reject), rather than "store unavailable".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_whose_statement_failed_is_refused_not_an_outage() {
+    let db = TestDatabase::create();
+    let store = PostgresStore::builder()
+        .transactional()
+        .connect(db.url())
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE order_charges (order_id text, amount bigint CHECK (amount > 0))")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let orders = Idempotent::new(store);
+    let swallowed = orders
+        .run("order-1", ORDER, async |claimed| {
+            let mut tx = claimed.transaction().expect("transactional");
+            let _ = sqlx::query("INSERT INTO order_charges VALUES ('order-1', -5)")
+                .execute(&mut *tx)
+                .await;
+            Ok::<_, String>("charged".to_owned())
+        })
+        .await;
+    assert!(
+        matches!(swallowed, Err(ProcessError::Refused(_))),
+        "{swallowed:?}"
+    );
+    assert_eq!(charges(&db).await, 0);
+}

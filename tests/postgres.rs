@@ -957,3 +957,228 @@ async fn a_claim_the_database_runs_after_its_timeout_does_not_block_the_key() {
         assert_eq!(charges(&db).await, 2, "{mode:?}");
     }
 }
+
+// Safety, round 2: retention counted from the commit, a handler's failed
+// statement, a paused instance.
+
+/// A handler slower than the retention: its record must still be live once
+/// committed (retention counts from the commit, not from `BEGIN`), and a
+/// cache in front of another instance never outlives the stored record —
+/// both instances replay the one charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_counts_from_the_commit_and_every_instance_replays_one_charge() {
+    let db = TestDatabase::create();
+    let instance = async || {
+        let store = PostgresStore::builder()
+            .transactional()
+            .connect(db.url())
+            .await
+            .unwrap();
+        let pool = store.pool().clone();
+        Router::new()
+            .route("/charges", post(charge))
+            .layer(
+                IdempotencyLayer::new(CachedStore::new(store, 1 << 20))
+                    .retention(Duration::from_secs(1)),
+            )
+            .with_state(pool)
+    };
+    drop(transactional(&db).await);
+    let (a, b) = (instance().await, instance().await);
+
+    let first = oneshot(&a, request("/charges?ms=1500", "k", CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let on_b = oneshot(&b, request("/charges?ms=1500", "k", CHARGE)).await;
+    assert!(on_b.is_replay(), "{} {:?}", on_b.status, on_b.body);
+    assert_eq!(on_b.body, first.body);
+    let on_a = oneshot(&a, request("/charges?ms=1500", "k", CHARGE)).await;
+    assert!(on_a.is_replay());
+    assert_eq!(charges(&db).await, 1, "one charge for the key");
+}
+
+/// Inserts a charge whose note must be unique: a duplicate note is the
+/// handler's own `409`, answered after the failed statement.
+async fn charge_note(mut tx: IdempotentTx, Query(p): Query<NoteParams>) -> (StatusCode, String) {
+    let savepoint = p.savepoint;
+    if savepoint {
+        sqlx::query("SAVEPOINT note")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    let inserted = sqlx::query("INSERT INTO charges (note) VALUES ($1)")
+        .bind(&p.note)
+        .execute(&mut *tx)
+        .await;
+    match inserted {
+        Ok(_) => (StatusCode::CREATED, format!("charged {}", p.note)),
+        Err(_) if p.swallow => (StatusCode::CREATED, "charged, or so it says".into()),
+        Err(_) => {
+            if savepoint {
+                sqlx::query("ROLLBACK TO SAVEPOINT note")
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+            }
+            (
+                StatusCode::CONFLICT,
+                format!("{} was already charged", p.note),
+            )
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct NoteParams {
+    note: String,
+    #[serde(default)]
+    swallow: bool,
+    #[serde(default)]
+    savepoint: bool,
+}
+
+/// A handler whose statement failed (PostgreSQL then aborts the whole
+/// transaction) gets its own answer to the client — not `503 store
+/// unavailable` — with nothing committed and the key released; a handler
+/// that claims success over a failed statement gets a distinct `500`; with
+/// a SAVEPOINT the transaction survives and the answer is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_whose_statement_failed_gets_its_own_answer_not_a_store_outage() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    sqlx::raw_sql(
+        "CREATE UNIQUE INDEX ON charges (note); INSERT INTO charges (note) VALUES ('dup')",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let app = Router::new()
+        .route("/notes", post(charge_note))
+        .layer(IdempotencyLayer::new(store));
+    let records = "SELECT count(*) FROM idempotency_records";
+
+    for attempt in 0..2 {
+        let refused = oneshot(&app, request("/notes?note=dup", "k", CHARGE)).await;
+        assert_eq!(refused.status, StatusCode::CONFLICT, "{:?}", refused.body);
+        assert_eq!(refused.body, "dup was already charged");
+        assert!(
+            !refused.is_replay(),
+            "attempt {attempt}: executed, not stored"
+        );
+    }
+    assert_eq!(db.count(records).await, 0, "nothing stored");
+
+    let swallowed = oneshot(&app, request("/notes?note=dup&swallow=true", "s", CHARGE)).await;
+    swallowed.assert_problem(500);
+    assert_eq!(
+        swallowed.outcome,
+        Some(IdempotencyOutcome::Rejected(
+            RejectionKind::TransactionRefused
+        ))
+    );
+    assert_eq!(
+        swallowed.json()["type"],
+        "urn:tower-idempotency:problem:transaction-refused"
+    );
+
+    let saved = oneshot(&app, request("/notes?note=dup&savepoint=true", "p", CHARGE)).await;
+    assert_eq!(saved.status, StatusCode::CONFLICT);
+    let again = oneshot(&app, request("/notes?note=dup&savepoint=true", "p", CHARGE)).await;
+    assert!(
+        again.is_replay(),
+        "the SAVEPOINT kept the transaction: stored"
+    );
+    assert_eq!(db.count(records).await, 1);
+    assert_eq!(charges(&db).await, 1, "only the row inserted up front");
+}
+
+/// A process paused (SIGSTOP) while its handler holds an uncommitted charge
+/// holds the key no longer than the transaction timeout: the database ends
+/// the idle transaction, another instance's retry charges, and the paused
+/// one, resumed, cannot commit — its response is withheld. One charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_instance_holds_its_key_no_longer_than_the_transaction_timeout() {
+    let db = TestDatabase::create();
+    let client = HttpClient::default();
+    let timeout = ("IDEMPOTENCY_TX_TIMEOUT_MS", "1000");
+    let paused = Payments::start(
+        free_port(),
+        &[
+            ("DATABASE_URL", db.url()),
+            ("PROCESSOR_LATENCY_MS", "3000"),
+            timeout,
+        ],
+    );
+    let other = Payments::start(free_port(), &[("DATABASE_URL", db.url()), timeout]);
+    let doomed = tokio::spawn({
+        let client = client.clone();
+        let addr = paused.addr.clone();
+        async move { client.send(charge_request(&addr)).await }
+    });
+    db.wait_for_count(
+        UNCOMMITTED_CHARGES,
+        |n| n == 1,
+        "the charge was never written",
+    )
+    .await;
+    signal(&paused, "STOP");
+
+    let (executed, conflicts) = retry_until_done(&client, &other.addr).await;
+    assert_eq!(executed.status, StatusCode::CREATED, "{:?}", executed.body);
+    assert!(!executed.is_replay());
+    eprintln!("the paused instance's key was free after {conflicts} × 409");
+
+    signal(&paused, "CONT");
+    let withheld = tokio::time::timeout(Duration::from_secs(10), doomed)
+        .await
+        .expect("the resumed instance answered")
+        .unwrap();
+    withheld.assert_problem(503);
+    assert_eq!(db.count(CHARGES).await, 1, "exactly one charge");
+    assert!(client.send(charge_request(&paused.addr)).await.is_replay());
+}
+
+fn signal(process: &Payments, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([format!("-{signal}"), process.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{signal}");
+}
+
+/// Advisory locks are one space for the whole database: two stores on
+/// different tables must not block each other's keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stores_on_two_tables_do_not_share_key_locks() {
+    let db = TestDatabase::create();
+    drop(transactional(&db).await);
+    let mut apps = Vec::new();
+    for table in ["records_a", "records_b"] {
+        let store = PostgresStore::builder()
+            .table(table)
+            .transactional()
+            .connect(db.url())
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        apps.push(app(store));
+    }
+    let slow = {
+        let a = apps[0].clone();
+        tokio::spawn(async move { oneshot(&a, request("/charges?ms=1000", "k", CHARGE)).await })
+    };
+    db.wait_for_count(
+        UNCOMMITTED_CHARGES,
+        |n| n == 1,
+        "the slow charge never started",
+    )
+    .await;
+    let other_table = oneshot(&apps[1], request("/charges", "k", CHARGE)).await;
+    assert_eq!(
+        other_table.status,
+        StatusCode::CREATED,
+        "{:?}",
+        other_table.body
+    );
+    assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+}

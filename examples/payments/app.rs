@@ -28,6 +28,9 @@ use tower_idempotency::{
 /// The example's configuration, read from the environment.
 pub struct Settings {
     pub bind_addr: String,
+    /// How long a charge's transaction may sit idle before the database
+    /// ends it (`PostgresStoreBuilder::transaction_timeout`).
+    pub transaction_timeout: Duration,
     processor_latency: Duration,
     lease: Duration,
     retention: Duration,
@@ -57,6 +60,11 @@ impl Settings {
         let max_ttl_secs = tower_idempotency::MAX_RETENTION.as_secs();
         Ok(Self {
             bind_addr: env::var("BIND_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into()),
+            transaction_timeout: Duration::from_millis(number(
+                "IDEMPOTENCY_TX_TIMEOUT_MS",
+                30_000,
+                100..=86_400_000,
+            )?),
             processor_latency: Duration::from_millis(number(
                 "PROCESSOR_LATENCY_MS",
                 0,
@@ -377,6 +385,7 @@ mod tests {
     fn settings() -> Settings {
         Settings {
             bind_addr: String::new(),
+            transaction_timeout: Duration::from_secs(30),
             processor_latency: Duration::ZERO,
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(86_400),

@@ -16,7 +16,9 @@
 //! these, everything is in memory; `PROCESSOR_LATENCY_MS` (default 0:
 //! how long the fake card processor takes); `IDEMPOTENCY_LEASE_MS` (default
 //! 30000); `IDEMPOTENCY_TTL_SECS` (default 86400); `REQUEST_TIMEOUT_MS`
-//! (default 10000).
+//! (default 10000); `IDEMPOTENCY_TX_TIMEOUT_MS` (default 30000: how long a
+//! charge's transaction may sit idle before PostgreSQL ends it, which bounds
+//! how long a paused or cut-off instance holds a key).
 //!
 //! Layers, outermost first: tracing (logs each response with its idempotency
 //! outcome), compression, a request timeout, authentication, then the
@@ -83,7 +85,7 @@ async fn main() {
     // The URLs may carry a password: they are never logged.
     let database = match env::var("DATABASE_URL") {
         Ok(url) => Some(
-            connect_database(&url)
+            connect_database(&url, &settings)
                 .await
                 .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}"))),
         ),
@@ -140,9 +142,13 @@ fn exit_with(message: &str) -> ! {
 }
 
 /// The transactional store, with the charges table created if missing.
-async fn connect_database(url: &str) -> Result<PostgresStore, Box<dyn std::error::Error>> {
+async fn connect_database(
+    url: &str,
+    settings: &Settings,
+) -> Result<PostgresStore, Box<dyn std::error::Error>> {
     let store = PostgresStore::builder()
         .transactional()
+        .transaction_timeout(settings.transaction_timeout)
         .connect(url)
         .await?;
     store.migrate().await?;

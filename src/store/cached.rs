@@ -20,10 +20,20 @@ use crate::{fingerprint::Fingerprint, observe, record::CompletedRecord};
 ///   one tenant never gets another's record;
 /// - each entry keeps the record's fingerprint: a retry with different
 ///   parameters is still a mismatch (`422`), never a replay;
-/// - each entry expires no later than the store's copy (its remaining TTL,
-///   counted from before the claim was sent);
+/// - each entry expires no later than the store's copy: its remaining TTL,
+///   counted from before the claim was sent, or the retention counted from
+///   before the completion was sent (every store counts a record's retention
+///   from its completion or later);
 /// - in-flight claims are never cached; every claim, extension, completion and
 ///   release still goes to the store.
+///
+/// **Clocks.** Where the store reports a record's remaining TTL from a
+/// stored wall-clock expiry (the Redis store writes one, by the clock of the
+/// instance that completed the record), the cache trusts the clocks of your
+/// instances to agree within 5 s: it keeps each record 5 s less than that
+/// expiry says. Keep application hosts NTP-synchronised; a clock that runs
+/// more than 5 s behind the one that wrote a record can make this process
+/// replay it from the cache after Redis has dropped it.
 ///
 /// Memory is bounded by `max_bytes`, counting each record's body and headers;
 /// the least valuable entries are evicted first (CLOCK-Pro, from
@@ -74,6 +84,8 @@ impl Weighter<StorageKey, Entry> for RecordWeight {
 
 impl<St> CachedStore<St> {
     /// Caches up to `max_bytes` of completed records in front of `inner`.
+    /// In front of Redis, the instances' clocks must agree within 5 s (see
+    /// the type's docs).
     pub fn new(inner: St, max_bytes: u64) -> Self {
         // quick_cache sizes its tables from an item estimate; assume ~1 KiB records.
         let estimated_items = (max_bytes / 1024).clamp(16, 1 << 20) as usize;

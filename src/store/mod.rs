@@ -295,6 +295,12 @@ pub enum StoreError {
     /// that holder drops it.
     #[error("the handler's transaction is still held: it was not committed")]
     TransactionHeld,
+    /// The database refused the transaction that carries the handler's
+    /// writes: one of the handler's statements failed (which aborts a
+    /// PostgreSQL transaction), or the commit broke a constraint. Nothing
+    /// committed, and the same request would meet the same refusal.
+    #[error("the database refused the transaction: {0}")]
+    Refused(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The store is configured in a way that would lose records (e.g. Redis
     /// with a `maxmemory-policy` other than `noeviction`), or was asked for
     /// something it cannot represent.

@@ -3,11 +3,13 @@
 //! CHAIN` in front of its own statement, instead of a round trip of its own;
 //! a sweeper rolls back the ones no claim picked up within [`IDLE_FOR`].
 //!
-//! Only transactions that hold no lock wait here: an idle transaction in
-//! `READ COMMITTED` that wrote nothing holds no snapshot and no xid, so it
-//! delays neither vacuum nor anyone else — it only keeps a pooled connection
-//! out of the pool for a moment, which is why the stash is small and only
-//! used while the pool has connections to spare.
+//! Only transactions that hold no row or advisory lock wait here: an idle
+//! transaction in `READ COMMITTED` that wrote nothing holds no snapshot and
+//! no xid, so it delays neither vacuum nor any claim. It does hold the
+//! `ACCESS SHARE` lock its read took on the records table, so DDL on that
+//! table waits for it (at most [`IDLE_FOR`]), and it keeps a pooled
+//! connection out of the pool for that moment — which is why the stash is
+//! small and only used while the pool has connections to spare.
 
 use std::{
     sync::{
@@ -52,7 +54,7 @@ impl IdleTransactions {
         lock(&self.waiting).pop().map(|(tx, _)| tx)
     }
 
-    /// Parks `tx` (which must hold no lock) for the next claim, or rolls it
+    /// Parks `tx` (which must hold no row or advisory lock) for the next claim, or rolls it
     /// back at once in the background when the stash is full or the pool has
     /// no connection to spare.
     pub(super) fn park(self: &Arc<Self>, tx: OpenTx, pool: &PgPool) {

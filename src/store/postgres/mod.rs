@@ -27,13 +27,17 @@
 //! returns the live record if there is one (a replay needs no lock), else
 //! takes the key's transaction-level advisory lock with
 //! `pg_try_advisory_xact_lock`, which never waits: a concurrent duplicate
-//! gets `409` at once, it never waits on a row lock. The lock's 64-bit key is
-//! derived from the record key; an application that uses advisory locks for
-//! its own purposes may, very rarely, see a spurious `409`. No row is written
+//! gets `409` at once, it never waits on a row lock. Advisory locks are one
+//! space for the whole database: the lock's 64-bit key is derived from the
+//! table and the record key, so two stores on different tables do not
+//! collide, but an application that uses advisory locks for its own
+//! purposes may, very rarely, see a spurious `409`. No row is written
 //! until the completion, which sends the record with `COMMIT` in one round
 //! trip: a first execution costs the handler's own statements plus two round
 //! trips, like a transaction the handler began and committed itself. A
-//! replay's transaction wrote nothing and holds no lock; it is rolled back in
+//! replay's transaction wrote nothing and holds no row or advisory lock —
+//! only the `ACCESS SHARE` lock its read took on the table, which makes DDL
+//! on the table (a migration's `ALTER TABLE`) wait for it; it is rolled back in
 //! front of the next claim on its connection, or within 200 ms when none
 //! comes. Each request in flight holds one pooled
 //! connection for the duration of its handler: size the pool for your
@@ -161,6 +165,8 @@ struct Inner {
     pool: PgPool,
     timeout: Duration,
     sql: Sql,
+    /// Sent at the start of every request's transaction: its bounds.
+    bounds: String,
     /// `Some` in transactional mode.
     transactions: Option<Transactions>,
 }
@@ -196,6 +202,7 @@ pub struct PostgresStoreBuilder {
     timeout: Duration,
     max_connections: u32,
     transactional: bool,
+    transaction_timeout: Duration,
 }
 
 impl PostgresStore {
@@ -206,6 +213,7 @@ impl PostgresStore {
             timeout: Duration::from_secs(1),
             max_connections: 20,
             transactional: false,
+            transaction_timeout: Duration::from_secs(30),
         }
     }
 
@@ -394,7 +402,7 @@ impl PostgresStore {
             "SELECT {}({}, {})",
             self.inner.sql.claim_function,
             text_literal(key.as_str()),
-            advisory_key(key)
+            advisory_key(&self.inner.sql.table, key)
         );
         let (tx, row) = self
             .bounded(async {
@@ -404,7 +412,7 @@ impl PostgresStore {
                 if let Some(mut parked) = transactions.idle.take() {
                     // Its ROLLBACK travels with this claim; AND CHAIN begins
                     // the next transaction at the same (READ COMMITTED) level.
-                    let sql = format!("ROLLBACK AND CHAIN; {select}");
+                    let sql = format!("ROLLBACK AND CHAIN; {}{select}", self.inner.bounds);
                     let on: &mut PgConnection = &mut parked;
                     match on.fetch_one(sqlx::raw_sql(&sql)).await {
                         Ok(row) => return Ok((parked, row)),
@@ -420,7 +428,10 @@ impl PostgresStore {
                 // From here on, a failure closes the connection (see `OpenTx`).
                 let mut tx = OpenTx::begun(connection);
                 let on: &mut PgConnection = &mut tx;
-                let sql = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {select}");
+                let sql = format!(
+                    "BEGIN ISOLATION LEVEL READ COMMITTED; {}{select}",
+                    self.inner.bounds
+                );
                 let row = on.fetch_one(sqlx::raw_sql(&sql)).await?;
                 Ok((tx, row))
             })
@@ -490,20 +501,32 @@ impl PostgresStore {
         complete.push_str(", ");
         complete.push_str(&retention.to_string());
         complete.push(')');
-        match self.bounded(tx.commit_after(complete)).await {
-            Ok(()) => Ok(true),
-            // Dropping the transaction (inside `commit_after`) closed its
-            // connection: everything rolled back.
-            Err(StoreError::Unavailable(error))
-                if error
-                    .downcast_ref::<sqlx::Error>()
-                    .and_then(sqlx::Error::as_database_error)
-                    .and_then(|e| e.code())
-                    .is_some_and(|code| code == RECORD_EXISTS) =>
+        // Dropping the transaction (inside `commit_after`) on an error closes
+        // its connection: everything rolled back.
+        let error = match self.bounded(tx.commit_after(complete)).await {
+            Ok(()) => return Ok(true),
+            Err(StoreError::Unavailable(error)) => error,
+            Err(error) => return Err(error),
+        };
+        let code = error
+            .downcast_ref::<sqlx::Error>()
+            .and_then(sqlx::Error::as_database_error)
+            .and_then(|e| e.code())
+            .map(|code| code.into_owned());
+        match code.as_deref() {
+            Some(RECORD_EXISTS) => Ok(false),
+            // The handler's own statement failed and aborted the transaction
+            // (25P02 "in failed SQL transaction"), or the commit broke a
+            // constraint or refused data (classes 23 and 22): the same
+            // request would meet the same refusal, it is not an outage.
+            Some(code)
+                if code == IN_FAILED_TRANSACTION
+                    || code.starts_with("22")
+                    || code.starts_with("23") =>
             {
-                Ok(false)
+                Err(StoreError::Refused(error))
             }
-            Err(error) => Err(error),
+            _ => Err(StoreError::Unavailable(error)),
         }
     }
 }
@@ -511,6 +534,10 @@ impl PostgresStore {
 /// The SQLSTATE the completion function raises when a live record holds the
 /// key (see the schema).
 const RECORD_EXISTS: &str = "IR001";
+
+/// The SQLSTATE of a statement sent in a transaction an earlier failure
+/// aborted.
+const IN_FAILED_TRANSACTION: &str = "25P02";
 
 /// `s` as an escape string literal: visible ASCII keys, `\` and `'` escaped.
 fn text_literal(s: &str) -> String {
@@ -582,6 +609,45 @@ impl PostgresStoreBuilder {
         self
     }
 
+    /// How long a request's transaction may sit idle between two of its
+    /// statements, and how long one statement may run, before the database
+    /// ends it (default 30 s; transactional mode). The claim lives inside
+    /// the transaction, so this bounds how long a key stays in flight when
+    /// the process holding it stops answering: paused (`SIGSTOP`, a VM
+    /// stall), or cut off by a network partition. The database enforces it
+    /// (`idle_in_transaction_session_timeout` and `statement_timeout`, set
+    /// for the transaction only), so it holds whatever the process does; a
+    /// transaction it ended cannot commit later, so the paused request's
+    /// response is withheld (`503`) and its retry executes once.
+    ///
+    /// The trade-off: a handler that waits longer than this between two
+    /// statements — on a slow card processor, say — loses its transaction
+    /// the same way, and its retry executes again (the external call is
+    /// made twice). Set it above your slowest handler's wait.
+    ///
+    /// # Panics
+    ///
+    /// When configured, never at run time: under 100 ms or over a day.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// let builder = tower_idempotency::PostgresStore::builder()
+    ///     .transactional()
+    ///     .transaction_timeout(Duration::from_secs(10));
+    /// # let _ = builder;
+    /// ```
+    pub fn transaction_timeout(mut self, timeout: Duration) -> Self {
+        assert!(
+            (Duration::from_millis(100)..=Duration::from_secs(24 * 60 * 60)).contains(&timeout),
+            "PostgresStoreBuilder::transaction_timeout must be from 100 ms to 24 hours, got {timeout:?}"
+        );
+        self.transaction_timeout = timeout;
+        self
+    }
+
     /// Commit the record and the handler's writes in one transaction, handed
     /// to the handler through [`IdempotentTx`]. See the [module docs](self).
     ///
@@ -637,11 +703,16 @@ impl PostgresStoreBuilder {
             claimed: Mutex::default(),
             idle: Arc::new(IdleTransactions::new(&pool, self.timeout)),
         });
+        let ms = self.transaction_timeout.as_millis();
+        let bounds = format!(
+            "SET LOCAL idle_in_transaction_session_timeout = {ms}; SET LOCAL statement_timeout = {ms}; "
+        );
         Ok(PostgresStore {
             inner: Arc::new(Inner {
                 pool,
                 timeout: self.timeout,
                 sql,
+                bounds,
                 transactions,
             }),
         })
@@ -756,9 +827,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-/// The advisory lock of a key: 64 bits of its SHA-256.
-fn advisory_key(key: &StorageKey) -> i64 {
-    let digest = Sha256::digest(key.as_str().as_bytes());
+/// The advisory lock of a key in a table: 64 bits of a SHA-256 of both
+/// (advisory locks are one space for the whole database).
+fn advisory_key(table: &str, key: &StorageKey) -> i64 {
+    let mut hash = Sha256::new();
+    // The table's own name is a plain identifier: no separator can occur in it.
+    hash.update(table.as_bytes());
+    hash.update(b"\0");
+    hash.update(key.as_str().as_bytes());
+    let digest = hash.finalize();
     i64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
 }
 
@@ -775,6 +852,7 @@ fn millis(d: Duration, what: &str) -> Result<i64, StoreError> {
 
 /// The statements, with the table name in place.
 struct Sql {
+    table: String,
     schema: String,
     claim: String,
     claim_function: String,
@@ -801,6 +879,7 @@ impl Sql {
         }
         let t = |sql: &str| sql.replace("{t}", table);
         Ok(Self {
+            table: table.to_owned(),
             schema: SCHEMA.replace(DEFAULT_TABLE, table),
             claim: t(CLAIM),
             claim_function: format!("{table}_claim_v2"),

@@ -49,13 +49,15 @@ $$;
 -- The transactional completion, sent with COMMIT in one round trip: the
 -- record written under the key's lock (an expired one replaced). A live
 -- record in its place raises SQLSTATE IR001, so the COMMIT after it never
--- runs and the transaction rolls back.
+-- runs and the transaction rolls back. The retention counts from now, the
+-- end of the handler (clock_timestamp), not from the transaction's start
+-- (now()): a slow handler's record must not commit already expired.
 CREATE OR REPLACE FUNCTION idempotency_records_complete(claim_key text, claim_fingerprint bytea, completed bytea, retention_ms bigint)
 RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
     INSERT INTO idempotency_records AS r (key, fingerprint, token, record, expires_at)
-    VALUES (claim_key, claim_fingerprint, NULL, completed, now() + retention_ms * interval '1 millisecond')
+    VALUES (claim_key, claim_fingerprint, NULL, completed, clock_timestamp() + retention_ms * interval '1 millisecond')
     ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, token = NULL,
         record = EXCLUDED.record, expires_at = EXCLUDED.expires_at
         WHERE r.expires_at <= now();
