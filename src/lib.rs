@@ -3,31 +3,18 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// Imports run one way, along a request's path: layer → service → guard →
-// execute → lease → store → record → outcome → rejection → key, with config
-// (built by the layer, read below it) and the leaves policy, scope, body
-// (buffering, for guard and execute) and fingerprint → canonical_json beside
-// the path. lib.rs only re-exports.
-mod body;
-mod canonical_json;
-pub mod codec;
-mod config;
-mod execute;
+// The folders are the architecture: two doors (`http`, `message`) over one
+// protocol (`protocol`: claim, hold, settle) and the stores (`store`), with
+// the leaves they share below them (`record`, `fingerprint`, `key`,
+// `observe`). Imports run one way, from the doors down. lib.rs only
+// re-exports.
 mod fingerprint;
-mod future;
-mod guard;
+mod http;
 mod key;
-mod layer;
-mod lease;
 pub mod message;
 mod observe;
-mod outcome;
-mod policy;
-mod problem;
+mod protocol;
 mod record;
-mod rejection;
-mod scope;
-mod service;
 pub mod store;
 
 #[cfg(feature = "redis")]
@@ -36,20 +23,21 @@ pub use ::redis;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use ::sqlx;
-pub use config::{MAX_LEASE, MAX_RETENTION};
 pub use fingerprint::{
     DefaultFingerprint, Fingerprint, FingerprintHasher, FingerprintStrategy, RawBodyFingerprint,
 };
-pub use future::ResponseFuture;
+pub use http::future::ResponseFuture;
+pub use http::layer::IdempotencyLayer;
+pub use http::outcome::{BypassReason, Completion, IdempotencyOutcome};
+pub use http::problem::Problem;
+pub use http::rejection::{Rejection, RejectionKind};
+pub use http::scope::{NoScope, ScopeExtractor};
+pub use http::service::IdempotencyService;
+pub use http::store_policy::{And, DefaultStorePolicy, StoreAll, StorePolicy};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey};
-pub use layer::IdempotencyLayer;
-pub use outcome::{BypassReason, Completion, IdempotencyOutcome};
-pub use policy::{And, DefaultStorePolicy, StoreAll, StorePolicy};
-pub use problem::Problem;
+pub use protocol::{MAX_LEASE, MAX_RETENTION};
+pub use record::codec;
 pub use record::{CompletedRecord, CorruptRecord, IDEMPOTENT_REPLAYED, StoredResponse};
-pub use rejection::{Rejection, RejectionKind};
-pub use scope::{NoScope, ScopeExtractor};
-pub use service::IdempotencyService;
 #[cfg(feature = "cache")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
 pub use store::CachedStore;

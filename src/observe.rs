@@ -1,33 +1,25 @@
-//! What the layer tells operators: a span per keyed request, metrics through
-//! the `metrics` facade (feature `metrics`), and logs that an outage cannot
-//! turn into a flood.
+//! Metrics through the `metrics` facade (feature `metrics`) for what both
+//! doors share: store latency, completions lost or retried, cache lookups.
+//! The HTTP door's span and outcome counter are in `http::observe`.
 
-use std::{
-    sync::atomic::{AtomicU64, Ordering},
-    time::{Duration, Instant},
-};
-
-use axum_core::body::Body;
-use http::Response;
-use tracing::Instrument;
-
-use crate::outcome::IdempotencyOutcome;
+#[cfg(feature = "metrics")]
+use std::time::Instant;
 
 /// Names of the metrics, for dashboards and alerts (listed in the README).
 #[cfg(feature = "metrics")]
-mod names {
+pub(crate) mod names {
     /// Counter, label `outcome`: what the layer did with each keyed request.
-    pub(super) const OUTCOMES: &str = "idempotency_outcomes_total";
+    pub(crate) const OUTCOMES: &str = "idempotency_outcomes_total";
     /// Counter: responses sent but not stored, so a retry may execute again.
-    pub(super) const COMPLETIONS_LOST: &str = "idempotency_completions_lost_total";
+    pub(crate) const COMPLETIONS_LOST: &str = "idempotency_completions_lost_total";
     /// Counter, label `result` (`stored`, `lost`, `gave_up`): completions retried
     /// in the background.
-    pub(super) const COMPLETION_RETRIES: &str = "idempotency_completion_retries_total";
+    pub(crate) const COMPLETION_RETRIES: &str = "idempotency_completion_retries_total";
     /// Counter, label `result` (`hit`, `miss`): `CachedStore` lookups.
-    pub(super) const CACHE_LOOKUPS: &str = "idempotency_cache_lookups_total";
+    pub(crate) const CACHE_LOOKUPS: &str = "idempotency_cache_lookups_total";
     /// Histogram, label `operation` (`claim`, `extend`, `complete`,
     /// `release`): store latency in seconds.
-    pub(super) const STORE_SECONDS: &str = "idempotency_store_duration_seconds";
+    pub(crate) const STORE_SECONDS: &str = "idempotency_store_duration_seconds";
 }
 
 /// A metric whose one label takes its value from a known set. `metrics`
@@ -43,43 +35,8 @@ macro_rules! labelled {
         }
     };
 }
-
-/// The span of one keyed request: the handler's own logs nest inside it.
-/// The scope is never a field (it may be a credential); the storage key,
-/// which carries its hash, is.
-pub(crate) fn request_span(key: &str) -> tracing::Span {
-    tracing::info_span!(
-        "idempotency",
-        idempotency.key = %key,
-        idempotency.storage_key = tracing::field::Empty,
-        idempotency.outcome = tracing::field::Empty,
-    )
-}
-
-/// Runs a keyed request's future in its span, then records what became of it
-/// (on the span and in the metrics).
-pub(crate) async fn recorded<E>(
-    span: tracing::Span,
-    request: impl Future<Output = Result<Response<Body>, E>>,
-) -> Result<Response<Body>, E> {
-    let result = request.instrument(span.clone()).await;
-    if let Some(outcome) = result.as_ref().ok().and_then(|r| r.extensions().get()) {
-        record_outcome(&span, outcome);
-    }
-    result
-}
-
-fn record_outcome(span: &tracing::Span, outcome: &IdempotencyOutcome) {
-    span.record(
-        "idempotency.outcome",
-        tracing::field::display(outcome.name()),
-    );
-    #[cfg(feature = "metrics")]
-    labelled!(
-        counter!(names::OUTCOMES, "outcome" => outcome.name(), one of ["executed", "replayed"])
-    )
-    .increment(1);
-}
+#[cfg(feature = "metrics")]
+pub(crate) use labelled;
 
 /// A response went out unstored: a retry may execute again.
 pub(crate) fn completion_lost() {
@@ -121,63 +78,5 @@ pub(crate) async fn store_call<T>(operation: &'static str, call: impl Future<Out
     {
         let _ = operation;
         call.await
-    }
-}
-
-/// Lets one log line through per interval and counts the rest, so that an
-/// outage's `503`s are logged once a second, not once per request.
-#[derive(Debug)]
-pub(crate) struct Throttle {
-    every: Duration,
-    origin: Instant,
-    /// When the last line went through, in milliseconds since `origin`, plus
-    /// one (zero: never).
-    last: AtomicU64,
-    suppressed: AtomicU64,
-}
-
-impl Throttle {
-    pub(crate) fn new(every: Duration) -> Self {
-        Self {
-            every,
-            origin: Instant::now(),
-            last: AtomicU64::new(0),
-            suppressed: AtomicU64::new(0),
-        }
-    }
-
-    /// `Some(lines suppressed since the last one)` when this line may be
-    /// logged, `None` when it is one of the suppressed.
-    pub(crate) fn admit(&self) -> Option<u64> {
-        let now = self.origin.elapsed().as_millis() as u64 + 1;
-        let last = self.last.load(Ordering::Relaxed);
-        let due = last == 0 || now.saturating_sub(last) >= self.every.as_millis() as u64;
-        if due
-            && self
-                .last
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            return Some(self.suppressed.swap(0, Ordering::Relaxed));
-        }
-        self.suppressed.fetch_add(1, Ordering::Relaxed);
-        None
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_throttle_admits_one_line_per_interval_and_counts_the_rest() {
-        let throttle = Throttle::new(Duration::from_millis(50));
-        assert_eq!(throttle.admit(), Some(0));
-        for _ in 0..99 {
-            assert_eq!(throttle.admit(), None);
-        }
-        std::thread::sleep(Duration::from_millis(60));
-        assert_eq!(throttle.admit(), Some(99));
-        assert_eq!(throttle.admit(), None);
     }
 }

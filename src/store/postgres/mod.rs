@@ -109,8 +109,8 @@ use self::{
 };
 use super::{Claim, LeaseToken, StorageKey, Store, StoreError, late_claim};
 use crate::{
-    codec,
     fingerprint::{Fingerprint, push_hex},
+    record::codec,
     record::{CompletedRecord, CorruptRecord},
 };
 

@@ -14,7 +14,7 @@ use http::{StatusCode, request::Parts};
 use sqlx::{PgConnection, Postgres, pool::PoolConnection};
 
 use super::lock;
-use crate::problem::Problem;
+use crate::http::problem::Problem;
 
 /// A pooled connection inside a transaction the store began (the claim is
 /// sent with `BEGIN` in one round trip, which sqlx's `Transaction` cannot

@@ -21,8 +21,8 @@ use std::{
 };
 
 use crate::{
-    codec,
     fingerprint::Fingerprint,
+    record::codec,
     record::{CompletedRecord, CorruptRecord},
     store::{Claim, LeaseToken},
 };

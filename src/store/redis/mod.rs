@@ -17,7 +17,7 @@
 //! One binary string per record at `{prefix}{SHA-256 of the scope}:{key}`
 //! (see [`StorageKey`]): an in-flight claim is `i`, the 32-byte fingerprint,
 //! the 16-byte lease token and the lease's deadline; a completed record is
-//! `c`, its expiry, then the crate's record [`codec`](crate::codec) (`r` response or `u`
+//! `c`, its expiry, then the crate's record [`codec`](crate::record::codec) (`r` response or `u`
 //! unreplayable, the fingerprint, status, created-at, headers and body) — no
 //! JSON or base64 anywhere. The deadline and the expiry (Unix milliseconds,
 //! by the writing server's clock) give `Retry-After` and how long a

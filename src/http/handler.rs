@@ -19,13 +19,13 @@ use tower_service::Service;
 use tracing::Instrument;
 
 use crate::{
-    body::{self, Buffered},
-    config::Shared,
-    lease::{Finished, Lease},
-    outcome::{Completion, IdempotencyOutcome},
-    policy::StorePolicy,
+    http::buffer::{self, Buffered},
+    http::outcome::{Completion, IdempotencyOutcome},
+    http::rejection::RejectionKind,
+    http::shared::Shared,
+    http::store_policy::StorePolicy,
+    protocol::hold::{Finished, Lease},
     record::{CompletedRecord, StoredResponse},
-    rejection::RejectionKind,
     store::{StorageKey, Store, StoreError},
 };
 
@@ -177,7 +177,7 @@ where
 }
 
 async fn read_up_to<E>(parts: Parts, body: Body, limit: usize) -> Handled<E> {
-    match body::buffer(body, limit).await {
+    match buffer::buffer(body, limit).await {
         Buffered::Complete(body) => Handled::Final(parts, body),
         Buffered::TooLarge(read, rest) => Handled::TooLarge(parts, read, rest),
         Buffered::Failed => Handled::BodyFailed,

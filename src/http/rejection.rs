@@ -5,7 +5,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use axum_core::{body::Body, response::IntoResponse};
 use http::{Response, StatusCode, header};
 
-use crate::{key::InvalidKey, problem::Problem};
+use crate::{http::problem::Problem, key::InvalidKey};
 
 /// Why the layer answered instead of the handler.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -60,12 +60,12 @@ use http::StatusCode;
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
-    canonical_json::canonical_json,
-    config::{MAX_LEASE, MAX_RETENTION},
+    fingerprint::canonical_json::canonical_json,
     fingerprint::{Fingerprint, FingerprintHasher},
     key::{IdempotencyKey, InvalidKey},
-    lease::{Finished, Lease},
     observe,
+    protocol::hold::{Finished, Lease},
+    protocol::{MAX_LEASE, MAX_RETENTION},
     record::{CompletedRecord, StoredResponse},
     store::{Claim, StorageKey, Store, StoreError},
 };

@@ -7,19 +7,10 @@ use axum_core::body::Body;
 use http::{HeaderName, Method, Response};
 
 use crate::{
-    observe::Throttle,
-    outcome::IdempotencyOutcome,
-    rejection::{Rejection, RejectionKind, RenderRejection},
+    http::observe::Throttle,
+    http::outcome::IdempotencyOutcome,
+    http::rejection::{Rejection, RejectionKind, RenderRejection},
 };
-
-/// The longest [`IdempotencyLayer::retention`](crate::IdempotencyLayer::retention): a year. "Keep forever" is not
-/// something every store can honour, and no client retries for longer.
-pub const MAX_RETENTION: Duration = Duration::from_secs(365 * 24 * 60 * 60);
-
-/// The longest [`IdempotencyLayer::lease`](crate::IdempotencyLayer::lease): a day. The lease is how long a
-/// crashed process blocks its keys; the heartbeat keeps slow handlers claimed
-/// whatever its length.
-pub const MAX_LEASE: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Plain settings, read on every request.
 #[derive(Clone, Debug)]

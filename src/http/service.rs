@@ -1,6 +1,6 @@
 //! The middleware service: the cheap, synchronous decisions (method, key,
 //! scope).
-//! Everything that awaits lives in `crate::guard`.
+//! Everything that awaits lives in `crate::http::keyed`.
 
 use std::{
     sync::Arc,
@@ -13,16 +13,16 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use crate::{
-    config::Shared,
     fingerprint::FingerprintStrategy,
-    future::ResponseFuture,
-    guard::{self, KeyedRequest},
+    http::future::ResponseFuture,
+    http::keyed::{self, KeyedRequest},
+    http::observe,
+    http::outcome::BypassReason,
+    http::rejection::RejectionKind,
+    http::scope::ScopeExtractor,
+    http::shared::Shared,
+    http::store_policy::StorePolicy,
     key::{IdempotencyKey, InvalidKey},
-    observe,
-    outcome::BypassReason,
-    policy::StorePolicy,
-    rejection::RejectionKind,
-    scope::ScopeExtractor,
     store::Store,
 };
 
@@ -117,7 +117,7 @@ where
             scope,
         };
         let span = observe::request_span(request.key.as_str());
-        let handled = guard::handle(self.shared.clone(), inner, request);
+        let handled = keyed::handle(self.shared.clone(), inner, request);
         ResponseFuture::keyed(Box::pin(observe::recorded(span, handled)))
     }
 }

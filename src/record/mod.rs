@@ -1,13 +1,15 @@
 //! What a completed key keeps, and how it comes back: the response is
 //! captured here, and replayed from here.
 
+pub mod codec;
+
 use std::time::SystemTime;
 
 use axum_core::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header};
 
-use crate::outcome::IdempotencyOutcome;
+use crate::http::outcome::IdempotencyOutcome;
 
 /// The header every replayed response carries: `Idempotent-Replayed: true`.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");

@@ -7,12 +7,14 @@
 //! numbers are compared exactly. Every field is length-prefixed, so no two
 //! different requests concatenate to the same hash input.
 
+pub(crate) mod canonical_json;
+
 use std::fmt;
 
 use http::{header::CONTENT_TYPE, request::Parts};
 use sha2::{Digest, Sha256};
 
-use crate::canonical_json::canonical_json;
+use crate::fingerprint::canonical_json::canonical_json;
 
 /// The SHA-256 fingerprint of a request.
 ///

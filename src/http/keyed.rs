@@ -10,16 +10,17 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use crate::{
-    body::{self, Buffered},
-    config::Shared,
-    execute,
     fingerprint::FingerprintStrategy,
+    http::buffer::{self, Buffered},
+    http::handler,
+    http::observe::Throttle,
+    http::rejection::RejectionKind,
+    http::shared::Shared,
+    http::store_policy::StorePolicy,
     key::IdempotencyKey,
-    lease::Lease,
-    observe::{self, Throttle},
-    policy::StorePolicy,
+    observe,
+    protocol::hold::Lease,
     record::CompletedRecord,
-    rejection::RejectionKind,
     store::{Claim, StorageKey, Store, StoreError},
 };
 
@@ -85,7 +86,7 @@ where
                 shared.store.attach(token, &mut parts.extensions);
                 let request = Request::from_parts(parts, Body::from(body));
                 let lease = Lease::new(shared.store.clone(), key, token, fingerprint, config.lease);
-                return execute::detached(shared, inner, request, lease).await;
+                return handler::detached(shared, inner, request, lease).await;
             }
             Ok(Claim::Completed { record, .. }) => return Ok(replay(&shared, &key, &record)),
             Ok(Claim::Mismatch) => {
@@ -106,7 +107,7 @@ where
                 log_outage(&shared.outage_log, &key, &error, config.fail_open);
                 if config.fail_open {
                     let request = Request::from_parts(parts, Body::from(body));
-                    return execute::unprotected(inner, request).await;
+                    return handler::unprotected(inner, request).await;
                 }
                 let retry_after = config.unavailable_retry_after;
                 return Ok(shared.rejection(RejectionKind::StoreUnavailable { retry_after }));
@@ -142,7 +143,7 @@ where
     if body.size_hint().lower() > limit as u64 {
         return Err(RejectionKind::BodyTooLarge { limit });
     }
-    match body::buffer(std::pin::pin!(body), limit).await {
+    match buffer::buffer(std::pin::pin!(body), limit).await {
         Buffered::Complete(bytes) => Ok(bytes),
         Buffered::TooLarge(..) => Err(RejectionKind::BodyTooLarge { limit }),
         Buffered::Failed => Err(RejectionKind::BodyUnreadable),

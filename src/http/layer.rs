@@ -7,14 +7,15 @@ use http::{HeaderName, Method, Response};
 use tower_layer::Layer;
 
 use crate::{
-    config::{Config, MAX_LEASE, MAX_RETENTION, Shared},
     fingerprint::{DefaultFingerprint, FingerprintStrategy},
+    http::observe::Throttle,
+    http::rejection::Rejection,
+    http::scope::{NoScope, ScopeExtractor},
+    http::service::IdempotencyService,
+    http::shared::{Config, Shared},
+    http::store_policy::{DefaultStorePolicy, StorePolicy},
     key::IDEMPOTENCY_KEY,
-    observe::Throttle,
-    policy::{DefaultStorePolicy, StorePolicy},
-    rejection::Rejection,
-    scope::{NoScope, ScopeExtractor},
-    service::IdempotencyService,
+    protocol::{MAX_LEASE, MAX_RETENTION},
     store::Store,
 };
 

@@ -1,6 +1,6 @@
 //! What the layer did with a request, for the application to see.
 
-use crate::rejection::RejectionKind;
+use crate::http::rejection::RejectionKind;
 
 /// What the layer did with a request. Every response that passes through the
 /// layer carries one in its extensions; the same is logged with `tracing`.

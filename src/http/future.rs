@@ -12,9 +12,9 @@ use bytes::Bytes;
 use http::Response;
 use pin_project_lite::pin_project;
 
-use crate::outcome::{BypassReason, IdempotencyOutcome};
+use crate::http::outcome::{BypassReason, IdempotencyOutcome};
 
-/// The claim protocol of a keyed request, boxed: see `crate::guard`.
+/// The claim protocol of a keyed request, boxed: see `crate::http::keyed`.
 type Keyed<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
 
 pin_project! {
