@@ -179,7 +179,10 @@ async fn replay_by_hand(State(pool): State<PgPool>, headers: http::HeaderMap) ->
 
 /// The same charge in the request's transaction, committed by the layer with
 /// the record.
-async fn charge_in_transaction(mut tx: IdempotentTx, Json(new): Json<NewCharge>) -> Response {
+async fn charge_in_transaction(
+    mut tx: IdempotentTx<tower_idempotency::PostgresTx>,
+    Json(new): Json<NewCharge>,
+) -> Response {
     insert_charge(&mut tx, &new).await;
     charge(Json(new)).await
 }
@@ -266,12 +269,12 @@ async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
         }))
     };
     let cached = CachedStore::new(redis().await, 64 * 1024 * 1024);
-    let transactional = || {
-        PostgresStore::builder()
-            .transactional()
-            .with_pool(pool.clone())
-            .unwrap()
-    };
+    let transactional = PostgresStore::builder()
+        .transactional()
+        .with_pool(pool.clone())
+        .await
+        .unwrap();
+    let transactional = || transactional.clone();
     let committed = || {
         Router::new()
             .route("/v1/charges", post(charge_committed))
@@ -677,7 +680,10 @@ fn main() {
             .connect(database.url())
             .await
             .expect("connect to the benchmark's database");
-        let store = PostgresStore::builder().with_pool(pool.clone()).unwrap();
+        let store = PostgresStore::builder()
+            .with_pool(pool.clone())
+            .await
+            .unwrap();
         store.migrate().await.unwrap();
         sqlx::raw_sql(
             "CREATE TABLE charges (id bigserial PRIMARY KEY, amount bigint, currency text, description text)",

@@ -26,7 +26,7 @@ use postgres::TestDatabase;
 use redis_server::RedisServer;
 use tower_idempotency::{
     MemoryStore, PostgresStore, RedisStore,
-    message::{Claimed, Idempotent, Processed},
+    message::{IdempotencyProcessor, ProcessOutcome},
     sqlx::{self, PgConnection, PgPool, postgres::PgPoolOptions},
     store::Store,
 };
@@ -56,17 +56,17 @@ enum Variant {
     Api(Process),
 }
 
-fn through<St: Store>(orders: Idempotent<St>, round: u64) -> Variant {
+fn through<St: Store>(orders: IdempotencyProcessor<St>, round: u64) -> Variant {
     let orders = Arc::new(orders);
     Variant::Api(Arc::new(move |n| {
         let orders = orders.clone();
         Box::pin(async move {
             let key = format!("r{round}-{n}");
             let done = orders
-                .run(&key, PAYLOAD, async |_: Claimed| Ok::<_, String>(result(n)))
+                .process(&key, PAYLOAD, async |_: &mut _| Ok::<_, String>(result(n)))
                 .await
                 .unwrap();
-            assert!(matches!(done, Processed::Executed(_)));
+            assert!(matches!(done, ProcessOutcome::Executed(_)));
         })
     }))
 }
@@ -118,13 +118,17 @@ async fn main() {
         .execute(&pool)
         .await
         .unwrap();
-    let plain = PostgresStore::builder().with_pool(pool.clone()).unwrap();
+    let plain = PostgresStore::builder()
+        .with_pool(pool.clone())
+        .await
+        .unwrap();
     plain.migrate().await.unwrap();
     // One mode per table.
     let transactional = PostgresStore::builder()
         .table("transactional_records")
         .transactional()
         .with_pool(pool.clone())
+        .await
         .unwrap();
     transactional.migrate().await.unwrap();
     let redis_store = RedisStore::builder().connect(&redis.url()).await.unwrap();
@@ -148,23 +152,22 @@ async fn main() {
         })
     };
     let pg_tx: Make = Box::new(move |round| {
-        let orders = Arc::new(Idempotent::new(transactional.clone()));
+        let orders = Arc::new(IdempotencyProcessor::new(transactional.clone()));
         Variant::Api(Arc::new(move |n| {
             let orders = orders.clone();
             Box::pin(async move {
                 let done = orders
-                    .run(
+                    .process(
                         &format!("r{round}-{n}"),
                         PAYLOAD,
-                        async |claimed: Claimed| {
-                            let mut tx = claimed.transaction().unwrap();
-                            insert(&mut tx, n).await;
+                        async |tx: &mut tower_idempotency::PostgresTx| {
+                            insert(tx, n).await;
                             Ok::<_, String>(result(n))
                         },
                     )
                     .await
                     .unwrap();
-                assert!(matches!(done, Processed::Executed(_)));
+                assert!(matches!(done, ProcessOutcome::Executed(_)));
             })
         }))
     });
@@ -173,17 +176,17 @@ async fn main() {
         (
             "memory",
             "bare",
-            Box::new(move |r| through(Idempotent::new(memory.clone()), r)),
+            Box::new(move |r| through(IdempotencyProcessor::new(memory.clone()), r)),
         ),
         (
             "redis",
             "bare",
-            Box::new(move |r| through(Idempotent::new(redis_store.clone()), r)),
+            Box::new(move |r| through(IdempotencyProcessor::new(redis_store.clone()), r)),
         ),
         (
             "postgres",
             "bare",
-            Box::new(move |r| through(Idempotent::new(plain.clone()), r)),
+            Box::new(move |r| through(IdempotencyProcessor::new(plain.clone()), r)),
         ),
         ("pg-insert-bare", "pg-insert-bare", pg_bare),
         ("pg-insert-tx", "pg-insert-bare", pg_tx),

@@ -97,12 +97,14 @@ fn records(c: &mut Criterion) {
         b.iter(|| StoredResponse::capture(StatusCode::CREATED, black_box(&headers), body.clone()))
     });
     let stored = StoredResponse::capture(StatusCode::CREATED, &headers, body);
-    c.bench_function("record/encode_headers", |b| {
-        b.iter(|| black_box(&stored).encode_headers())
+    let fingerprint = tower_idempotency::Fingerprint::from_bytes([7; 32]);
+    let record = tower_idempotency::CompletedRecord::Response(stored);
+    c.bench_function("record/encode", |b| {
+        b.iter(|| tower_idempotency::codec::encode(&fingerprint, black_box(&record)))
     });
-    let block = stored.encode_headers();
-    c.bench_function("record/decode_headers", |b| {
-        b.iter(|| StoredResponse::decode_headers(black_box(&block)).unwrap())
+    let bytes = Bytes::from(tower_idempotency::codec::encode(&fingerprint, &record));
+    c.bench_function("record/decode", |b| {
+        b.iter(|| tower_idempotency::codec::decode(black_box(bytes.clone())).unwrap())
     });
 }
 

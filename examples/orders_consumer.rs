@@ -4,11 +4,12 @@
 //! Run with:
 //!
 //! ```not_rust
-//! DATABASE_URL=postgres://postgres@127.0.0.1:5432/orders cargo run --release --all-features --example orders_consumer
+//! DATABASE_URL=sqlite://orders.db cargo run --release --all-features --example orders_consumer
 //! ```
 //!
 //! Environment: `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`);
-//! `QUEUE` (default `orders`, declared durable); `DATABASE_URL` (required: an
+//! `QUEUE` (default `orders`, declared durable); `DATABASE_URL` (required:
+//! `sqlite://PATH`, the file created if missing, or `postgres://…`, an
 //! existing database; the tables are created if missing); `WORK_DELAY_MS`
 //! (default 0: how long the work takes after inserting its row, before its
 //! commit — the payment processor); `ACK_DELAY_MS` (default 0: a pause
@@ -38,7 +39,7 @@
 //! rabbitmqadmin publish routing_key=orders payload='{"order_id":"order-42","amount":1999,"currency":"eur"}'
 //! rabbitmqadmin publish routing_key=orders payload='{"order_id":"order-42","amount":1999,"currency":"eur"}'
 //! # stdout: executed order-42, then duplicate order-42
-//! psql "$DATABASE_URL" -c 'SELECT * FROM order_charges'   # one row
+//! sqlite3 orders.db 'SELECT * FROM order_charges'   # one row
 //! ```
 
 use std::{env, io::Write, time::Duration};
@@ -55,9 +56,10 @@ use lapin::{
 };
 use serde::{Deserialize, Serialize};
 use tower_idempotency::{
-    IdempotencyKey, PostgresStore,
-    message::{Idempotent, ProcessError, Processed},
-    sqlx,
+    IdempotencyKey, PostgresStore, PostgresTxStore, SqliteStore, SqliteTxStore,
+    message::{IdempotencyProcessor, ProcessError, ProcessOutcome},
+    sqlx::{self, error::ErrorKind},
+    store::Store,
 };
 
 #[derive(Deserialize, Serialize)]
@@ -95,7 +97,7 @@ impl Settings {
                 .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
             queue: env::var("QUEUE").unwrap_or_else(|_| "orders".into()),
             database_url: env::var("DATABASE_URL").map_err(|_| {
-                "DATABASE_URL is required, e.g. postgres://postgres@127.0.0.1:5432/orders"
+                "DATABASE_URL is required, e.g. sqlite://orders.db or postgres://postgres@127.0.0.1:5432/orders"
                     .to_owned()
             })?,
             work_delay: millis("WORK_DELAY_MS", 0)?,
@@ -117,25 +119,87 @@ async fn main() {
     let settings = Settings::from_env().unwrap_or_else(|why| exit_with(&why));
 
     // The URLs may carry passwords: they are never logged.
-    let store = PostgresStore::builder()
-        .transactional()
-        .connect(&settings.database_url)
+    let url = settings.database_url.clone();
+    if url.starts_with("sqlite:") {
+        let store = SqliteStore::builder().transactional().connect(&url).await;
+        consume(open(store).await, settings).await
+    } else {
+        let store = PostgresStore::builder().transactional().connect(&url).await;
+        consume(open(store).await, settings).await
+    }
+}
+
+/// The idempotency table and `order_charges`, created if missing.
+async fn open<St: Ledger>(store: Result<St, tower_idempotency::store::StoreError>) -> St {
+    let store = store.unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
+    St::create_tables(&store)
         .await
-        .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
+        .unwrap_or_else(|e| exit_with(&format!("creating the tables: {e}")));
     store
-        .migrate()
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("creating the idempotency table: {e}")));
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS order_charges (
-            order_id text NOT NULL, amount bigint NOT NULL, currency text NOT NULL,
-            charged_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .execute(store.pool())
-    .await
-    .unwrap_or_else(|e| exit_with(&format!("creating order_charges: {e}")));
-    let orders = Idempotent::new(store)
-        .namespace("orders_consumer")
+}
+
+/// A transactional store the orders are charged in.
+trait Ledger: Store {
+    fn create_tables(&self) -> impl Future<Output = Result<(), Box<dyn std::error::Error>>>;
+    /// Inserts the order's charge in the claim's transaction.
+    fn charge(
+        tx: &mut Self::Granted,
+        order: &Order,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+}
+
+impl Ledger for PostgresTxStore {
+    async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
+        self.migrate().await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS order_charges (
+                order_id text NOT NULL, amount bigint NOT NULL, currency text NOT NULL,
+                charged_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    async fn charge(tx: &mut Self::Granted, order: &Order) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO order_charges (order_id, amount, currency) VALUES ($1, $2, $3)")
+            .bind(&order.order_id)
+            .bind(order.amount)
+            .bind(&order.currency)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+impl Ledger for SqliteTxStore {
+    async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
+        self.migrate().await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS order_charges (
+                order_id TEXT NOT NULL, amount INTEGER NOT NULL, currency TEXT NOT NULL,
+                charged_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)",
+        )
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    async fn charge(tx: &mut Self::Granted, order: &Order) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO order_charges (order_id, amount, currency) VALUES (?1, ?2, ?3)")
+            .bind(&order.order_id)
+            .bind(order.amount)
+            .bind(&order.currency)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Consumes the queue until the broker ends it.
+async fn consume<St: Ledger>(store: St, settings: Settings) -> ! {
+    let orders = IdempotencyProcessor::new(store)
+        .scope("orders_consumer")
         .lease(settings.lease);
 
     let connection = Connection::connect(&settings.amqp_url, ConnectionProperties::default())
@@ -196,8 +260,8 @@ enum Answer {
 }
 
 /// Processes one delivery and answers the broker: ack, requeue or reject.
-async fn handle(
-    orders: &Idempotent<PostgresStore>,
+async fn handle<St: Ledger>(
+    orders: &IdempotencyProcessor<St>,
     settings: &Settings,
     delivery: Delivery,
 ) -> Result<(), lapin::Error> {
@@ -214,16 +278,8 @@ async fn handle(
     let work_delay = settings.work_delay;
     let id = order.order_id.clone();
     let processed = orders
-        .run(&id, &delivery.data, async move |claimed| {
-            let mut tx = claimed.transaction().expect("the store is transactional");
-            sqlx::query(
-                "INSERT INTO order_charges (order_id, amount, currency) VALUES ($1, $2, $3)",
-            )
-            .bind(&order.order_id)
-            .bind(order.amount)
-            .bind(&order.currency)
-            .execute(&mut *tx)
-            .await?;
+        .process(&id, &delivery.data, async move |tx: &mut St::Granted| {
+            St::charge(tx, &order).await?;
             // The payment processor, before the commit.
             tokio::time::sleep(work_delay).await;
             Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
@@ -232,20 +288,20 @@ async fn handle(
     let (line, then) = match processed {
         // Committed: a crash from here to the ack is a redelivery that finds
         // the record.
-        Ok(Processed::Executed(_)) => {
+        Ok(ProcessOutcome::Executed(_)) => {
             tokio::time::sleep(settings.ack_delay).await;
             ("executed", Answer::Ack)
         }
-        Ok(Processed::Duplicate(_) | Processed::DuplicateUnreadable { .. }) => {
+        Ok(ProcessOutcome::Duplicate(_) | ProcessOutcome::DuplicateUnreadable { .. }) => {
             ("duplicate", Answer::Ack)
         }
         // Another consumer runs it now: put it back, after a pause so the
         // requeued message does not spin.
-        Ok(Processed::InFlight { retry_after }) => (
+        Ok(ProcessOutcome::InFlight { retry_after }) => (
             "in-flight",
             Answer::Requeue(retry_after.clamp(Duration::from_millis(100), Duration::from_secs(1))),
         ),
-        Ok(Processed::Mismatch) => ("rejected", Answer::Reject),
+        Ok(ProcessOutcome::Mismatch) => ("rejected", Answer::Reject),
         Err(ProcessError::Work(error)) if refuses_the_data(&error) => {
             tracing::warn!(order = %id, %error, "the database refused the order; rejected");
             ("refused", Answer::Reject)
@@ -287,14 +343,18 @@ fn parse(data: &[u8]) -> Result<Order, String> {
 }
 
 /// Whether the database refused the order's data itself, which no
-/// redelivery changes: a data exception (class 22, e.g. a NUL byte in text)
-/// or an integrity constraint (class 23). Anything else — a lost
-/// connection, a deadlock, a serialization failure — may pass next time.
+/// redelivery changes: a constraint it breaks, or (PostgreSQL's SQLSTATE
+/// class 22) data it cannot store, such as a NUL byte in text. Anything else
+/// — a lost connection, a deadlock, a serialization failure — may pass next
+/// time.
 fn refuses_the_data(error: &sqlx::Error) -> bool {
-    error
-        .as_database_error()
-        .and_then(|e| e.code())
-        .is_some_and(|code| code.starts_with("22") || code.starts_with("23"))
+    let Some(error) = error.as_database_error() else {
+        return false;
+    };
+    let data_exception = error
+        .code()
+        .is_some_and(|code| code.len() == 5 && code.starts_with("22"));
+    data_exception || !matches!(error.kind(), ErrorKind::Other)
 }
 
 async fn answer(delivery: &Delivery, answer: Answer) -> Result<(), lapin::Error> {

@@ -20,8 +20,8 @@ pub mod store;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use ::redis;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "sqlite"))))]
 pub use ::sqlx;
 pub use fingerprint::{
     DefaultFingerprint, Fingerprint, FingerprintHasher, FingerprintStrategy, RawBodyFingerprint,
@@ -31,13 +31,15 @@ pub use http::layer::IdempotencyLayer;
 pub use http::outcome::{BypassReason, Completion, IdempotencyOutcome};
 pub use http::problem::Problem;
 pub use http::rejection::{Rejection, RejectionKind};
+pub use http::replay::IDEMPOTENT_REPLAYED;
 pub use http::scope::{NoScope, ScopeExtractor};
 pub use http::service::IdempotencyService;
 pub use http::store_policy::{And, DefaultStorePolicy, StoreAll, StorePolicy};
+pub use http::transaction::IdempotentTx;
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey};
 pub use protocol::{MAX_LEASE, MAX_RETENTION};
 pub use record::codec;
-pub use record::{CompletedRecord, CorruptRecord, IDEMPOTENT_REPLAYED, StoredResponse};
+pub use record::{CompletedRecord, CorruptRecord, StoredResponse};
 #[cfg(feature = "cache")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
 pub use store::CachedStore;
@@ -46,7 +48,10 @@ pub use store::CachedStore;
 pub use store::MemoryStore;
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub use store::postgres::{IdempotentTx, PostgresStore};
+pub use store::postgres::{PostgresStore, PostgresTx, PostgresTxStore};
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use store::redis::RedisStore;
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use store::sqlite::{SqliteStore, SqliteTx, SqliteTxStore};

@@ -28,3 +28,16 @@ behaviour_cases!(tests_for, memory, backend::Memory);
 behaviour_cases!(tests_for, redis, backend::SingleRedis::start());
 behaviour_cases!(tests_for, cached_redis, backend::CachedRedis::start());
 behaviour_cases!(tests_for, postgres, backend::Postgres::start());
+behaviour_cases!(tests_for, postgres_tx, backend::PostgresTx::start());
+behaviour_cases!(tests_for, sqlite, backend::Sqlite::start());
+behaviour_cases!(tests_for, sqlite_tx, backend::SqliteTx::start());
+
+lease_cases!(tests_for, memory_leases, backend::Memory);
+lease_cases!(tests_for, redis_leases, backend::SingleRedis::start());
+lease_cases!(
+    tests_for,
+    cached_redis_leases,
+    backend::CachedRedis::start()
+);
+lease_cases!(tests_for, postgres_leases, backend::Postgres::start());
+lease_cases!(tests_for, sqlite_leases, backend::Sqlite::start());

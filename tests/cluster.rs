@@ -19,11 +19,11 @@ use support::{
 };
 
 macro_rules! cluster_suite {
-    (; $($case:ident),* $(,)?) => {
+    ($name:ident; $($case:ident),* $(,)?) => {
         /// One cluster for the whole suite (starting one takes seconds); each
         /// case gets a fresh key prefix.
         #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn behaviour_suite_on_a_three_master_cluster() {
+        async fn $name() {
             let cluster = backend::Cluster::start();
             $(
                 eprintln!("cluster case: {}", stringify!($case));
@@ -33,7 +33,8 @@ macro_rules! cluster_suite {
     };
 }
 
-behaviour_cases!(cluster_suite);
+behaviour_cases!(cluster_suite, behaviour_suite_on_a_three_master_cluster);
+lease_cases!(cluster_suite, lease_cases_on_a_three_master_cluster);
 
 const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
 

@@ -13,8 +13,8 @@ use std::{
 };
 
 use tower_idempotency::{
-    MemoryStore, PostgresStore,
-    message::{Idempotent, ProcessError, Processed},
+    MemoryStore, PostgresStore, PostgresTx,
+    message::{IdempotencyProcessor, ProcessError, ProcessOutcome},
     sqlx,
     store::Store,
 };
@@ -32,9 +32,7 @@ const ORDER: &[u8] = br#"{"order_id":"order-1","amount":500,"currency":"eur"}"#;
 type Runs = Arc<AtomicUsize>;
 
 /// Work that counts itself and returns a charge id.
-fn charge(
-    runs: &Runs,
-) -> impl AsyncFnOnce(tower_idempotency::message::Claimed) -> Result<String, String> {
+fn charge<G>(runs: &Runs) -> impl AsyncFnOnce(&mut G) -> Result<String, String> {
     let runs = runs.clone();
     async move |_| {
         let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
@@ -43,63 +41,75 @@ fn charge(
 }
 
 async fn the_protocol_on<St: Store>(store: St) {
-    let orders = Idempotent::new(store).namespace("orders");
+    let orders = IdempotencyProcessor::new(store).scope("orders");
     let runs = Runs::default();
 
-    let first = orders.run("order-1", ORDER, charge(&runs)).await.unwrap();
-    assert_eq!(first, Processed::Executed("ch_1".to_owned()));
+    let first = orders
+        .process("order-1", ORDER, charge(&runs))
+        .await
+        .unwrap();
+    assert_eq!(first, ProcessOutcome::Executed("ch_1".to_owned()));
     // Redelivered, reformatted: the stored result, no second run.
     let reformatted = br#"{ "currency": "eur", "amount": 500, "order_id": "order-1" }"#;
     let again = orders
-        .run("order-1", reformatted, charge(&runs))
+        .process("order-1", reformatted, charge(&runs))
         .await
         .unwrap();
-    assert_eq!(again, Processed::Duplicate("ch_1".to_owned()));
+    assert_eq!(again, ProcessOutcome::Duplicate("ch_1".to_owned()));
     // The same business key with another payload.
     let other = br#"{"order_id":"order-1","amount":999,"currency":"eur"}"#;
     assert_eq!(
-        orders.run("order-1", other, charge(&runs)).await.unwrap(),
-        Processed::Mismatch
+        orders
+            .process("order-1", other, charge(&runs))
+            .await
+            .unwrap(),
+        ProcessOutcome::Mismatch
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     // Failures release the key: the redelivery runs.
     let failed = orders
-        .run("order-2", ORDER, async |_| {
+        .process("order-2", ORDER, async |_| {
             Err::<String, _>("processor down")
         })
         .await;
     assert!(matches!(failed, Err(ProcessError::Work("processor down"))));
     let panicked = orders
-        .run("order-2", ORDER, async |_| -> Result<String, String> {
+        .process("order-2", ORDER, async |_| -> Result<String, String> {
             panic!("boom")
         })
         .await;
     assert!(matches!(panicked, Err(ProcessError::Panicked)));
     assert_eq!(
-        orders.run("order-2", ORDER, charge(&runs)).await.unwrap(),
-        Processed::Executed("ch_2".to_owned())
+        orders
+            .process("order-2", ORDER, charge(&runs))
+            .await
+            .unwrap(),
+        ProcessOutcome::Executed("ch_2".to_owned())
     );
 
     // While one delivery runs, another is told to come back later.
-    let slow = orders.run("order-3", ORDER, async |_| {
+    let slow = orders.process("order-3", ORDER, async |_| {
         tokio::time::sleep(Duration::from_millis(400)).await;
         Ok::<_, String>("slow".to_owned())
     });
     let meanwhile = async {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        orders.run("order-3", ORDER, charge(&runs)).await.unwrap()
+        orders
+            .process("order-3", ORDER, charge(&runs))
+            .await
+            .unwrap()
     };
     let (slow, meanwhile) = tokio::join!(slow, meanwhile);
-    assert_eq!(slow.unwrap(), Processed::Executed("slow".to_owned()));
+    assert_eq!(slow.unwrap(), ProcessOutcome::Executed("slow".to_owned()));
     assert!(
-        matches!(meanwhile, Processed::InFlight { .. }),
+        matches!(meanwhile, ProcessOutcome::InFlight { .. }),
         "{meanwhile:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     assert!(matches!(
-        orders.run("", ORDER, charge(&runs)).await,
+        orders.process("", ORDER, charge(&runs)).await,
         Err(ProcessError::InvalidKey(_))
     ));
 }
@@ -135,21 +145,27 @@ async fn the_protocol_on_transactional_postgres() {
 
 #[tokio::test]
 async fn the_heartbeat_keeps_slow_work_claimed() {
-    let orders = Idempotent::new(MemoryStore::new()).lease(Duration::from_millis(100));
+    let orders = IdempotencyProcessor::new(MemoryStore::new()).lease(Duration::from_millis(100));
     let runs = Runs::default();
-    let slow = orders.run("order-1", ORDER, async |_| {
+    let slow = orders.process("order-1", ORDER, async |_| {
         tokio::time::sleep(Duration::from_millis(600)).await;
         Ok::<_, String>("slow".to_owned())
     });
     let probes = async {
         for _ in 0..3 {
             tokio::time::sleep(Duration::from_millis(150)).await;
-            let probe = orders.run("order-1", ORDER, charge(&runs)).await.unwrap();
-            assert!(matches!(probe, Processed::InFlight { .. }), "{probe:?}");
+            let probe = orders
+                .process("order-1", ORDER, charge(&runs))
+                .await
+                .unwrap();
+            assert!(
+                matches!(probe, ProcessOutcome::InFlight { .. }),
+                "{probe:?}"
+            );
         }
     };
     let (slow, ()) = tokio::join!(slow, probes);
-    assert_eq!(slow.unwrap(), Processed::Executed("slow".to_owned()));
+    assert_eq!(slow.unwrap(), ProcessOutcome::Executed("slow".to_owned()));
     assert_eq!(runs.load(Ordering::SeqCst), 0, "never run alongside");
 }
 
@@ -166,12 +182,11 @@ async fn on_transactional_postgres_the_record_commits_with_the_work() {
         .execute(store.pool())
         .await
         .unwrap();
-    let orders = Idempotent::new(store);
+    let orders = IdempotencyProcessor::new(store);
     let work = |fail: bool| {
-        async move |claimed: tower_idempotency::message::Claimed| {
-            let mut tx = claimed.transaction().expect("transactional");
+        async move |tx: &mut PostgresTx| {
             sqlx::query("INSERT INTO order_charges VALUES ('order-1', 500)")
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await
                 .map_err(|e| e.to_string())?;
             if fail {
@@ -183,17 +198,17 @@ async fn on_transactional_postgres_the_record_commits_with_the_work() {
     let rows = || db.count("SELECT count(*) FROM order_charges");
 
     assert!(matches!(
-        orders.run("order-1", ORDER, work(true)).await,
+        orders.process("order-1", ORDER, work(true)).await,
         Err(ProcessError::Work(_))
     ));
     assert_eq!(rows().await, 0, "a failed work's insert is rolled back");
     assert_eq!(
-        orders.run("order-1", ORDER, work(false)).await.unwrap(),
-        Processed::Executed("charged".to_owned())
+        orders.process("order-1", ORDER, work(false)).await.unwrap(),
+        ProcessOutcome::Executed("charged".to_owned())
     );
     assert_eq!(
-        orders.run("order-1", ORDER, work(false)).await.unwrap(),
-        Processed::Duplicate("charged".to_owned())
+        orders.process("order-1", ORDER, work(false)).await.unwrap(),
+        ProcessOutcome::Duplicate("charged".to_owned())
     );
     assert_eq!(rows().await, 1);
 }
@@ -430,19 +445,22 @@ async fn the_consumer_exits_non_zero_when_the_broker_ends_it() {
 /// it forever, and the work does not run again.
 #[tokio::test]
 async fn a_stored_result_that_no_longer_reads_is_a_duplicate() {
-    let orders = Idempotent::new(MemoryStore::new());
+    let orders = IdempotencyProcessor::new(MemoryStore::new());
     let runs = Runs::default();
-    let first = orders.run("order-1", ORDER, charge(&runs)).await.unwrap();
-    assert_eq!(first, Processed::Executed("ch_1".to_owned()));
+    let first = orders
+        .process("order-1", ORDER, charge(&runs))
+        .await
+        .unwrap();
+    assert_eq!(first, ProcessOutcome::Executed("ch_1".to_owned()));
 
     let redeployed = orders
-        .run("order-1", ORDER, async |_| -> Result<u64, String> {
+        .process("order-1", ORDER, async |_| -> Result<u64, String> {
             panic!("the work ran again")
         })
         .await
         .unwrap();
     assert!(
-        matches!(redeployed, Processed::DuplicateUnreadable { .. }),
+        matches!(redeployed, ProcessOutcome::DuplicateUnreadable { .. }),
         "{redeployed:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -452,21 +470,27 @@ async fn a_stored_result_that_no_longer_reads_is_a_duplicate() {
 /// the work ran, and a redelivery must not run it again.
 #[tokio::test]
 async fn a_result_that_cannot_be_stored_still_records_the_work() {
-    let orders = Idempotent::new(MemoryStore::new());
+    let orders = IdempotencyProcessor::new(MemoryStore::new());
     let runs = Runs::default();
     let unstorable = || {
         let runs = runs.clone();
-        async move |_| {
+        async move |_: &mut _| {
             runs.fetch_add(1, Ordering::SeqCst);
             // JSON object keys must be strings.
             Ok::<_, String>(std::collections::HashMap::from([((1, 2), "x".to_owned())]))
         }
     };
-    let first = orders.run("order-1", ORDER, unstorable()).await.unwrap();
-    assert!(matches!(first, Processed::Executed(_)), "{first:?}");
-    let again = orders.run("order-1", ORDER, unstorable()).await.unwrap();
+    let first = orders
+        .process("order-1", ORDER, unstorable())
+        .await
+        .unwrap();
+    assert!(matches!(first, ProcessOutcome::Executed(_)), "{first:?}");
+    let again = orders
+        .process("order-1", ORDER, unstorable())
+        .await
+        .unwrap();
     assert!(
-        matches!(again, Processed::DuplicateUnreadable { .. }),
+        matches!(again, ProcessOutcome::DuplicateUnreadable { .. }),
         "{again:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -486,18 +510,21 @@ async fn dropping_run_never_wedges_the_key<St, Mk, W>(
 ) where
     St: Store,
     Mk: Fn() -> W,
-    W: AsyncFnOnce(tower_idempotency::message::Claimed) -> Result<String, String>,
+    W: AsyncFnOnce(&mut St::Granted) -> Result<String, String>,
 {
-    let orders = Idempotent::new(store).namespace("cancelled");
+    let orders = IdempotencyProcessor::new(store).scope("cancelled");
     for ms in (0..80).step_by(2) {
         let key = format!("order-{ms}");
-        let dropped =
-            tokio::time::timeout(Duration::from_millis(ms), orders.run(&key, ORDER, work())).await;
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(ms),
+            orders.process(&key, ORDER, work()),
+        )
+        .await;
         let deadline = std::time::Instant::now() + Duration::from_secs(3);
         loop {
-            match orders.run(&key, ORDER, work()).await.unwrap() {
-                Processed::Executed(_) | Processed::Duplicate(_) => break,
-                Processed::InFlight { .. } => {
+            match orders.process(&key, ORDER, work()).await.unwrap() {
+                ProcessOutcome::Executed(_) | ProcessOutcome::Duplicate(_) => break,
+                ProcessOutcome::InFlight { .. } => {
                     assert!(
                         std::time::Instant::now() < deadline,
                         "{key}: still in flight 3 s after its run was dropped at {ms} ms ({dropped:?})"
@@ -517,9 +544,7 @@ async fn dropping_run_never_wedges_the_key<St, Mk, W>(
 }
 
 /// Work that counts its effect after 10 ms, then takes 30 ms more.
-fn counted(
-    effects: &Runs,
-) -> impl AsyncFnOnce(tower_idempotency::message::Claimed) -> Result<String, String> {
+fn counted<G>(effects: &Runs) -> impl AsyncFnOnce(&mut G) -> Result<String, String> {
     let effects = effects.clone();
     async move |_| {
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -559,10 +584,9 @@ async fn dropping_run_on_transactional_postgres_rolls_back_or_commits_whole() {
         .unwrap();
     let pool = store.pool().clone();
     let work = || {
-        async move |claimed: tower_idempotency::message::Claimed| {
-            let mut tx = claimed.transaction().expect("transactional");
+        async move |tx: &mut PostgresTx| {
             sqlx::query("INSERT INTO order_charges VALUES ('x', 500)")
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await
                 .map_err(|e| e.to_string())?;
             tokio::time::sleep(Duration::from_millis(30)).await;
@@ -599,12 +623,11 @@ async fn work_whose_statement_failed_is_refused_not_an_outage() {
         .execute(store.pool())
         .await
         .unwrap();
-    let orders = Idempotent::new(store);
+    let orders = IdempotencyProcessor::new(store);
     let swallowed = orders
-        .run("order-1", ORDER, async |claimed| {
-            let mut tx = claimed.transaction().expect("transactional");
+        .process("order-1", ORDER, async |tx: &mut PostgresTx| {
             let _ = sqlx::query("INSERT INTO order_charges VALUES ('order-1', -5)")
-                .execute(&mut *tx)
+                .execute(&mut **tx)
                 .await;
             Ok::<_, String>("charged".to_owned())
         })

@@ -19,10 +19,10 @@ use axum::{
 };
 use tokio::sync::Notify;
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, IdempotencyOutcome, IdempotentTx, PostgresStore,
+    IdempotencyLayer, IdempotencyOutcome, PostgresStore, PostgresTx, PostgresTxStore,
     RejectionKind,
     sqlx::{self, PgPool},
-    store::{CachedStore, StorageKey},
+    store::{CachedStore, postgres::PostgresStoreBuilder},
 };
 
 use support::{
@@ -36,7 +36,10 @@ use support::{
 
 const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
 
-async fn transactional(db: &TestDatabase) -> PostgresStore {
+/// The request's transaction, as handlers take it.
+type Tx = tower_idempotency::IdempotentTx<PostgresTx>;
+
+async fn transactional(db: &TestDatabase) -> PostgresTxStore {
     let store = PostgresStore::builder()
         .transactional()
         .connect(db.url())
@@ -62,7 +65,7 @@ fn created() -> u16 {
     201
 }
 
-async fn insert(tx: &mut IdempotentTx) {
+async fn insert(tx: &mut Tx) {
     sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
         .execute(&mut **tx)
         .await
@@ -71,7 +74,7 @@ async fn insert(tx: &mut IdempotentTx) {
 
 /// Inserts a charge in the request's transaction, waits `ms`, answers
 /// `status` with the number of charges it sees.
-async fn charge(mut tx: IdempotentTx, Query(p): Query<Params>) -> (StatusCode, String) {
+async fn charge(mut tx: Tx, Query(p): Query<Params>) -> (StatusCode, String) {
     insert(&mut tx).await;
     tokio::time::sleep(Duration::from_millis(p.ms)).await;
     let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
@@ -84,13 +87,13 @@ async fn charge(mut tx: IdempotentTx, Query(p): Query<Params>) -> (StatusCode, S
     )
 }
 
-async fn panics(mut tx: IdempotentTx) -> StatusCode {
+async fn panics(mut tx: Tx) -> StatusCode {
     insert(&mut tx).await;
     panic!("the card processor exploded");
 }
 
 /// Keeps the transaction past the handler: a mistake the layer must catch.
-async fn leaks(mut tx: IdempotentTx) -> StatusCode {
+async fn leaks(mut tx: Tx) -> StatusCode {
     insert(&mut tx).await;
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -101,7 +104,7 @@ async fn leaks(mut tx: IdempotentTx) -> StatusCode {
 
 /// Loses its database connection after inserting (the server terminates
 /// it), as when the database restarts mid-request.
-async fn loses_its_connection(State(pool): State<PgPool>, mut tx: IdempotentTx) -> StatusCode {
+async fn loses_its_connection(State(pool): State<PgPool>, mut tx: Tx) -> StatusCode {
     insert(&mut tx).await;
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut *tx)
@@ -115,7 +118,7 @@ async fn loses_its_connection(State(pool): State<PgPool>, mut tx: IdempotentTx) 
     StatusCode::CREATED
 }
 
-fn app(store: PostgresStore) -> Router {
+fn app(store: PostgresTxStore) -> Router {
     let pool = store.pool().clone();
     Router::new()
         .route("/charges", post(charge))
@@ -338,47 +341,41 @@ async fn concurrent_replays_of_a_completed_key_all_replay() {
     assert_eq!(charges(&db).await, 1);
 }
 
-/// Inserts a charge, then a live record for its own key behind the layer's
-/// back (as a writer that ignores the key's lock would): the completion
-/// finds the key taken and must roll the charge back.
-async fn raced_by_a_foreign_record(State(pool): State<PgPool>, mut tx: IdempotentTx) -> StatusCode {
+/// Inserts a charge, then deletes its own claim's row in the same
+/// transaction (as a handler that cleans the records table by mistake
+/// would): the completion finds no row to write the record into, and must
+/// not commit the charge without it.
+async fn deletes_its_claim(mut tx: Tx) -> StatusCode {
     insert(&mut tx).await;
-    let key = StorageKey::new("", &IdempotencyKey::new("raced").unwrap());
-    sqlx::query(
-        "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) \
-         VALUES ($1, '\\x00', '\\x00', now() + interval '1 hour')",
-    )
-    .bind(key.as_str())
-    .execute(&pool)
-    .await
-    .unwrap();
+    sqlx::query("DELETE FROM idempotency_records")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
     StatusCode::CREATED
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_that_appears_before_the_commit_rolls_the_charge_back() {
+async fn a_claim_row_gone_before_the_commit_rolls_the_charge_back() {
     let db = TestDatabase::create();
-    let store = transactional(&db).await;
-    let pool = store.pool().clone();
     let app = Router::new()
-        .route("/raced", post(raced_by_a_foreign_record))
-        .layer(IdempotencyLayer::new(store))
-        .with_state(pool);
-    let reply = oneshot(&app, request("/raced", "raced", CHARGE)).await;
+        .route("/deletes", post(deletes_its_claim))
+        .layer(IdempotencyLayer::new(transactional(&db).await));
+    let reply = oneshot(&app, request("/deletes", "k", CHARGE)).await;
+    reply.assert_problem(500);
     assert_eq!(
-        reply.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "{:?}",
-        reply.body
+        reply.outcome,
+        Some(IdempotencyOutcome::Rejected(
+            RejectionKind::TransactionRefused
+        ))
     );
     assert_eq!(charges(&db).await, 0, "the charge must roll back");
-    // The foreign record (another fingerprint) is what the key now holds.
-    let retry = oneshot(&app, request("/raced", "raced", CHARGE)).await;
-    assert_eq!(retry.status, StatusCode::UNPROCESSABLE_ENTITY);
-    assert_eq!(charges(&db).await, 0);
+    assert_eq!(
+        db.count("SELECT count(*) FROM idempotency_records").await,
+        0
+    );
 }
 
-async fn isolation(mut tx: IdempotentTx) -> String {
+async fn isolation(mut tx: Tx) -> String {
     sqlx::query_scalar("SHOW transaction_isolation")
         .fetch_one(&mut *tx)
         .await
@@ -655,33 +652,28 @@ async fn charge_apart(State(pool): State<PgPool>) -> StatusCode {
     StatusCode::CREATED
 }
 
-/// Creates the tables, then opens the store `builder` describes at `url`
-/// (the test database itself, or the same through a relay).
-async fn mode_store(
-    db: &TestDatabase,
-    mode: Mode,
-    url: &str,
-    builder: tower_idempotency::store::postgres::PostgresStoreBuilder,
-) -> PostgresStore {
+/// Creates the tables, then opens the transactional store `builder`
+/// describes at `url` (the test database itself, or the same through a
+/// relay).
+async fn tx_store(db: &TestDatabase, url: &str, builder: PostgresStoreBuilder) -> PostgresTxStore {
     drop(transactional(db).await);
-    let builder = match mode {
-        Mode::Plain => builder,
-        Mode::Transactional => builder.transactional(),
-    };
+    let builder = builder.transactional();
     builder.connect(url).await.expect("connect the store")
 }
 
-/// [`mode_store`] behind the router of its mode.
+/// The store of `mode` behind its router, the tables created first.
 async fn mode_app(
     db: &TestDatabase,
     mode: Mode,
     url: &str,
-    builder: tower_idempotency::store::postgres::PostgresStoreBuilder,
+    builder: PostgresStoreBuilder,
 ) -> Router {
-    let store = mode_store(db, mode, url, builder).await;
     match mode {
-        Mode::Transactional => app(store),
-        Mode::Plain => plain_app(store),
+        Mode::Transactional => app(tx_store(db, url, builder).await),
+        Mode::Plain => {
+            drop(transactional(db).await);
+            plain_app(builder.connect(url).await.expect("connect the store"))
+        }
     }
 }
 
@@ -757,14 +749,14 @@ async fn a_database_lost_mid_request_is_a_503_and_the_retry_charges_once() {
     let db = TestDatabase::create();
     let relay = Relay::start(&db.host_port()).await;
     let builder = PostgresStore::builder().command_timeout(Duration::from_millis(500));
-    let store = mode_store(&db, Mode::Transactional, &db.url_via(relay.port()), builder).await;
+    let store = tx_store(&db, &db.url_via(relay.port()), builder).await;
     // The handler says when its insert has answered: the server shows the
     // insert done before the answer has crossed the relay, and a cut in
     // between would fail the insert itself (a 500, not this test).
     let inserted = Arc::new(Notify::new());
     let app = {
         let inserted = inserted.clone();
-        let handler = move |mut tx: IdempotentTx| {
+        let handler = move |mut tx: Tx| {
             let inserted = inserted.clone();
             async move {
                 insert(&mut tx).await;
@@ -896,6 +888,7 @@ async fn plain_mode_on_an_exhausted_pool_is_a_503_and_the_claim_is_dropped() {
     let store = PostgresStore::builder()
         .command_timeout(Duration::from_millis(300))
         .with_pool(pool.clone())
+        .await
         .unwrap();
     let app = plain_app(store);
 
@@ -998,7 +991,7 @@ async fn retention_counts_from_the_commit_and_every_instance_replays_one_charge(
 
 /// Inserts a charge whose note must be unique: a duplicate note is the
 /// handler's own `409`, answered after the failed statement.
-async fn charge_note(mut tx: IdempotentTx, Query(p): Query<NoteParams>) -> (StatusCode, String) {
+async fn charge_note(mut tx: Tx, Query(p): Query<NoteParams>) -> (StatusCode, String) {
     let savepoint = p.savepoint;
     if savepoint {
         sqlx::query("SAVEPOINT note")

@@ -164,13 +164,13 @@ async fn stores_called_directly_with_huge_durations_do_not_panic() {
     let fp = Fingerprint::from_bytes([1; 32]);
 
     let memory = MemoryStore::new();
-    let Claim::Acquired(token) = memory.claim(&key, &fp, Duration::MAX).await.unwrap() else {
+    let Claim::Acquired(mut token) = memory.claim(&key, &fp, Duration::MAX).await.unwrap() else {
         panic!("a fresh key is acquired")
     };
     assert!(memory.extend(&key, token, Duration::MAX).await.unwrap());
     assert!(
         memory
-            .complete(&key, token, &fp, record(), Duration::MAX)
+            .complete(&key, &mut token, &fp, record(), Duration::MAX)
             .await
             .unwrap()
     );
@@ -196,6 +196,8 @@ struct CompletionsFail {
 }
 
 impl Store for CompletionsFail {
+    type Granted = LeaseToken;
+
     async fn claim(
         &self,
         key: &StorageKey,
@@ -216,7 +218,7 @@ impl Store for CompletionsFail {
     async fn complete(
         &self,
         _: &StorageKey,
-        _: LeaseToken,
+        _: &mut LeaseToken,
         _: &Fingerprint,
         _: Arc<CompletedRecord>,
         _: Duration,

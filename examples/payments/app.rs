@@ -14,15 +14,15 @@ use axum::{
     http::{StatusCode, header, request::Parts},
     middleware::{self, Next},
     response::{IntoResponse, Response},
-    routing::post,
+    routing::{MethodRouter, post},
 };
 use serde::{Deserialize, Serialize};
 use tower::ServiceBuilder;
 use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer, trace::TraceLayer};
 use tower_idempotency::{
-    IdempotencyLayer, IdempotencyOutcome, IdempotentTx, Problem,
-    sqlx::{self, PgConnection, PgPool, Row},
-    store::Store,
+    IdempotencyLayer, IdempotencyOutcome, IdempotentTx, PostgresTx, Problem, SqliteTx,
+    sqlx::{self, PgConnection, PgPool, Row, SqliteConnection, SqlitePool},
+    store::{LeaseToken, Store},
 };
 
 /// The example's configuration, read from the environment.
@@ -90,15 +90,13 @@ impl Settings {
 }
 
 /// The service, without the `/metrics` route (its recorder is global, so
-/// `main` adds it once).
-pub fn app<St: Store>(store: St, charges: Charges, settings: &Settings) -> Router {
-    // With the transactional store the charge is written in the request's
-    // transaction; otherwise on its own.
-    let create = if store.commits_effects() {
-        post(create_charge_in_transaction)
-    } else {
-        post(create_charge)
-    };
+/// `main` adds it once). With a transactional store the charge is written
+/// in the request's transaction; with any other, on its own.
+pub fn app<St>(store: St, charges: Charges, settings: &Settings) -> Router
+where
+    St: Store<Granted: Recording>,
+{
+    let create = St::Granted::create_route();
     let idempotency = IdempotencyLayer::new(store)
         .require_key(true)
         .scope_with(|parts: &Parts| parts.extensions.get::<Account>().map(|a| a.0.clone()))
@@ -141,15 +139,57 @@ fn log_response<B>(response: &Response<B>, latency: Duration, _: &tracing::Span)
 }
 
 #[derive(Clone)]
-struct AppState {
+pub struct AppState {
     charges: Charges,
     processor_latency: Duration,
+}
+
+/// How a store's claim decides where the charge is written: a lease, on its
+/// own; a transaction, in it.
+pub trait Recording: Send + Sync + 'static {
+    fn create_route() -> MethodRouter<AppState>;
+}
+
+impl Recording for LeaseToken {
+    fn create_route() -> MethodRouter<AppState> {
+        post(create_charge)
+    }
+}
+
+impl Recording for PostgresTx {
+    fn create_route() -> MethodRouter<AppState> {
+        post(create_charge_in_transaction::<PostgresTx>)
+    }
+}
+
+impl Recording for SqliteTx {
+    fn create_route() -> MethodRouter<AppState> {
+        post(create_charge_in_transaction::<SqliteTx>)
+    }
+}
+
+/// A connection a charge can be inserted on.
+pub trait InsertCharge: Send {
+    fn insert(&mut self, charge: &Charge) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+}
+
+impl InsertCharge for PgConnection {
+    async fn insert(&mut self, charge: &Charge) -> Result<(), sqlx::Error> {
+        insert_pg(self, charge).await
+    }
+}
+
+impl InsertCharge for SqliteConnection {
+    async fn insert(&mut self, charge: &Charge) -> Result<(), sqlx::Error> {
+        insert_sqlite(self, charge).await
+    }
 }
 
 /// Where charges live: one row (or entry) per handler execution.
 #[derive(Clone)]
 pub enum Charges {
     Memory(Arc<Mutex<HashMap<String, Vec<Charge>>>>),
+    Sqlite(SqlitePool),
     Postgres(PgPool),
 }
 
@@ -165,7 +205,8 @@ impl Charges {
                     .push(charge.clone());
                 Ok(())
             }
-            Charges::Postgres(pool) => insert_charge(&mut *pool.acquire().await?, charge).await,
+            Charges::Sqlite(pool) => insert_sqlite(&mut *pool.acquire().await?, charge).await,
+            Charges::Postgres(pool) => insert_pg(&mut *pool.acquire().await?, charge).await,
         }
     }
 
@@ -177,6 +218,16 @@ impl Charges {
                 .get(account)
                 .cloned()
                 .unwrap_or_default()),
+            Charges::Sqlite(pool) => {
+                let rows = sqlx::query(
+                    "SELECT id, account, amount, currency, description FROM charges \
+                     WHERE account = ?1 ORDER BY rowid",
+                )
+                .bind(account)
+                .fetch_all(pool)
+                .await?;
+                rows.iter().map(Charge::from_row).collect()
+            }
             Charges::Postgres(pool) => {
                 let rows = sqlx::query(
                     "SELECT id, account, amount, currency, description FROM charges \
@@ -185,23 +236,48 @@ impl Charges {
                 .bind(account)
                 .fetch_all(pool)
                 .await?;
-                rows.iter()
-                    .map(|row| {
-                        Ok(Charge {
-                            id: row.try_get("id")?,
-                            account: row.try_get("account")?,
-                            amount: row.try_get("amount")?,
-                            currency: row.try_get("currency")?,
-                            description: row.try_get("description")?,
-                        })
-                    })
-                    .collect()
+                rows.iter().map(Charge::from_row).collect()
             }
         }
     }
 }
 
-async fn insert_charge(connection: &mut PgConnection, charge: &Charge) -> Result<(), sqlx::Error> {
+impl Charge {
+    fn from_row<R: Row>(row: &R) -> Result<Self, sqlx::Error>
+    where
+        for<'r> &'r str: sqlx::ColumnIndex<R>,
+        for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+        for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    {
+        Ok(Charge {
+            id: row.try_get("id")?,
+            account: row.try_get("account")?,
+            amount: row.try_get("amount")?,
+            currency: row.try_get("currency")?,
+            description: row.try_get("description")?,
+        })
+    }
+}
+
+async fn insert_sqlite(
+    connection: &mut SqliteConnection,
+    charge: &Charge,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO charges (id, account, amount, currency, description) VALUES (?1, ?2, ?3, ?4, ?5)",
+    )
+    .bind(&charge.id)
+    .bind(&charge.account)
+    .bind(charge.amount)
+    .bind(&charge.currency)
+    .bind(&charge.description)
+    .execute(connection)
+    .await?;
+    Ok(())
+}
+
+async fn insert_pg(connection: &mut PgConnection, charge: &Charge) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO charges (id, account, amount, currency, description) VALUES ($1, $2, $3, $4, $5)",
     )
@@ -275,17 +351,20 @@ async fn create_charge(
 
 /// Charges in the request's transaction: the charge and the idempotency
 /// record commit together once this returns, or neither does.
-async fn create_charge_in_transaction(
+async fn create_charge_in_transaction<T>(
     State(state): State<AppState>,
     axum::Extension(Account(account)): axum::Extension<Account>,
-    mut tx: IdempotentTx,
+    mut tx: IdempotentTx<T>,
     body: Result<Json<NewCharge>, JsonRejection>,
-) -> Response {
+) -> Response
+where
+    T: std::ops::DerefMut<Target: InsertCharge> + Send + Sync + 'static,
+{
     let charge = match new_charge(account, body) {
         Ok(charge) => charge,
         Err(invalid) => return invalid.into_response(),
     };
-    let recorded = insert_charge(&mut tx, &charge).await;
+    let recorded = tx.insert(&charge).await;
     after_recording(&state, charge, recorded).await
 }
 

@@ -6,14 +6,19 @@
 //! cargo run --release --all-features --example payments
 //! ```
 //!
-//! Environment: `BIND_ADDR` (default `127.0.0.1:3000`); `DATABASE_URL` (set:
-//! charges live in PostgreSQL, and the idempotency records too, in the same
-//! transaction as each charge: exactly one charge per key, even across
-//! crashes); `REDIS_URL` (set: records in Redis; with `DATABASE_URL` too,
-//! charges still live in PostgreSQL but commit on their own, which is the
-//! crash window the Postgres store closes); `REDIS_CLUSTER_NODES`
-//! (comma-separated `redis://host:port` seeds: Redis Cluster); with none of
-//! these, everything is in memory; `PROCESSOR_LATENCY_MS` (default 0:
+//! Charges and idempotency records live in one SQLite file, `payments.db` in
+//! the working directory, in one transaction per charge: exactly one charge
+//! per key, even across crashes and restarts — with nothing to install.
+//!
+//! Environment: `BIND_ADDR` (default `127.0.0.1:3000`); `DATABASE_URL`
+//! (unset: `payments.db`; `sqlite://PATH`: that file, created if missing;
+//! `postgres://…`: charges and records in PostgreSQL, one transaction per
+//! charge); `REDIS_URL` (set: records in Redis; charges in the
+//! `DATABASE_URL` database if set, else in memory, committed on their own —
+//! the crash window the SQL stores close); `REDIS_CLUSTER_NODES`
+//! (comma-separated `redis://host:port` seeds: Redis Cluster, likewise);
+//! `IDEMPOTENCY_STORE=memory` (records and charges in memory: nothing
+//! persisted); `PROCESSOR_LATENCY_MS` (default 0:
 //! how long the fake card processor takes); `IDEMPOTENCY_LEASE_MS` (default
 //! 30000); `IDEMPOTENCY_TTL_SECS` (default 86400); `REQUEST_TIMEOUT_MS`
 //! (default 10000); `IDEMPOTENCY_TX_TIMEOUT_MS` (default 30000: how long a
@@ -66,11 +71,34 @@ mod app;
 
 use std::{env, sync::Arc};
 
-use axum::routing::get;
+use axum::{Router, routing::get};
 use metrics_exporter_prometheus::PrometheusBuilder;
-use tower_idempotency::{MemoryStore, PostgresStore, RedisStore, sqlx};
+use tower_idempotency::{
+    MemoryStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore, SqliteTxStore, sqlx,
+};
 
 use app::{Charges, Settings, app};
+
+/// Where the example keeps charges and records, from the environment.
+enum Database {
+    Sqlite(String),
+    Postgres(String),
+}
+
+impl Database {
+    fn from_env() -> Result<Self, String> {
+        match env::var("DATABASE_URL") {
+            Err(_) => Ok(Self::Sqlite("sqlite://payments.db".into())),
+            Ok(url) if url.starts_with("sqlite:") => Ok(Self::Sqlite(url)),
+            Ok(url) if url.starts_with("postgres:") || url.starts_with("postgresql:") => {
+                Ok(Self::Postgres(url))
+            }
+            Ok(_) => Err(
+                "DATABASE_URL must be sqlite://PATH or postgres://… (or unset: payments.db)".into(),
+            ),
+        }
+    }
+}
 
 #[tokio::main]
 async fn main() {
@@ -82,40 +110,34 @@ async fn main() {
         .init();
 
     let settings = Settings::from_env().unwrap_or_else(|why| exit_with(&why));
+    let database = Database::from_env().unwrap_or_else(|why| exit_with(&why));
     // The URLs may carry a password: they are never logged.
-    let database = match env::var("DATABASE_URL") {
-        Ok(url) => Some(
-            connect_database(&url, &settings)
-                .await
-                .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}"))),
-        ),
-        Err(_) => None,
-    };
-    let charges = match &database {
-        Some(store) => Charges::Postgres(store.pool().clone()),
-        None => Charges::Memory(Arc::default()),
-    };
-    let app = if let Ok(nodes) = env::var("REDIS_CLUSTER_NODES") {
+    let app = if env::var("IDEMPOTENCY_STORE").is_ok_and(|s| s == "memory") {
+        tracing::info!("store: in-memory (IDEMPOTENCY_STORE=memory): nothing persisted");
+        app(
+            MemoryStore::new(),
+            Charges::Memory(Arc::default()),
+            &settings,
+        )
+    } else if let Ok(nodes) = env::var("REDIS_CLUSTER_NODES") {
         let nodes: Vec<String> = nodes.split(',').map(|n| n.trim().to_owned()).collect();
         let store = RedisStore::builder()
             .connect_cluster(nodes)
             .await
             .unwrap_or_else(|e| exit_with(&format!("REDIS_CLUSTER_NODES: {e}")));
         tracing::info!("store: Redis Cluster (REDIS_CLUSTER_NODES)");
-        app(store, charges, &settings)
+        app(store, charges_apart().await, &settings)
     } else if let Ok(url) = env::var("REDIS_URL") {
         let store = RedisStore::builder()
             .connect(&url)
             .await
             .unwrap_or_else(|e| exit_with(&format!("REDIS_URL: {e}")));
         tracing::info!("store: Redis (REDIS_URL)");
-        app(store, charges, &settings)
-    } else if let Some(store) = database {
-        tracing::info!("store: PostgreSQL, one transaction per charge (DATABASE_URL)");
-        app(store, charges, &settings)
+        app(store, charges_apart().await, &settings)
     } else {
-        tracing::info!("store: in-memory (set DATABASE_URL for PostgreSQL, REDIS_URL for Redis)");
-        app(MemoryStore::new(), charges, &settings)
+        transactional(database, &settings)
+            .await
+            .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")))
     };
 
     let metrics = PrometheusBuilder::new()
@@ -141,24 +163,77 @@ fn exit_with(message: &str) -> ! {
     std::process::exit(2)
 }
 
-/// The transactional store, with the charges table created if missing.
-async fn connect_database(
-    url: &str,
+/// Charges and records in one database, one transaction per charge.
+async fn transactional(
+    database: Database,
     settings: &Settings,
-) -> Result<PostgresStore, Box<dyn std::error::Error>> {
-    let store = PostgresStore::builder()
-        .transactional()
-        .transaction_timeout(settings.transaction_timeout)
-        .connect(url)
-        .await?;
-    store.migrate().await?;
+) -> Result<Router, Box<dyn std::error::Error>> {
+    Ok(match database {
+        Database::Sqlite(url) => {
+            let store = SqliteStore::builder().transactional().connect(&url).await?;
+            let pool = sqlite_charges(store.pool()).await?;
+            store.migrate().await?;
+            tracing::info!("store: SQLite, one transaction per charge ({url})");
+            app::<SqliteTxStore>(store, Charges::Sqlite(pool), settings)
+        }
+        Database::Postgres(url) => {
+            let store = PostgresStore::builder()
+                .transactional()
+                .transaction_timeout(settings.transaction_timeout)
+                .connect(&url)
+                .await?;
+            let pool = postgres_charges(store.pool()).await?;
+            store.migrate().await?;
+            tracing::info!("store: PostgreSQL, one transaction per charge (DATABASE_URL)");
+            app::<PostgresTxStore>(store, Charges::Postgres(pool), settings)
+        }
+    })
+}
+
+/// Where charges live beside a Redis store: the `DATABASE_URL` database if
+/// set (committed on their own), else memory.
+async fn charges_apart() -> Charges {
+    let Ok(url) = env::var("DATABASE_URL") else {
+        return Charges::Memory(Arc::default());
+    };
+    let charges = async {
+        Ok::<_, Box<dyn std::error::Error>>(match Database::from_env()? {
+            Database::Sqlite(url) => {
+                let store = SqliteStore::builder().connect(&url).await?;
+                Charges::Sqlite(sqlite_charges(store.pool()).await?)
+            }
+            Database::Postgres(_) => {
+                let pool = sqlx::PgPool::connect(&url).await?;
+                Charges::Postgres(postgres_charges(&pool).await?)
+            }
+        })
+    };
+    charges
+        .await
+        .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")))
+}
+
+/// The charges table in SQLite, created if missing.
+async fn sqlite_charges(pool: &sqlx::SqlitePool) -> Result<sqlx::SqlitePool, sqlx::Error> {
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS charges (
+            id TEXT PRIMARY KEY, account TEXT NOT NULL, amount INTEGER NOT NULL,
+            currency TEXT NOT NULL, description TEXT)",
+    )
+    .execute(pool)
+    .await?;
+    Ok(pool.clone())
+}
+
+/// The charges table in PostgreSQL, created if missing.
+async fn postgres_charges(pool: &sqlx::PgPool) -> Result<sqlx::PgPool, sqlx::Error> {
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS charges (
             id text PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
             currency text NOT NULL, description text,
             created_at timestamptz NOT NULL DEFAULT now())",
     )
-    .execute(store.pool())
+    .execute(pool)
     .await?;
-    Ok(store)
+    Ok(pool.clone())
 }

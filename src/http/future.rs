@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http::Response;
 use pin_project_lite::pin_project;
 
-use crate::http::outcome::{BypassReason, IdempotencyOutcome};
+use crate::http::outcome::{Answered, BypassReason, IdempotencyOutcome};
 
 /// The claim protocol of a keyed request, boxed: see `crate::http::keyed`.
 type Keyed<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;
@@ -70,11 +70,9 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
             KindProj::Bypass { future, reason } => {
-                let mut response = ready!(future.poll(cx))?.map(Body::new);
-                response
-                    .extensions_mut()
-                    .insert(IdempotencyOutcome::Bypassed(*reason));
-                Poll::Ready(Ok(response))
+                let response = ready!(future.poll(cx))?.map(Body::new);
+                let answered = Answered::new(response, IdempotencyOutcome::Bypassed(*reason));
+                Poll::Ready(Ok(answered.stamped()))
             }
             KindProj::Ready { response } => Poll::Ready(Ok(response
                 .take()

@@ -10,21 +10,24 @@ use std::{
     time::SystemTime,
 };
 
-use axum_core::{BoxError, body::Body};
+use axum_core::body::Body;
 use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt, stream};
 use http::{Request, Response, response::Parts};
 use http_body_util::{BodyStream, StreamBody};
-use tower_service::Service;
 use tracing::Instrument;
 
 use crate::{
-    http::buffer::{self, Buffered},
-    http::outcome::{Completion, IdempotencyOutcome},
-    http::rejection::RejectionKind,
-    http::shared::Shared,
-    http::store_policy::StorePolicy,
-    protocol::hold::{Finished, Lease},
+    http::{
+        Inner,
+        buffer::{self, Buffered},
+        outcome::{Answered, Completion, IdempotencyOutcome},
+        rejection::RejectionKind,
+        shared::Shared,
+        store_policy::StorePolicy,
+        transaction,
+    },
+    protocol::{Finished, Hold},
     record::{CompletedRecord, StoredResponse},
     store::{StorageKey, Store, StoreError},
 };
@@ -48,24 +51,26 @@ enum Handled<E> {
 ///
 /// A plain function rather than an `async fn`, so the caller's future holds
 /// only the small [`Detached`] handle, not a second copy of the arguments.
-pub(crate) fn detached<S, St, Sc, P, F, ResBody>(
+pub(crate) fn detached<S, St, Sc, P, F>(
     shared: Arc<Shared<St, Sc, P, F>>,
     inner: S,
     request: Request<Body>,
-    lease: Lease<St>,
-) -> impl Future<Output = Result<Response<Body>, S::Error>> + Send
+    mut hold: Hold<St>,
+) -> impl Future<Output = Result<Answered, S::Error>> + Send
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
+    S: Inner,
     St: Store,
     Sc: Send + Sync + 'static,
     P: StorePolicy,
     F: Send + Sync + 'static,
 {
     Detached::new(async move {
+        let mut request = request;
+        // A transaction goes to the handler (the `IdempotentTx` extractor),
+        // and comes back once it has returned — unless it kept it.
+        let lent = hold
+            .lend_if_transaction()
+            .map(|tx| transaction::lend(tx, request.extensions_mut()));
         // Scoped, so that `settle` can reuse the space of the finished work.
         let handled = {
             let work = std::pin::pin!(run(
@@ -74,9 +79,12 @@ where
                 &shared.policy,
                 shared.config.max_stored_body
             ));
-            lease.hold_while(work).await
+            hold.hold_while(work).await
         };
-        settle(&shared, lease, handled).await
+        if let Some(tx) = lent.and_then(|slot| slot.take()) {
+            hold.give_back(tx);
+        }
+        settle(&shared, hold, handled).await
     })
 }
 
@@ -130,34 +138,20 @@ impl<T: 'static> Drop for Detached<T> {
 }
 
 /// Runs the handler when the store is down and the layer fails open.
-pub(crate) async fn unprotected<S, ResBody>(
+pub(crate) async fn unprotected<S: Inner>(
     mut inner: S,
     request: Request<Body>,
-) -> Result<Response<Body>, S::Error>
-where
-    S: Service<Request<Body>, Response = Response<ResBody>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-{
-    let mut response = inner.call(request).await?.map(Body::new);
-    response
-        .extensions_mut()
-        .insert(IdempotencyOutcome::Unprotected);
-    Ok(response)
+) -> Result<Answered, S::Error> {
+    let response = inner.call(request).await?.map(Body::new);
+    Ok(Answered::new(response, IdempotencyOutcome::Unprotected))
 }
 
-async fn run<S, P, ResBody>(
+async fn run<S: Inner, P: StorePolicy>(
     mut inner: S,
     request: Request<Body>,
     policy: &P,
     limit: usize,
-) -> Handled<S::Error>
-where
-    S: Service<Request<Body>, Response = Response<ResBody>>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-    P: StorePolicy,
-{
+) -> Handled<S::Error> {
     let work = async move {
         let response = match inner.call(request).await {
             // `Body::new` only boxes bodies that are not already an axum `Body`.
@@ -189,31 +183,31 @@ async fn read_up_to<E>(parts: Parts, body: Body, limit: usize) -> Handled<E> {
 /// out at once and the completion is retried while the lease holds).
 async fn settle<St, Sc, P, F, E>(
     shared: &Shared<St, Sc, P, F>,
-    lease: Lease<St>,
+    hold: Hold<St>,
     handled: Handled<E>,
-) -> Result<Response<Body>, E>
+) -> Result<Answered, E>
 where
     St: Store,
 {
     let (record, response, completion) = match handled {
         Handled::Panicked => {
-            tracing::error!(key = %lease.key(), "idempotency: handler panicked; key released");
-            lease.release().await;
+            tracing::error!(key = %hold.key(), "idempotency: handler panicked; key released");
+            hold.release().await;
             return Ok(shared.rejection(RejectionKind::HandlerPanicked));
         }
         Handled::Failed(error) => {
-            tracing::warn!(key = %lease.key(), "idempotency: handler failed; key released");
-            lease.release().await;
+            tracing::warn!(key = %hold.key(), "idempotency: handler failed; key released");
+            hold.release().await;
             return Err(error);
         }
         Handled::BodyFailed => {
-            tracing::warn!(key = %lease.key(), "idempotency: response body failed; key released");
-            lease.release().await;
+            tracing::warn!(key = %hold.key(), "idempotency: response body failed; key released");
+            hold.release().await;
             return Ok(shared.rejection(RejectionKind::ResponseBodyFailed));
         }
         Handled::NotFinal(response) => {
-            tracing::debug!(key = %lease.key(), status = %response.status(), "idempotency: response not final; key released");
-            lease.release().await;
+            tracing::debug!(key = %hold.key(), status = %response.status(), "idempotency: response not final; key released");
+            hold.release().await;
             return Ok(executed(response, Completion::Released));
         }
         Handled::Final(parts, body) => {
@@ -226,7 +220,7 @@ where
             )
         }
         Handled::TooLarge(parts, read, rest) => {
-            tracing::warn!(key = %lease.key(), "idempotency: response too large to store; key completes unreplayable");
+            tracing::warn!(key = %hold.key(), "idempotency: response too large to store; key completes unreplayable");
             let record = CompletedRecord::Unreplayable {
                 status: parts.status,
                 created_at: SystemTime::now(),
@@ -242,12 +236,9 @@ where
             )
         }
     };
-    let key = lease.key().clone();
+    let key = hold.key().clone();
     Ok(
-        match lease
-            .finish(Arc::new(record), shared.config.retention)
-            .await
-        {
+        match hold.finish(Arc::new(record), shared.config.retention).await {
             Finished::Stored => {
                 tracing::debug!(%key, ?completion, "idempotency: executed");
                 executed(response, completion)
@@ -280,7 +271,7 @@ fn withheld<St, Sc, P, F>(
     shared: &Shared<St, Sc, P, F>,
     key: &StorageKey,
     error: StoreError,
-) -> Response<Body> {
+) -> Answered {
     if let StoreError::TransactionHeld = error {
         tracing::error!(
             %key,
@@ -293,11 +284,8 @@ fn withheld<St, Sc, P, F>(
     shared.rejection(RejectionKind::StoreUnavailable { retry_after })
 }
 
-fn executed(mut response: Response<Body>, completion: Completion) -> Response<Body> {
-    response
-        .extensions_mut()
-        .insert(IdempotencyOutcome::Executed(completion));
-    response
+fn executed(response: Response<Body>, completion: Completion) -> Answered {
+    Answered::new(response, IdempotencyOutcome::Executed(completion))
 }
 
 #[cfg(test)]

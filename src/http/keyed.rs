@@ -1,27 +1,29 @@
-//! The claim protocol for a keyed request: the one place that decides what it
-//! gets — a replay, a rejection, or an execution.
+//! A keyed request's way through the protocol: the one place that decides
+//! what it gets — a replay, a rejection, or an execution.
 
 use std::{sync::Arc, time::Duration};
 
 use axum_core::{BoxError, body::Body};
 use bytes::Bytes;
-use http::{Request, Response, request::Parts};
+use http::{Request, request::Parts};
 use tokio::time::Instant;
-use tower_service::Service;
 
 use crate::{
     fingerprint::FingerprintStrategy,
-    http::buffer::{self, Buffered},
-    http::handler,
-    http::observe::Throttle,
-    http::rejection::RejectionKind,
-    http::shared::Shared,
-    http::store_policy::StorePolicy,
+    http::{
+        Inner,
+        buffer::{self, Buffered},
+        handler,
+        observe::Throttle,
+        outcome::Answered,
+        rejection::RejectionKind,
+        replay,
+        shared::Shared,
+        store_policy::StorePolicy,
+    },
     key::IdempotencyKey,
-    observe,
-    protocol::hold::Lease,
-    record::CompletedRecord,
-    store::{Claim, StorageKey, Store, StoreError},
+    protocol::{self, Claimed},
+    store::{StorageKey, Store, StoreError},
 };
 
 /// A guarded request that passed the synchronous checks: it has a valid key
@@ -36,19 +38,17 @@ pub(crate) struct KeyedRequest<B> {
 /// How often a waiting duplicate polls the store, at most.
 const MAX_WAIT_POLL: Duration = Duration::from_millis(100);
 
-pub(crate) async fn handle<S, St, Sc, P, F, ReqBody, ResBody>(
+/// Buffers and fingerprints the request, claims its key, and answers:
+/// a replay, a rejection, or the handler's response under the claim.
+pub(crate) async fn handle<S, St, Sc, P, F, ReqBody>(
     shared: Arc<Shared<St, Sc, P, F>>,
     inner: S,
     request: KeyedRequest<ReqBody>,
-) -> Result<Response<Body>, S::Error>
+) -> Result<Answered, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Inner,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
     St: Store,
     Sc: Send + Sync + 'static,
     P: StorePolicy,
@@ -79,31 +79,21 @@ where
     let wait_until = config.in_flight_wait.map(|wait| Instant::now() + wait);
     let mut poll_every = Duration::from_millis(5);
     loop {
-        let claim = shared.store.claim(&key, &fingerprint, config.lease);
-        match observe::store_call("claim", claim).await {
-            Ok(Claim::Acquired(token)) => {
-                // A transactional store hands the handler its transaction here.
-                shared.store.attach(token, &mut parts.extensions);
+        match protocol::claim(&shared.store, key.clone(), fingerprint, config.lease).await {
+            Claimed::Granted(hold) => {
                 let request = Request::from_parts(parts, Body::from(body));
-                let lease = Lease::new(shared.store.clone(), key, token, fingerprint, config.lease);
-                return handler::detached(shared, inner, request, lease).await;
+                return handler::detached(shared, inner, request, hold).await;
             }
-            Ok(Claim::Completed { record, .. }) => return Ok(replay(&shared, &key, &record)),
-            Ok(Claim::Mismatch) => {
-                tracing::info!(%key, "idempotency: key reused with different parameters");
-                return Ok(shared.rejection(RejectionKind::Mismatch));
-            }
-            Ok(Claim::InFlight { retry_after }) => match wait_until {
+            Claimed::Completed(record) => return Ok(replay::answer(&shared, &key, &record)),
+            Claimed::Mismatch => return Ok(shared.rejection(RejectionKind::Mismatch)),
+            Claimed::InFlight { retry_after } => match wait_until {
                 Some(deadline) if Instant::now() + poll_every <= deadline => {
                     tokio::time::sleep(poll_every).await;
                     poll_every = (poll_every * 2).min(MAX_WAIT_POLL);
                 }
-                _ => {
-                    tracing::debug!(%key, "idempotency: duplicate of an in-flight request");
-                    return Ok(shared.rejection(RejectionKind::InFlight { retry_after }));
-                }
+                _ => return Ok(shared.rejection(RejectionKind::InFlight { retry_after })),
             },
-            Err(error) => {
+            Claimed::Unavailable(error) => {
                 log_outage(&shared.outage_log, &key, &error, config.fail_open);
                 if config.fail_open {
                     let request = Request::from_parts(parts, Body::from(body));
@@ -147,24 +137,5 @@ where
         Buffered::Complete(bytes) => Ok(bytes),
         Buffered::TooLarge(..) => Err(RejectionKind::BodyTooLarge { limit }),
         Buffered::Failed => Err(RejectionKind::BodyUnreadable),
-    }
-}
-
-/// A completed key's answer: its stored response, or the rejection that says
-/// it cannot be replayed.
-fn replay<St, Sc, P, F>(
-    shared: &Shared<St, Sc, P, F>,
-    key: &StorageKey,
-    record: &CompletedRecord,
-) -> Response<Body> {
-    match record {
-        CompletedRecord::Response(stored) => {
-            tracing::debug!(%key, "idempotency: replayed");
-            stored.replay()
-        }
-        CompletedRecord::Unreplayable { status, .. } => {
-            tracing::info!(%key, "idempotency: completed but unreplayable");
-            shared.rejection(RejectionKind::Unreplayable { status: *status })
-        }
     }
 }

@@ -11,7 +11,7 @@ use axum_core::body::Body;
 use http::Response;
 use tracing::Instrument;
 
-use super::outcome::IdempotencyOutcome;
+use super::outcome::{Answered, IdempotencyOutcome};
 #[cfg(feature = "metrics")]
 use crate::observe::{labelled, names};
 
@@ -28,16 +28,14 @@ pub(crate) fn request_span(key: &str) -> tracing::Span {
 }
 
 /// Runs a keyed request's future in its span, then records what became of it
-/// (on the span and in the metrics).
+/// (on the span and in the metrics) and stamps it on the response.
 pub(crate) async fn recorded<E>(
     span: tracing::Span,
-    request: impl Future<Output = Result<Response<Body>, E>>,
+    request: impl Future<Output = Result<Answered, E>>,
 ) -> Result<Response<Body>, E> {
-    let result = request.instrument(span.clone()).await;
-    if let Some(outcome) = result.as_ref().ok().and_then(|r| r.extensions().get()) {
-        record_outcome(&span, outcome);
-    }
-    result
+    let answered = request.instrument(span.clone()).await?;
+    record_outcome(&span, &answered.outcome);
+    Ok(answered.stamped())
 }
 
 fn record_outcome(span: &tracing::Span, outcome: &IdempotencyOutcome) {

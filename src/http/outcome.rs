@@ -1,6 +1,29 @@
-//! What the layer did with a request, for the application to see.
+//! What the layer did with a request, for the application to see: decided
+//! with the response, stamped on it once.
+
+use axum_core::body::Body;
+use http::Response;
 
 use crate::http::rejection::RejectionKind;
+
+/// A response and what the layer did to produce it.
+pub(crate) struct Answered {
+    pub(crate) response: Response<Body>,
+    pub(crate) outcome: IdempotencyOutcome,
+}
+
+impl Answered {
+    pub(crate) fn new(response: Response<Body>, outcome: IdempotencyOutcome) -> Self {
+        Self { response, outcome }
+    }
+
+    /// The response, carrying its outcome in its extensions: the one place
+    /// that writes it.
+    pub(crate) fn stamped(mut self) -> Response<Body> {
+        self.response.extensions_mut().insert(self.outcome);
+        self.response
+    }
+}
 
 /// What the layer did with a request. Every response that passes through the
 /// layer carries one in its extensions; the same is logged with `tracing`.

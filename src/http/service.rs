@@ -139,6 +139,6 @@ impl<S, St, Sc, P, F> IdempotencyService<S, St, Sc, P, F> {
 
     fn reject<E, Fut>(&self, kind: RejectionKind) -> ResponseFuture<Fut, E> {
         tracing::debug!(?kind, "idempotency: rejected");
-        ResponseFuture::ready(self.shared.rejection(kind))
+        ResponseFuture::ready(self.shared.rejection(kind).stamped())
     }
 }

@@ -3,12 +3,11 @@
 
 use std::{sync::Arc, time::Duration};
 
-use axum_core::body::Body;
-use http::{HeaderName, Method, Response};
+use http::{HeaderName, Method};
 
 use crate::{
     http::observe::Throttle,
-    http::outcome::IdempotencyOutcome,
+    http::outcome::{Answered, IdempotencyOutcome},
     http::rejection::{Rejection, RejectionKind, RenderRejection},
 };
 
@@ -43,12 +42,9 @@ pub(crate) struct Shared<St, Sc, P, F> {
 }
 
 impl<St, Sc, P, F> Shared<St, Sc, P, F> {
-    /// The rendered rejection, tagged with its outcome.
-    pub(crate) fn rejection(&self, kind: RejectionKind) -> Response<Body> {
-        let mut response = (self.render)(Rejection::new(kind.clone()));
-        response
-            .extensions_mut()
-            .insert(IdempotencyOutcome::Rejected(kind));
-        response
+    /// The rendered rejection, with its outcome.
+    pub(crate) fn rejection(&self, kind: RejectionKind) -> Answered {
+        let response = (self.render)(Rejection::new(kind.clone()));
+        Answered::new(response, IdempotencyOutcome::Rejected(kind))
     }
 }

@@ -5,7 +5,7 @@
 //! visibility timeout (30 s by default) passes without a delete; RabbitMQ
 //! requeues an unacknowledged delivery, flagged `redelivered`, when its
 //! channel or connection closes. A consumer that did the work and crashed
-//! before its acknowledgement gets the message again. [`Idempotent::run`]
+//! before its acknowledgement gets the message again. [`IdempotencyProcessor::process`]
 //! makes that harmless: it claims the message's **business key** (an order
 //! id, a payment intent — never a delivery id or a fresh UUID, which differ
 //! on every redelivery and defeat the check), runs the work under a lease
@@ -17,12 +17,13 @@
 //! only drop duplicates within a few minutes, and no broker can promise that
 //! the work ran once. What it does promise depends on the store:
 //!
-//! - On a transactional [`PostgresStore`](crate::PostgresStore), the work
-//!   receives the transaction ([`Claimed::transaction`]) and the record
-//!   commits with its writes: "processed" and the effect are one fact. A
-//!   crash before the commit leaves neither, and the redelivery executes; a
-//!   crash after it (before the acknowledgement) leaves both, and the
-//!   redelivery is a [`Processed::Duplicate`]. Exactly one effect.
+//! - On a transactional store (`SqliteTxStore`, `PostgresTxStore`), the
+//!   work receives the store's transaction and the record commits with its
+//!   writes: "processed" and the effect are one fact (the
+//!   `processed_messages` pattern). A crash before the commit leaves
+//!   neither, and the redelivery executes; a crash after it (before the
+//!   acknowledgement) leaves both, and the redelivery is a
+//!   [`ProcessOutcome::Duplicate`]. Exactly one effect.
 //! - On Redis or memory stores the record and the work's effects are **not**
 //!   atomic: a crash after the effect and before the record is stored means
 //!   the redelivery runs the work again once the lease expires. Retries are
@@ -32,20 +33,22 @@
 //!
 //! ```
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use tower_idempotency::{MemoryStore, message::{Idempotent, Processed}};
+//! use tower_idempotency::{MemoryStore, message::{IdempotencyProcessor, ProcessOutcome}};
 //!
-//! let orders = Idempotent::new(MemoryStore::new()).namespace("orders");
+//! let orders = IdempotencyProcessor::new(MemoryStore::new()).scope("orders");
 //! let payload = br#"{"order_id":"order-42","amount":1999}"#;
 //!
-//! let charge = async |_| Ok::<_, std::io::Error>("ch_1".to_owned());
-//! let first = orders.run("order-42", payload, charge).await?;
-//! assert_eq!(first, Processed::Executed("ch_1".to_owned()));
+//! let charge = async |_: &mut _| Ok::<_, std::io::Error>("ch_1".to_owned());
+//! let first = orders.process("order-42", payload, charge).await?;
+//! assert_eq!(first, ProcessOutcome::Executed("ch_1".to_owned()));
 //!
 //! // Redelivered: acknowledged with the stored result, the work does not run.
 //! let again = orders
-//!     .run("order-42", payload, async |_| Ok::<String, std::io::Error>(unreachable!()))
+//!     .process("order-42", payload, async |_: &mut _| -> Result<String, std::io::Error> {
+//!         unreachable!("a duplicate never runs the work")
+//!     })
 //!     .await?;
-//! assert_eq!(again, Processed::Duplicate("ch_1".to_owned()));
+//! assert_eq!(again, ProcessOutcome::Duplicate("ch_1".to_owned()));
 //! # Ok(()) }
 //! ```
 
@@ -56,36 +59,34 @@ use std::{
 };
 
 use futures_util::FutureExt;
-use http::StatusCode;
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
-    fingerprint::canonical_json::canonical_json,
-    fingerprint::{Fingerprint, FingerprintHasher},
+    fingerprint::{Fingerprint, FingerprintHasher, canonical_json::canonical_json},
     key::{IdempotencyKey, InvalidKey},
-    observe,
-    protocol::hold::{Finished, Lease},
-    protocol::{MAX_LEASE, MAX_RETENTION},
-    record::{CompletedRecord, StoredResponse},
-    store::{Claim, StorageKey, Store, StoreError},
+    protocol::{self, Claimed, Finished},
+    record::CompletedRecord,
+    store::{StorageKey, Store, StoreError},
 };
 
-/// Runs each message's work at most once per business key. See the
-/// [module docs](self).
+/// Runs each message's work at most once per business key: the queue
+/// consumer's sibling of [`IdempotencyLayer`](crate::IdempotencyLayer). See
+/// the [module docs](self).
 ///
 /// Cloning is cheap when the store's is; clones share the store.
 #[derive(Clone, Debug)]
-pub struct Idempotent<St> {
+pub struct IdempotencyProcessor<St> {
     store: St,
-    namespace: String,
+    scope: String,
     lease: Duration,
     retention: Duration,
 }
 
-/// What [`Idempotent::run`] did with a message: each variant says what to
+/// What [`IdempotencyProcessor::process`] did with a message — the sibling
+/// of [`IdempotencyOutcome`](crate::IdempotencyOutcome): each variant says what to
 /// tell the broker. Match it exhaustively.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Processed<T> {
+pub enum ProcessOutcome<T> {
     /// The work ran now; its result is stored. Acknowledge the message.
     Executed(T),
     /// An earlier delivery already did the work: its stored result.
@@ -111,7 +112,7 @@ pub enum Processed<T> {
     Mismatch,
 }
 
-/// Why [`Idempotent::run`] could not process a message. Each variant says
+/// Why [`IdempotencyProcessor::process`] could not process a message. Each variant says
 /// whether a redelivery can succeed, so the consumer knows what to tell the
 /// broker: requeue (after a pause) what may succeed later, reject
 /// (dead-letter) what never will — one message requeued forever stops every
@@ -146,7 +147,7 @@ pub enum ProcessError<E> {
     /// A transactional store could not commit the work's writes with the
     /// record, or the outcome of the commit is unknown (the connection
     /// dropped during `COMMIT`): either nothing took effect, or the
-    /// redelivery finds the record and is a [`Processed::Duplicate`].
+    /// redelivery finds the record and is a [`ProcessOutcome::Duplicate`].
     /// Requeue after a pause.
     #[error("the work's writes were not committed: {0}")]
     NotCommitted(StoreError),
@@ -163,71 +164,43 @@ pub enum ProcessError<E> {
     InvalidKey(InvalidKey),
 }
 
-/// The claim the work runs under. With a transactional
-/// [`PostgresStore`](crate::PostgresStore) it carries the transaction.
-#[derive(Debug)]
-pub struct Claimed {
-    /// What the store attached for the work (the Postgres transaction).
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    extensions: http::Extensions,
-}
-
-impl Claimed {
-    /// The transaction the record will commit in, from a transactional
-    /// [`PostgresStore`](crate::PostgresStore); `None` with any other store.
-    /// Write the work's effects with it and drop it before the work returns.
+impl<St: Store> IdempotencyProcessor<St> {
+    /// Processes messages with records in `store`: a 30 s lease (the
+    /// analogue of a visibility timeout, extended while the work runs),
+    /// results kept 24 hours, in the scope `messages`.
     ///
     /// # Examples
     ///
-    /// ```no_run
-    /// # async fn demo(orders: tower_idempotency::message::Idempotent<tower_idempotency::PostgresStore>) -> Result<(), Box<dyn std::error::Error>> {
-    /// let payload = br#"{"order_id":"order-42","amount":1999}"#;
-    /// orders
-    ///     .run("order-42", payload, async |claimed| {
-    ///         let mut tx = claimed.transaction().expect("a transactional store");
-    ///         sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES ($1, $2)")
-    ///             .bind("order-42")
-    ///             .bind(1999_i64)
-    ///             .execute(&mut *tx)
-    ///             .await?;
-    ///         Ok::<_, sqlx::Error>(())
-    ///     })
-    ///     .await?;
-    /// # Ok(()) }
     /// ```
-    #[cfg(feature = "postgres")]
-    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-    pub fn transaction(&self) -> Option<crate::IdempotentTx> {
-        crate::IdempotentTx::take_from(&self.extensions)
-    }
-}
-
-impl<St: Store> Idempotent<St> {
-    /// Processes messages with records in `store`: a 30 s lease (the
-    /// analogue of a visibility timeout, extended while the work runs),
-    /// results kept 24 hours, in the namespace `messages`.
+    /// use tower_idempotency::{MemoryStore, message::IdempotencyProcessor};
+    ///
+    /// let orders = IdempotencyProcessor::new(MemoryStore::new());
+    /// # let _ = orders;
+    /// ```
     pub fn new(store: St) -> Self {
         Self {
             store,
-            namespace: "messages".into(),
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(24 * 60 * 60),
+            scope: "messages".into(),
+            lease: protocol::DEFAULT_LEASE,
+            retention: protocol::DEFAULT_RETENTION,
         }
     }
 
-    /// Keeps this consumer's keys apart from others in the same store (like
-    /// the scope of an HTTP request; stored hashed).
+    /// Keeps this consumer's keys apart from others in the same store: the
+    /// sibling of the layer's
+    /// [`scope_with`](crate::IdempotencyLayer::scope_with), fixed for every
+    /// message (stored hashed).
     ///
     /// # Examples
     ///
     /// ```
-    /// use tower_idempotency::{MemoryStore, message::Idempotent};
+    /// use tower_idempotency::{MemoryStore, message::IdempotencyProcessor};
     ///
-    /// let orders = Idempotent::new(MemoryStore::new()).namespace("orders-consumer");
+    /// let orders = IdempotencyProcessor::new(MemoryStore::new()).scope("orders-consumer");
     /// # let _ = orders;
     /// ```
-    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
-        self.namespace = namespace.into();
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = scope.into();
         self
     }
 
@@ -237,23 +210,19 @@ impl<St: Store> Idempotent<St> {
     /// # Panics
     ///
     /// When configured, never at run time: under 30 ms or over
-    /// [`MAX_LEASE`].
+    /// [`MAX_LEASE`](crate::MAX_LEASE).
     ///
     /// # Examples
     ///
     /// ```
     /// use std::time::Duration;
-    /// use tower_idempotency::{MemoryStore, message::Idempotent};
+    /// use tower_idempotency::{MemoryStore, message::IdempotencyProcessor};
     ///
-    /// let orders = Idempotent::new(MemoryStore::new()).lease(Duration::from_secs(10));
+    /// let orders = IdempotencyProcessor::new(MemoryStore::new()).lease(Duration::from_secs(10));
     /// # let _ = orders;
     /// ```
     pub fn lease(mut self, lease: Duration) -> Self {
-        assert!(
-            (Duration::from_millis(30)..=MAX_LEASE).contains(&lease),
-            "Idempotent::lease must be from 30 ms to MAX_LEASE (24 hours), got {lease:?}"
-        );
-        self.lease = lease;
+        self.lease = protocol::checked_lease(lease, "IdempotencyProcessor::lease");
         self
     }
 
@@ -263,40 +232,41 @@ impl<St: Store> Idempotent<St> {
     /// # Panics
     ///
     /// When configured, never at run time: under 1 s or over
-    /// [`MAX_RETENTION`].
+    /// [`MAX_RETENTION`](crate::MAX_RETENTION).
     ///
     /// # Examples
     ///
     /// ```
     /// use std::time::Duration;
-    /// use tower_idempotency::{MemoryStore, message::Idempotent};
+    /// use tower_idempotency::{MemoryStore, message::IdempotencyProcessor};
     ///
-    /// let orders = Idempotent::new(MemoryStore::new()).retention(Duration::from_secs(14 * 86_400));
+    /// let orders = IdempotencyProcessor::new(MemoryStore::new()).retention(Duration::from_secs(14 * 86_400));
     /// # let _ = orders;
     /// ```
     pub fn retention(mut self, retention: Duration) -> Self {
-        assert!(
-            (Duration::from_secs(1)..=MAX_RETENTION).contains(&retention),
-            "Idempotent::retention must be from 1 s to MAX_RETENTION (365 days), got {retention:?}"
-        );
-        self.retention = retention;
+        self.retention = protocol::checked_retention(retention, "IdempotencyProcessor::retention");
         self
     }
 
     /// Runs `work` for the message `key` carrying `payload`, unless this key
     /// was already processed (its stored result comes back as
-    /// [`Processed::Duplicate`]) or is being processed elsewhere
-    /// ([`Processed::InFlight`]). A key that comes back with a different
-    /// payload is [`Processed::Mismatch`]. A JSON payload is compared by its
+    /// [`ProcessOutcome::Duplicate`]) or is being processed elsewhere
+    /// ([`ProcessOutcome::InFlight`]). A key that comes back with a different
+    /// payload is [`ProcessOutcome::Mismatch`]. A JSON payload is compared by its
     /// canonical form (member order and whitespace do not matter), any other
     /// payload byte for byte.
+    ///
+    /// The work receives the store's granted claim: on a transactional
+    /// store, the transaction the record commits in — write the work's
+    /// effects with it (`execute(&mut **tx)`); on any other store a lease
+    /// token it can ignore.
     ///
     /// The work's result is stored as JSON. If the work fails or panics, the
     /// key is released so a redelivery may try again. If storing the result
     /// fails on a non-transactional store, the result is returned and storing
     /// is retried in the background while the lease holds, as for HTTP. A
     /// result that cannot be serialised is recorded as processed without it
-    /// (a redelivery is [`Processed::DuplicateUnreadable`]), never run again.
+    /// (a redelivery is [`ProcessOutcome::DuplicateUnreadable`]), never run again.
     ///
     /// Cancel-safe: dropping the returned future while the work runs (a
     /// timeout, a shutdown) releases the key at once — a transactional
@@ -307,97 +277,70 @@ impl<St: Store> Idempotent<St> {
     /// # Examples
     ///
     /// See the [module docs](self).
-    pub async fn run<T, E, F>(
+    pub async fn process<T, E, F>(
         &self,
         key: &str,
         payload: &[u8],
         work: F,
-    ) -> Result<Processed<T>, ProcessError<E>>
+    ) -> Result<ProcessOutcome<T>, ProcessError<E>>
     where
         T: Serialize + DeserializeOwned,
-        F: AsyncFnOnce(Claimed) -> Result<T, E>,
+        F: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
     {
         let key = IdempotencyKey::new(key).map_err(ProcessError::InvalidKey)?;
-        let storage_key = StorageKey::new(&self.namespace, &key);
-        let fingerprint = fingerprint(payload);
-        let claim = self.store.claim(&storage_key, &fingerprint, self.lease);
-        let token = match observe::store_call("claim", claim).await {
-            Ok(Claim::Acquired(token)) => token,
-            Ok(Claim::InFlight { retry_after }) => {
-                tracing::debug!(key = %storage_key, "idempotency: message in flight elsewhere");
-                return Ok(Processed::InFlight { retry_after });
+        let key = StorageKey::new(&self.scope, &key);
+        let mut hold = match protocol::claim(&self.store, key, fingerprint(payload), self.lease)
+            .await
+        {
+            Claimed::Granted(hold) => hold,
+            Claimed::InFlight { retry_after } => {
+                return Ok(ProcessOutcome::InFlight { retry_after });
             }
-            Ok(Claim::Mismatch) => {
-                tracing::info!(key = %storage_key, "idempotency: business key reused with another payload");
-                return Ok(Processed::Mismatch);
-            }
-            Ok(Claim::Completed { record, .. }) => {
-                tracing::debug!(key = %storage_key, "idempotency: duplicate message");
-                return Ok(stored_result(&record));
-            }
+            Claimed::Mismatch => return Ok(ProcessOutcome::Mismatch),
+            Claimed::Completed(record) => return Ok(stored_result(&record)),
             // A record is there, this version cannot read it.
-            Err(StoreError::Corrupt(corrupt)) => {
-                tracing::warn!(key = %storage_key, %corrupt, "idempotency: duplicate message with an unreadable record");
-                return Ok(Processed::DuplicateUnreadable {
+            Claimed::Unavailable(StoreError::Corrupt(corrupt)) => {
+                tracing::warn!(%corrupt, "idempotency: duplicate message with an unreadable record");
+                return Ok(ProcessOutcome::DuplicateUnreadable {
                     reason: corrupt.to_string(),
                 });
             }
-            Err(error) => return Err(ProcessError::Unavailable(error)),
+            Claimed::Unavailable(error) => return Err(ProcessError::Unavailable(error)),
         };
-        let mut extensions = http::Extensions::new();
-        self.store.attach(token, &mut extensions);
         // Held until settled: if this future is dropped while the work runs,
         // the claim is released (and a transaction rolled back).
-        let lease = Lease::new(
-            self.store.clone(),
-            storage_key,
-            token,
-            fingerprint,
-            self.lease,
-        );
-        let outcome = {
-            let work = AssertUnwindSafe(work(Claimed { extensions })).catch_unwind();
-            lease.hold_while(std::pin::pin!(work)).await
-        };
+        let outcome = hold
+            .run(async |granted| AssertUnwindSafe(work(granted)).catch_unwind().await)
+            .await;
         let value = match outcome {
             Ok(Ok(value)) => value,
             Ok(Err(error)) => {
-                lease.release().await;
+                hold.release().await;
                 return Err(ProcessError::Work(error));
             }
             Err(_panic) => {
-                tracing::error!(key = %lease.key(), "idempotency: message work panicked; key released");
-                lease.release().await;
+                tracing::error!(key = %hold.key(), "idempotency: message work panicked; key released");
+                hold.release().await;
                 return Err(ProcessError::Panicked);
             }
         };
         // The work is done: its outcome is recorded even if it cannot be
         // stored as JSON (a redelivery is then a duplicate whose result
         // cannot be read), never released to run again.
-        let created_at = SystemTime::now();
-        let record = match serde_json::to_vec(&value) {
-            Ok(body) => CompletedRecord::Response(StoredResponse::from_parts(
-                StatusCode::OK,
-                Vec::new(),
-                body.into(),
-                created_at,
-            )),
-            Err(error) => {
-                tracing::error!(key = %lease.key(), %error, "idempotency: the work's result cannot be stored as JSON; recorded as processed without it");
-                CompletedRecord::Unreplayable {
-                    status: StatusCode::OK,
-                    created_at,
-                }
-            }
+        let result = serde_json::to_vec(&value)
+            .inspect_err(|error| tracing::error!(key = %hold.key(), %error, "idempotency: the work's result cannot be stored as JSON; recorded as processed without it"))
+            .ok();
+        let record = CompletedRecord::Message {
+            result: result.map(Into::into),
+            created_at: SystemTime::now(),
         };
         // Detached: a caller that stops waiting now (a timeout, a shutdown)
         // does not cancel the completion — the work is done, its record (and
         // on a transactional store its writes) must still be stored.
-        let retention = self.retention;
-        let finished = tokio::spawn(lease.finish(Arc::new(record), retention)).await;
+        let finished = tokio::spawn(hold.finish(Arc::new(record), self.retention)).await;
         match finished {
             Ok(Finished::Stored | Finished::Lost | Finished::Pending) => {
-                Ok(Processed::Executed(value))
+                Ok(ProcessOutcome::Executed(value))
             }
             Ok(Finished::NotCommitted(
                 error @ (StoreError::Refused(_) | StoreError::TransactionHeld),
@@ -437,17 +380,23 @@ pub fn fingerprint(payload: &[u8]) -> Fingerprint {
 }
 
 /// A duplicate's stored result, read back as `T` if it can be.
-fn stored_result<T: DeserializeOwned>(record: &CompletedRecord) -> Processed<T> {
-    let unreadable = |reason: String| Processed::DuplicateUnreadable { reason };
-    match record {
-        CompletedRecord::Response(stored) => match serde_json::from_slice(stored.body()) {
-            Ok(value) => Processed::Duplicate(value),
-            Err(error) => unreadable(format!(
-                "the stored result does not read as this type: {error}"
-            )),
-        },
-        CompletedRecord::Unreplayable { .. } => {
-            unreadable("the work's result could not be stored".to_owned())
+fn stored_result<T: DeserializeOwned>(record: &CompletedRecord) -> ProcessOutcome<T> {
+    let unreadable = |reason: String| ProcessOutcome::DuplicateUnreadable { reason };
+    let result = match record {
+        CompletedRecord::Message {
+            result: Some(result),
+            ..
+        } => result,
+        // Written by an earlier version, as a response.
+        CompletedRecord::Response(stored) => stored.body(),
+        CompletedRecord::Message { result: None, .. } | CompletedRecord::Unreplayable { .. } => {
+            return unreadable("the work's result could not be stored".to_owned());
         }
+    };
+    match serde_json::from_slice(result) {
+        Ok(value) => ProcessOutcome::Duplicate(value),
+        Err(error) => unreadable(format!(
+            "the stored result does not read as this type: {error}"
+        )),
     }
 }

@@ -5,15 +5,16 @@
 //! response:      'r' | fingerprint (32) | status (u16) | created at, Unix ms (u64)
 //!                    | header block length (u32) | header block | body
 //! unreplayable:  'u' | fingerprint (32) | status (u16) | created at, Unix ms (u64)
+//! message:       'm' | fingerprint (32) | has result (u16: 1 or 0) | created at, Unix ms (u64)
+//!                    | result
+//! header block:  for each header: name length (u16) | name | value length (u32) | value
 //! ```
 //!
-//! Integers are big-endian; `created_at` is kept to the millisecond; the
-//! header block is
-//! [`StoredResponse::encode_headers`]. The first byte names the format: a
-//! later version of this crate that changes the layout uses a new tag and
-//! keeps decoding these, so records written before an upgrade still replay.
-//! The fingerprint sits at a fixed offset (bytes 1 to 32), so a store can
-//! compare it without decoding the rest.
+//! Integers are big-endian; `created_at` is kept to the millisecond. The
+//! first byte names the format: a later version of this crate that changes
+//! the layout uses a new tag and keeps decoding these, so records written
+//! before an upgrade still replay. The fingerprint sits at a fixed offset
+//! (bytes 1 to 32), so a store can compare it without decoding the rest.
 //!
 //! # Examples
 //!
@@ -39,6 +40,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http::StatusCode;
 
+use http::{HeaderName, HeaderValue};
+
 use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, CorruptRecord, StoredResponse},
@@ -48,6 +51,8 @@ use crate::{
 pub(crate) const RESPONSE: u8 = b'r';
 /// The tag of an unreplayable completion.
 pub(crate) const UNREPLAYABLE: u8 = b'u';
+/// The tag of a processed message.
+pub(crate) const MESSAGE: u8 = b'm';
 /// Tag and fingerprint: what every encoded record starts with.
 const HEAD: usize = 1 + 32;
 /// Head, status and created-at: where a response's header block length starts.
@@ -63,8 +68,9 @@ pub fn encode(fingerprint: &Fingerprint, record: &CompletedRecord) -> Vec<u8> {
 /// The length of [`encode`]'s output.
 pub(crate) fn encoded_len(record: &CompletedRecord) -> usize {
     match record {
-        CompletedRecord::Response(r) => META + 4 + r.headers_len() + r.body().len(),
+        CompletedRecord::Response(r) => META + 4 + headers_len(r) + r.body().len(),
         CompletedRecord::Unreplayable { .. } => META,
+        CompletedRecord::Message { result, .. } => META + result.as_ref().map_or(0, Bytes::len),
     }
 }
 
@@ -75,21 +81,68 @@ pub(crate) fn encode_into(
     fingerprint: &Fingerprint,
     record: &CompletedRecord,
 ) {
-    let (tag, status, created_at, response) = match record {
-        CompletedRecord::Response(r) => (RESPONSE, r.status(), r.created_at(), Some(r)),
+    let (tag, status, created_at) = match record {
+        CompletedRecord::Response(r) => (RESPONSE, r.status().as_u16(), r.created_at()),
         CompletedRecord::Unreplayable { status, created_at } => {
-            (UNREPLAYABLE, *status, *created_at, None)
+            (UNREPLAYABLE, status.as_u16(), *created_at)
+        }
+        CompletedRecord::Message { result, created_at } => {
+            (MESSAGE, u16::from(result.is_some()), *created_at)
         }
     };
     bytes.push(tag);
     bytes.extend_from_slice(fingerprint.as_bytes());
-    bytes.extend_from_slice(&status.as_u16().to_be_bytes());
+    bytes.extend_from_slice(&status.to_be_bytes());
     bytes.extend_from_slice(&to_unix_millis(created_at).to_be_bytes());
-    if let Some(response) = response {
-        bytes.extend_from_slice(&(response.headers_len() as u32).to_be_bytes());
-        response.encode_headers_into(bytes);
-        bytes.extend_from_slice(response.body());
+    match record {
+        CompletedRecord::Response(response) => {
+            bytes.extend_from_slice(&(headers_len(response) as u32).to_be_bytes());
+            for (name, value) in response.headers() {
+                bytes.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
+                bytes.extend_from_slice(name.as_str().as_bytes());
+                bytes.extend_from_slice(&(value.len() as u32).to_be_bytes());
+                bytes.extend_from_slice(value.as_bytes());
+            }
+            bytes.extend_from_slice(response.body());
+        }
+        CompletedRecord::Message {
+            result: Some(result),
+            ..
+        } => bytes.extend_from_slice(result),
+        CompletedRecord::Message { result: None, .. } | CompletedRecord::Unreplayable { .. } => {}
     }
+}
+
+/// The length of a response's header block.
+fn headers_len(response: &StoredResponse) -> usize {
+    response
+        .headers()
+        .iter()
+        .map(|(n, v)| 6 + n.as_str().len() + v.len())
+        .sum()
+}
+
+/// Decodes a header block.
+fn decode_headers(mut block: &[u8]) -> Result<Vec<(HeaderName, HeaderValue)>, CorruptRecord> {
+    let mut headers = Vec::new();
+    while !block.is_empty() {
+        let name = take_prefixed(&mut block, 2)?;
+        let value = take_prefixed(&mut block, 4)?;
+        let name = HeaderName::from_bytes(name).map_err(|_| CorruptRecord("header name"))?;
+        let value = HeaderValue::from_bytes(value).map_err(|_| CorruptRecord("header value"))?;
+        headers.push((name, value));
+    }
+    Ok(headers)
+}
+
+/// A field led by its big-endian length of `width` bytes.
+fn take_prefixed<'a>(block: &mut &'a [u8], width: usize) -> Result<&'a [u8], CorruptRecord> {
+    let truncated = CorruptRecord("truncated header block");
+    let (len, rest) = block.split_at_checked(width).ok_or(truncated)?;
+    let len = len.iter().fold(0usize, |acc, b| acc << 8 | usize::from(*b));
+    let (field, rest) = rest.split_at_checked(len).ok_or(truncated)?;
+    *block = rest;
+    Ok(field)
 }
 
 /// The fingerprint of an encoded record, without decoding the rest; `None`
@@ -108,8 +161,12 @@ pub fn decode(bytes: impl Into<Bytes>) -> Result<(Fingerprint, CompletedRecord),
         .get(HEAD..META)
         .ok_or(CorruptRecord("truncated record"))?;
     let status = u16::from_be_bytes([meta[0], meta[1]]);
-    let status = StatusCode::from_u16(status).map_err(|_| CorruptRecord("status"))?;
     let created_at = from_unix_millis(u64::from_be_bytes(meta[2..10].try_into().expect("8 bytes")));
+    if bytes[0] == MESSAGE {
+        let result = (status == 1).then(|| bytes.slice(META..));
+        return Ok((fingerprint, CompletedRecord::Message { result, created_at }));
+    }
+    let status = StatusCode::from_u16(status).map_err(|_| CorruptRecord("status"))?;
     let record = match bytes[0] {
         UNREPLAYABLE => CompletedRecord::Unreplayable { status, created_at },
         RESPONSE => {
@@ -121,7 +178,7 @@ pub fn decode(bytes: impl Into<Bytes>) -> Result<(Fingerprint, CompletedRecord),
             let block = bytes
                 .get(META + 4..headers_end)
                 .ok_or(CorruptRecord("truncated headers"))?;
-            let headers = StoredResponse::decode_headers(block)?;
+            let headers = decode_headers(block)?;
             let body = bytes.slice(headers_end..);
             CompletedRecord::Response(StoredResponse::from_parts(
                 status, headers, body, created_at,
@@ -170,6 +227,14 @@ mod tests {
             CompletedRecord::Unreplayable {
                 status: StatusCode::OK,
                 created_at: UNIX_EPOCH + Duration::from_millis(42),
+            },
+            CompletedRecord::Message {
+                result: Some(Bytes::from_static(b"\"ch_1\"")),
+                created_at: UNIX_EPOCH + Duration::from_millis(7),
+            },
+            CompletedRecord::Message {
+                result: None,
+                created_at: UNIX_EPOCH + Duration::from_millis(7),
             },
         ] {
             let bytes = encode(&fp, &record);

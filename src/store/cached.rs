@@ -75,6 +75,7 @@ impl Weighter<StorageKey, Entry> for RecordWeight {
                         .map(|(n, v)| n.as_str().len() + v.len() + 32)
                         .sum::<usize>()
             }
+            CompletedRecord::Message { result, .. } => result.as_ref().map_or(0, |r| r.len()),
             CompletedRecord::Unreplayable { .. } => 0,
         };
         // Plus the key and the bookkeeping of an entry.
@@ -148,12 +149,15 @@ impl<St> CachedStore<St> {
 }
 
 impl<St: Store> Store for CachedStore<St> {
+    // A transactional store's transaction is handed on as it is.
+    type Granted = St::Granted;
+
     async fn claim(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
-    ) -> Result<Claim, StoreError> {
+    ) -> Result<Claim<St::Granted>, StoreError> {
         let now = Instant::now();
         if let Some(entry) = self.cache.get(key) {
             if entry.expires_at > now {
@@ -189,7 +193,7 @@ impl<St: Store> Store for CachedStore<St> {
     async fn complete(
         &self,
         key: &StorageKey,
-        token: LeaseToken,
+        granted: &mut St::Granted,
         fingerprint: &Fingerprint,
         record: Arc<CompletedRecord>,
         retention: Duration,
@@ -197,7 +201,7 @@ impl<St: Store> Store for CachedStore<St> {
         let now = Instant::now();
         let stored = self
             .inner
-            .complete(key, token, fingerprint, record.clone(), retention)
+            .complete(key, granted, fingerprint, record.clone(), retention)
             .await?;
         if stored {
             self.remember(key, fingerprint, record, now, retention);
@@ -205,17 +209,7 @@ impl<St: Store> Store for CachedStore<St> {
         Ok(stored)
     }
 
-    async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
-        self.inner.release(key, token).await
-    }
-
-    // A cache in front of a transactional store must hand the transaction
-    // on, and say that completions commit the handler's writes.
-    fn attach(&self, token: LeaseToken, extensions: &mut http::Extensions) {
-        self.inner.attach(token, extensions);
-    }
-
-    fn commits_effects(&self) -> bool {
-        self.inner.commits_effects()
+    async fn release(&self, key: &StorageKey, granted: St::Granted) -> Result<bool, StoreError> {
+        self.inner.release(key, granted).await
     }
 }

@@ -170,6 +170,8 @@ impl Shard {
 }
 
 impl Store for MemoryStore {
+    type Granted = LeaseToken;
+
     async fn claim(
         &self,
         key: &StorageKey,
@@ -219,12 +221,12 @@ impl Store for MemoryStore {
     async fn complete(
         &self,
         key: &StorageKey,
-        token: LeaseToken,
+        token: &mut LeaseToken,
         _fingerprint: &Fingerprint,
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let stored = self.with_own_claim(key, token, |shard| {
+        let stored = self.with_own_claim(key, *token, |shard| {
             if let Some(e) = shard.entries.get_mut(key) {
                 e.expires_at = deadline(Instant::now(), retention);
                 e.state = State::Completed(record.clone());

@@ -1,12 +1,28 @@
 //! Stores: where claims and completed records live.
 //!
-//! A store implements the claim protocol (claim, extend, complete, release) as four atomic
-//! operations. [`Store::claim`] decides everything in one step and, for a
-//! completed key, returns the record itself so that a replay costs one round
-//! trip. [`Store::extend`], [`Store::complete`] and [`Store::release`] act only
-//! while the caller's [`LeaseToken`] is still the one stored (fencing): a
-//! request whose lease expired and was re-claimed by another can never
-//! overwrite or delete the newer claim.
+//! A store implements the claim protocol — claim, extend, complete, release
+//! — as atomic operations. [`Store::claim`] decides everything in one step
+//! and, for a completed key, returns the record itself, so that a replay
+//! costs one round trip.
+//!
+//! A granted claim is a value the request holds until it settles it: the
+//! store's [`Store::Granted`]. There are two kinds.
+//!
+//! - **A lease** ([`LeaseToken`]): the claim is a record in the store that
+//!   expires unless extended. The request keeps it with heartbeats
+//!   ([`Store::extend`]); [`Store::complete`] and [`Store::release`] act
+//!   only while its token is still the one stored (fencing), so a request
+//!   whose lease expired and was re-claimed by another can never overwrite
+//!   or delete the newer claim. [`MemoryStore`], the Redis store and the
+//!   plain SQL stores work this way.
+//! - **A transaction**: the claim is a row written inside a database
+//!   transaction the store began, which the handler (or a message's work)
+//!   writes its own effects in; [`Store::complete`] writes the record into
+//!   the same transaction and commits. Record and effect are then one fact:
+//!   a crash before the commit leaves neither, after it both. The
+//!   transactional SQL stores work this way, and so can yours: a granted
+//!   value whose [`Granted::lease_token`] is `None` is handed to the handler
+//!   (through the `IdempotentTx` extractor) and to a message's work.
 //!
 //! # Writing a store
 //!
@@ -20,6 +36,8 @@
 //! struct ToyStore(Arc<Mutex<HashMap<StorageKey, (Fingerprint, Result<Arc<CompletedRecord>, LeaseToken>)>>>);
 //!
 //! impl Store for ToyStore {
+//!     type Granted = LeaseToken;
+//!
 //!     async fn claim(&self, key: &StorageKey, fp: &Fingerprint, _lease: Duration) -> Result<Claim, StoreError> {
 //!         let mut map = self.0.lock().unwrap();
 //!         Ok(match map.get(key) {
@@ -36,10 +54,10 @@
 //!     async fn extend(&self, key: &StorageKey, token: LeaseToken, _lease: Duration) -> Result<bool, StoreError> {
 //!         Ok(matches!(self.0.lock().unwrap().get(key), Some((_, Err(t))) if *t == token))
 //!     }
-//!     async fn complete(&self, key: &StorageKey, token: LeaseToken, _fp: &Fingerprint, record: Arc<CompletedRecord>, _retention: Duration) -> Result<bool, StoreError> {
+//!     async fn complete(&self, key: &StorageKey, token: &mut LeaseToken, _fp: &Fingerprint, record: Arc<CompletedRecord>, _retention: Duration) -> Result<bool, StoreError> {
 //!         let mut map = self.0.lock().unwrap();
 //!         match map.get_mut(key) {
-//!             Some((_, state @ Err(_))) if *state == Err(token) => { *state = Ok(record); Ok(true) }
+//!             Some((_, state @ Err(_))) if *state == Err(*token) => { *state = Ok(record); Ok(true) }
 //!             _ => Ok(false),
 //!         }
 //!     }
@@ -54,6 +72,15 @@
 //! let layer = tower_idempotency::IdempotencyLayer::new(ToyStore::default());
 //! # let _ = layer;
 //! ```
+//!
+//! A transactional store sets `type Granted` to its transaction type (which
+//! implements [`Granted`] with `lease_token` returning `None`, and rolls back
+//! when dropped), begins the transaction and claims the key in it in
+//! [`Store::claim`], commits the record with it in [`Store::complete`], and
+//! rolls it back in [`Store::release`]; [`Store::extend`] is never called
+//! for it. A store whose claims are answered over a network can hand its
+//! claim to [`claim_within`], which bounds the wait and releases a claim
+//! the server applied too late.
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
@@ -65,7 +92,6 @@ use crate::{
 
 #[cfg(feature = "cache")]
 mod cached;
-#[cfg(any(feature = "redis", feature = "postgres"))]
 mod late_claim;
 #[cfg(feature = "memory")]
 mod memory;
@@ -75,35 +101,51 @@ pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
+mod sql;
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub mod sqlite;
 
 #[cfg(feature = "cache")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
 pub use cached::CachedStore;
+pub use late_claim::claim_within;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use memory::MemoryStore;
 
-/// The claim protocol. See the [module docs](self) for the contract and a
-/// complete example.
+/// The claim protocol. See the [module docs](self) for the contract, the two
+/// kinds of claims and a complete example.
 ///
 /// Stores are cloned into every service the layer creates; clones must share
 /// their state (put it behind an `Arc`).
 pub trait Store: Clone + Send + Sync + 'static {
+    /// A granted claim, held by the request that made it until it is
+    /// completed or released: [`LeaseToken`] for a store whose claims are
+    /// leases, the open transaction for a store that commits the record with
+    /// the handler's writes. Dropped unsettled, it must give the key up (a
+    /// transaction rolls back when dropped; the caller releases a lease).
+    type Granted: Granted;
+
     /// Atomically claims `key` for a request with this fingerprint:
-    /// - unknown key: record an in-flight claim that expires after `lease` and
-    ///   return [`Claim::Acquired`] with a fresh token;
+    /// - unknown key: claim it (an in-flight record that expires after
+    ///   `lease`, or a row in a new transaction) and return
+    ///   [`Claim::Acquired`];
     /// - a different fingerprint: [`Claim::Mismatch`];
-    /// - in flight: [`Claim::InFlight`] with the remaining lease;
+    /// - in flight: [`Claim::InFlight`] with the remaining lease (or an
+    ///   estimate);
     /// - completed: [`Claim::Completed`] with the record and its remaining TTL.
     fn claim(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
         lease: Duration,
-    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Claim<Self::Granted>, StoreError>> + Send;
 
-    /// Pushes the in-flight claim's expiry to `lease` from now, if `token`
-    /// still holds it. Returns whether it did.
+    /// Pushes the expiry of the lease `token` holds to `lease` from now, if
+    /// `token` still holds it. Returns whether it did. Called only for
+    /// claims that are leases.
     fn extend(
         &self,
         key: &StorageKey,
@@ -111,57 +153,70 @@ pub trait Store: Clone + Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Replaces the in-flight claim with the completed record (the answer to
-    /// requests with this `fingerprint`), kept for `retention`, if `token`
-    /// still holds the claim. Returns whether it did.
+    /// Replaces the claim with the completed record (the answer to requests
+    /// with this `fingerprint`), kept for `retention` counted from now, if
+    /// `granted` still holds the claim. Returns whether it did.
     ///
-    /// The layer retries a completion that failed (e.g. timed out). A store
-    /// where the failed attempt may still have been applied must answer
-    /// `true` when the key already holds this very record, so that the retry
-    /// does not report a lost lease.
+    /// For a lease, the layer retries a completion that failed (e.g. timed
+    /// out). A store where the failed attempt may still have been applied
+    /// must answer `true` when the key already holds this very record, so
+    /// that the retry does not report a lost lease. For a transaction, this
+    /// writes the record in it and commits: an error means the handler's
+    /// writes did not commit either (or their fate is unknown), and it is
+    /// never retried.
     fn complete(
         &self,
         key: &StorageKey,
-        token: LeaseToken,
+        granted: &mut Self::Granted,
         fingerprint: &Fingerprint,
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
-    /// Deletes the in-flight claim, if `token` still holds it, so the key may
-    /// be retried. Returns whether it did.
+    /// Gives the claim up so the key may be retried: deletes a lease's
+    /// in-flight record if its token still holds it, rolls a transaction
+    /// back. Returns whether it did.
     fn release(
         &self,
         key: &StorageKey,
-        token: LeaseToken,
+        granted: Self::Granted,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+}
 
-    /// Called once the claim is acquired, before the handler runs: a store
-    /// may put what the handler needs into the request's extensions (the
-    /// transactional Postgres store puts the transaction there). Does nothing
-    /// by default.
-    fn attach(&self, token: LeaseToken, extensions: &mut http::Extensions) {
-        let _ = (token, extensions);
-    }
+/// A granted claim, as a store hands it out: see [`Store::Granted`].
+///
+/// # Examples
+///
+/// ```
+/// use tower_idempotency::store::{Granted, LeaseToken};
+///
+/// let token = LeaseToken::generate();
+/// assert_eq!(token.lease_token(), Some(token));
+/// ```
+pub trait Granted: Send + Sync + 'static {
+    /// The fencing token of a claim that is a lease: heartbeats extend it,
+    /// and a failed completion is retried with it. `None` for a claim that
+    /// lives as long as a transaction the store began: the handler (or a
+    /// message's work) receives it to write its effects in, and completing
+    /// it commits them with the record.
+    fn lease_token(&self) -> Option<LeaseToken>;
+}
 
-    /// Whether [`complete`](Store::complete) commits the handler's own writes
-    /// together with the record (default `false`). Then a completion that
-    /// did not succeed means the handler's writes did not commit either (or
-    /// their fate is unknown): the layer withholds the handler's response and
-    /// answers `503`, instead of sending it and retrying the completion.
-    fn commits_effects(&self) -> bool {
-        false
+impl Granted for LeaseToken {
+    fn lease_token(&self) -> Option<LeaseToken> {
+        Some(*self)
     }
 }
 
 /// What [`Store::claim`] found.
 #[derive(Clone, Debug)]
-pub enum Claim {
-    /// The key was free and is now claimed by this token.
-    Acquired(LeaseToken),
+pub enum Claim<G = LeaseToken> {
+    /// The key was free and is now claimed: the granted claim.
+    Acquired(G),
     /// Another request with the same fingerprint holds the key.
     InFlight {
-        /// How long until its lease runs out.
+        /// How long until its lease runs out (an estimate, for a claim that
+        /// lives as long as a transaction).
         retry_after: Duration,
     },
     /// The key was used with a different fingerprint.

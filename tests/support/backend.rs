@@ -1,5 +1,6 @@
 //! The stores the behaviour suite runs against: memory, one Redis node, a
-//! Redis Cluster. Each `store()` call is a fresh namespace.
+//! Redis Cluster, PostgreSQL and SQLite (plain and transactional). Each
+//! `store()` call is a fresh namespace (a key prefix, a table).
 
 use std::{
     future::Future,
@@ -7,11 +8,13 @@ use std::{
 };
 
 use tower_idempotency::{
-    MemoryStore, PostgresStore, RedisStore,
+    MemoryStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore, SqliteTxStore,
     store::{CachedStore, Store},
 };
 
-use super::{cluster::RedisCluster, postgres::TestDatabase, redis_server::RedisServer};
+use super::{
+    cluster::RedisCluster, postgres::TestDatabase, redis_server::RedisServer, sqlite::TestFile,
+};
 
 pub trait Backend {
     type Store: Store;
@@ -104,6 +107,79 @@ impl Backend for Postgres {
             .connect(self.0.url())
             .await
             .expect("connect to the test database");
+        store.migrate().await.expect("create the table");
+        store
+    }
+}
+
+/// PostgreSQL, transactional: a throwaway database, a fresh table per store.
+pub struct PostgresTx(pub TestDatabase);
+
+impl PostgresTx {
+    pub fn start() -> Self {
+        Self(TestDatabase::create())
+    }
+}
+
+impl Backend for PostgresTx {
+    type Store = PostgresTxStore;
+    async fn store(&self) -> PostgresTxStore {
+        let table = fresh_prefix().replace(':', "");
+        let store = PostgresStore::builder()
+            .table(format!("records_{table}"))
+            .transactional()
+            .connect(self.0.url())
+            .await
+            .expect("connect to the test database");
+        store.migrate().await.expect("create the table");
+        store
+    }
+}
+
+/// SQLite in plain mode: a file in a temporary directory, a fresh table per
+/// store.
+pub struct Sqlite(pub TestFile);
+
+impl Sqlite {
+    pub fn start() -> Self {
+        Self(TestFile::create())
+    }
+}
+
+impl Backend for Sqlite {
+    type Store = SqliteStore;
+    async fn store(&self) -> SqliteStore {
+        let table = fresh_prefix().replace(':', "");
+        let store = SqliteStore::builder()
+            .table(format!("records_{table}"))
+            .connect(&self.0.url())
+            .await
+            .expect("open the test database");
+        store.migrate().await.expect("create the table");
+        store
+    }
+}
+
+/// SQLite, transactional: a file in a temporary directory, a fresh table
+/// per store.
+pub struct SqliteTx(pub TestFile);
+
+impl SqliteTx {
+    pub fn start() -> Self {
+        Self(TestFile::create())
+    }
+}
+
+impl Backend for SqliteTx {
+    type Store = SqliteTxStore;
+    async fn store(&self) -> SqliteTxStore {
+        let table = fresh_prefix().replace(':', "");
+        let store = SqliteStore::builder()
+            .table(format!("records_{table}"))
+            .transactional()
+            .connect(&self.0.url())
+            .await
+            .expect("open the test database");
         store.migrate().await.expect("create the table");
         store
     }

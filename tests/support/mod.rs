@@ -13,4 +13,5 @@ pub mod payments;
 pub mod postgres;
 pub mod redis_server;
 pub mod relay;
+pub mod sqlite;
 pub mod suite;

@@ -3,10 +3,10 @@
 //! CHAIN` in front of its own statement, instead of a round trip of its own;
 //! a sweeper rolls back the ones no claim picked up within [`IDLE_FOR`].
 //!
-//! Only transactions that hold no row or advisory lock wait here: an idle
-//! transaction in `READ COMMITTED` that wrote nothing holds no snapshot and
-//! no xid, so it delays neither vacuum nor any claim. It does hold the
-//! `ACCESS SHARE` lock its read took on the records table, so DDL on that
+//! Only transactions that hold no row lock wait here: an idle transaction
+//! in `READ COMMITTED` that wrote nothing holds no snapshot and no xid, so it
+//! delays neither vacuum nor any claim. It does hold the table-level lock
+//! its claim took on the records table (`ROW EXCLUSIVE`), so DDL on that
 //! table waits for it (at most [`IDLE_FOR`]), and it keeps a pooled
 //! connection out of the pool for that moment — which is why the stash is
 //! small and only used while the pool has connections to spare.
@@ -21,7 +21,7 @@ use std::{
 
 use sqlx::PgPool;
 
-use super::{lock, tx::OpenTx};
+use super::PostgresTx as OpenTx;
 
 /// How long a transaction may wait for a claim to end it.
 const IDLE_FOR: Duration = Duration::from_millis(200);
@@ -54,7 +54,7 @@ impl IdleTransactions {
         lock(&self.waiting).pop().map(|(tx, _)| tx)
     }
 
-    /// Parks `tx` (which must hold no row or advisory lock) for the next claim, or rolls it
+    /// Parks `tx` (which must hold no row lock) for the next claim, or rolls it
     /// back at once in the background when the stash is full or the pool has
     /// no connection to spare.
     pub(super) fn park(self: &Arc<Self>, tx: OpenTx, pool: &PgPool) {
@@ -118,4 +118,11 @@ impl IdleTransactions {
             }
         });
     }
+}
+
+/// A panic while holding the stash's lock cannot leave it half-written
+/// (every critical section is one operation on the list), so a poisoned
+/// lock is safe to use.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -77,10 +77,7 @@ pub(super) fn completed(
     record: &CompletedRecord,
     retention: Duration,
 ) -> Vec<u8> {
-    let created_at = match record {
-        CompletedRecord::Response(response) => response.created_at(),
-        CompletedRecord::Unreplayable { created_at, .. } => *created_at,
-    };
+    let created_at = record.created_at();
     let mut blob = Vec::with_capacity(1 + 8 + codec::encoded_len(record));
     blob.push(COMPLETED);
     blob.extend_from_slice(&after(created_at, retention));

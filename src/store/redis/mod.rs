@@ -81,7 +81,7 @@ use std::{
 use redis::Value;
 
 use self::connection::{Connection, Lua};
-use super::{Claim, LeaseToken, StorageKey, Store, StoreError, late_claim};
+use super::{Claim, LeaseToken, StorageKey, Store, StoreError, claim_within};
 use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, CorruptRecord},
@@ -188,6 +188,8 @@ impl std::fmt::Debug for RedisStore {
 }
 
 impl Store for RedisStore {
+    type Granted = LeaseToken;
+
     async fn claim(
         &self,
         key: &StorageKey,
@@ -215,7 +217,7 @@ impl Store for RedisStore {
             };
             Ok(blob::decode_claim(found, &fingerprint, token, lease)?)
         };
-        late_claim::within(self, key, Instant::now(), self.inner.timeout, lease, claim).await
+        claim_within(self, key, Instant::now(), self.inner.timeout, lease, claim).await
     }
 
     async fn extend(
@@ -234,7 +236,7 @@ impl Store for RedisStore {
     async fn complete(
         &self,
         key: &StorageKey,
-        token: LeaseToken,
+        token: &mut LeaseToken,
         fingerprint: &Fingerprint,
         record: Arc<CompletedRecord>,
         retention: Duration,

@@ -1,0 +1,155 @@
+//! Handing a transactional store's claim to the handler: the
+//! [`IdempotentTx`] extractor, and the slot it borrows the transaction from
+//! while the layer holds the claim.
+
+use std::{
+    ops::{Deref, DerefMut},
+    sync::{Arc, Mutex, MutexGuard},
+};
+
+use axum_core::{
+    extract::FromRequestParts,
+    response::{IntoResponse, Response},
+};
+use http::{Extensions, StatusCode, request::Parts};
+
+use super::problem::Problem;
+
+/// Where a claim's transaction waits while the handler runs: taken by the
+/// extractor, put back when the extractor drops, taken back by the layer to
+/// commit. Only the layer's request and the extractor share it.
+pub(crate) struct TxSlot<T>(Mutex<Option<T>>);
+
+impl<T> TxSlot<T> {
+    /// The transaction, unless someone holds it.
+    pub(crate) fn take(&self) -> Option<T> {
+        lock(&self.0).take()
+    }
+
+    fn put_back(&self, tx: T) {
+        *lock(&self.0) = Some(tx);
+    }
+}
+
+/// A panic while holding the slot's lock cannot leave it half-written (each
+/// critical section is one assignment), so a poisoned lock is safe to use.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Puts `tx` into the request's extensions for the extractor; the returned
+/// slot gives it back once the handler has returned.
+pub(crate) fn lend<T: Send + Sync + 'static>(tx: T, extensions: &mut Extensions) -> Arc<TxSlot<T>> {
+    let slot = Arc::new(TxSlot(Mutex::new(Some(tx))));
+    extensions.insert(TxHandle(slot.clone()));
+    slot
+}
+
+/// What the layer puts into the request's extensions for the extractor.
+struct TxHandle<T>(Arc<TxSlot<T>>);
+
+impl<T> Clone for TxHandle<T> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+/// The request's transaction, in a handler behind a transactional store:
+/// write the request's effects with it, and the layer commits them together
+/// with the stored response, or rolls everything back.
+///
+/// `T` is the store's transaction: `PostgresTx` for `PostgresTxStore`,
+/// `SqliteTx` for `SqliteTxStore`, or a custom transactional store's own.
+/// `IdempotentTx<T>` dereferences to what `T` dereferences to — the
+/// database connection — so `sqlx::query(..).execute(&mut *tx)` works. Do
+/// not commit or roll back yourself, and do not keep it past the handler:
+/// the layer commits once the handler has returned. An `IdempotentTx` still
+/// held then (moved into a spawned task) makes the layer answer `500` with
+/// nothing committed; the transaction rolls back when that holder drops it.
+///
+/// Extracting it outside a transactional claim (no layer, a store whose
+/// claims are leases, an unguarded method or a request without a key) fails
+/// with `500`: put the layer on the route and require the key.
+///
+/// # Examples
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")] mod demo {
+/// use axum::{Json, http::StatusCode};
+/// use tower_idempotency::{IdempotentTx, SqliteTx};
+///
+/// #[derive(serde::Deserialize)]
+/// struct NewCharge { amount: i64 }
+///
+/// async fn charge(mut tx: IdempotentTx<SqliteTx>, Json(new): Json<NewCharge>) -> Result<StatusCode, StatusCode> {
+///     sqlx::query("INSERT INTO charges (amount) VALUES ($1)")
+///         .bind(new.amount)
+///         .execute(&mut *tx)
+///         .await
+///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     Ok(StatusCode::CREATED)
+/// }
+/// # }
+/// ```
+pub struct IdempotentTx<T> {
+    slot: Arc<TxSlot<T>>,
+    tx: Option<T>,
+}
+
+impl<T: Deref> Deref for IdempotentTx<T> {
+    type Target = T::Target;
+
+    fn deref(&self) -> &T::Target {
+        self.tx.as_ref().expect("held until dropped")
+    }
+}
+
+impl<T: DerefMut> DerefMut for IdempotentTx<T> {
+    fn deref_mut(&mut self) -> &mut T::Target {
+        self.tx.as_mut().expect("held until dropped")
+    }
+}
+
+impl<T> Drop for IdempotentTx<T> {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            self.slot.put_back(tx);
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for IdempotentTx<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdempotentTx").finish_non_exhaustive()
+    }
+}
+
+impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for IdempotentTx<T> {
+    type Rejection = Response;
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
+        let unavailable = |detail: &'static str| {
+            Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "No idempotent transaction",
+            )
+            .problem_type("urn:tower-idempotency:problem:no-transaction")
+            .detail(detail)
+            .into_response()
+        };
+        let Some(TxHandle(slot)) = parts.extensions.get::<TxHandle<T>>() else {
+            return Err(unavailable(
+                "This request has no idempotent transaction of this type: the route needs the IdempotencyLayer over the transactional store whose transaction the handler asks for, and the request an Idempotency-Key.",
+            ));
+        };
+        let tx = slot.take().ok_or_else(|| {
+            unavailable(
+                "The request's transaction is already in use: extract IdempotentTx once per request.",
+            )
+        })?;
+        Ok(Self {
+            slot: slot.clone(),
+            tx: Some(tx),
+        })
+    }
+}

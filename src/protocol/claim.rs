@@ -1,0 +1,55 @@
+//! Claiming a key: the store's five possible answers, matched once for both
+//! doors.
+
+use std::{sync::Arc, time::Duration};
+
+use super::Hold;
+use crate::{
+    fingerprint::Fingerprint,
+    observe,
+    record::CompletedRecord,
+    store::{Claim, StorageKey, Store, StoreError},
+};
+
+/// What a claim came to.
+pub(crate) enum Claimed<St: Store> {
+    /// The key is this request's: run the work under the hold.
+    Granted(Hold<St>),
+    /// An earlier request completed the key with the same fingerprint.
+    Completed(Arc<CompletedRecord>),
+    /// Another request with the same fingerprint holds the key.
+    InFlight { retry_after: Duration },
+    /// The key was used with a different fingerprint.
+    Mismatch,
+    /// The store could not answer: nothing was claimed.
+    Unavailable(StoreError),
+}
+
+/// Claims `key` for a request with `fingerprint`, under a lease of `lease`
+/// where the store's claims are leases.
+pub(crate) async fn claim<St: Store>(
+    store: &St,
+    key: StorageKey,
+    fingerprint: Fingerprint,
+    lease: Duration,
+) -> Claimed<St> {
+    let claim = store.claim(&key, &fingerprint, lease);
+    match observe::store_call("claim", claim).await {
+        Ok(Claim::Acquired(granted)) => {
+            Claimed::Granted(Hold::new(store.clone(), key, granted, fingerprint, lease))
+        }
+        Ok(Claim::Completed { record, .. }) => {
+            tracing::debug!(%key, "idempotency: completed before, replayed");
+            Claimed::Completed(record)
+        }
+        Ok(Claim::InFlight { retry_after }) => {
+            tracing::debug!(%key, "idempotency: in flight elsewhere");
+            Claimed::InFlight { retry_after }
+        }
+        Ok(Claim::Mismatch) => {
+            tracing::info!(%key, "idempotency: key reused with different parameters");
+            Claimed::Mismatch
+        }
+        Err(error) => Claimed::Unavailable(error),
+    }
+}

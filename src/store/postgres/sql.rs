@@ -1,0 +1,147 @@
+//! The statements, with the table name in place. Plain SQL that PostgreSQL
+//! and the PostgreSQL-compatible engines document: `INSERT … ON CONFLICT`,
+//! `RETURNING`, CTEs, a plain index — no functions, no advisory locks.
+
+use std::time::Duration;
+
+use crate::{
+    fingerprint::{Fingerprint, push_hex},
+    store::{StoreError, sql::checked_table},
+};
+
+/// The schema, for the default table name `idempotency_records`; idempotent.
+pub const SCHEMA: &str = include_str!("schema.sql");
+
+pub(super) const DEFAULT_TABLE: &str = "idempotency_records";
+
+pub(super) struct Sql {
+    pub(super) table: String,
+    pub(super) schema: String,
+    pub(super) claim: String,
+    pub(super) extend: String,
+    pub(super) complete: String,
+    pub(super) release: String,
+    pub(super) delete_expired: String,
+    pub(super) take_over: String,
+}
+
+impl Sql {
+    pub(super) fn new(table: &str) -> Result<Self, StoreError> {
+        checked_table(table, "PostgresStore")?;
+        let t = |sql: &str| sql.replace("{t}", table);
+        Ok(Self {
+            table: table.to_owned(),
+            schema: SCHEMA.replace(DEFAULT_TABLE, table),
+            claim: t(CLAIM),
+            extend: t(EXTEND),
+            complete: t(COMPLETE),
+            release: t(RELEASE),
+            delete_expired: t(DELETE_EXPIRED),
+            take_over: t(TAKE_OVER),
+        })
+    }
+
+    /// The transactional claim, inside the request's transaction: the
+    /// claim's row inserted, or else the row that holds the key. A row
+    /// another transaction inserted and has not committed makes the insert
+    /// wait for that transaction, for at most `wait` (`lock_timeout`), then
+    /// fail: that is the in-flight answer. The table's lock is taken first,
+    /// without that short timeout (an empty read), so that DDL holding the
+    /// table (a migration) is waited for under the command timeout — an
+    /// outage, `503` — not taken for a duplicate in flight. Sent in the
+    /// simple protocol (it travels with `BEGIN`), so the values are
+    /// literals.
+    pub(super) fn tx_claim(
+        &self,
+        key: &str,
+        fingerprint: &Fingerprint,
+        wait: Duration,
+        bound: Duration,
+    ) -> String {
+        let key = text_literal(key);
+        let mut sql = String::with_capacity(640);
+        sql.push_str(&format!(
+            "SELECT 1 FROM {} LIMIT 0; SET LOCAL lock_timeout = {}; ",
+            self.table,
+            wait.as_millis().max(1)
+        ));
+        sql.push_str(&format!("WITH claimed AS (INSERT INTO {} (key, fingerprint, record, expires_at) VALUES ({key}, ", self.table));
+        push_bytea_literal(&mut sql, fingerprint.as_bytes());
+        sql.push_str(&format!(
+            ", NULL, now() + {} * interval '1 millisecond') ON CONFLICT (key) DO NOTHING RETURNING 1) \
+             SELECT true AS acquired, NULL::bytea AS fingerprint, NULL::bytea AS record, 0::bigint AS ms_left FROM claimed \
+             UNION ALL SELECT false, fingerprint, record, (extract(epoch FROM expires_at - now()) * 1000)::bigint \
+             FROM {} WHERE key = {key} AND NOT EXISTS (SELECT 1 FROM claimed); \
+             SET LOCAL lock_timeout TO DEFAULT",
+            bound.as_millis(),
+            self.table
+        ));
+        sql
+    }
+
+    /// The transactional completion, sent with `COMMIT` in one round trip:
+    /// the record written into the claim's row, its retention counted from
+    /// now (`clock_timestamp()`, the end of the handler, not the
+    /// transaction's start). If the row is gone, the division by zero fails
+    /// the statement, and the `COMMIT` after it never runs.
+    pub(super) fn tx_complete(&self, key: &str, record: &[u8], retention_ms: i64) -> String {
+        let mut sql = String::with_capacity(2 * record.len() + 256);
+        sql.push_str(&format!(
+            "WITH done AS (UPDATE {} SET record = ",
+            self.table
+        ));
+        push_bytea_literal(&mut sql, record);
+        sql.push_str(&format!(
+            ", expires_at = clock_timestamp() + {retention_ms} * interval '1 millisecond' \
+             WHERE key = {} RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM done); COMMIT",
+            text_literal(key)
+        ));
+        sql
+    }
+}
+
+/// `s` as an escape string literal: visible ASCII keys, `\` and `'` escaped.
+fn text_literal(s: &str) -> String {
+    format!("E'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
+/// Appends `bytes` as a `bytea` literal in hex, `E'\\x…'`.
+fn push_bytea_literal(out: &mut String, bytes: &[u8]) {
+    out.push_str("E'\\\\x");
+    push_hex(out, bytes);
+    out.push('\'');
+}
+
+/// Plain claim, one statement: the in-flight row inserted (or an expired
+/// record taken over), or else the live record. $1 key, $2 fingerprint,
+/// $3 token, $4 lease ms.
+const CLAIM: &str = concat!(
+    "WITH claimed AS (INSERT INTO {t} AS r (key, fingerprint, token, record, expires_at) \
+     VALUES ($1, $2, $3, NULL, now() + $4 * interval '1 millisecond') \
+     ON CONFLICT (key) DO UPDATE SET fingerprint = EXCLUDED.fingerprint, \
+     token = EXCLUDED.token, record = NULL, expires_at = EXCLUDED.expires_at \
+     WHERE r.expires_at <= now() RETURNING 1",
+    ") SELECT true AS acquired, NULL::bytea AS fingerprint, NULL::bytea AS record, 0::bigint AS ms_left FROM claimed \
+     UNION ALL SELECT false, fingerprint, record, \
+     (extract(epoch FROM expires_at - now()) * 1000)::bigint \
+     FROM {t} WHERE key = $1 AND expires_at > now() AND NOT EXISTS (SELECT 1 FROM claimed)"
+);
+
+const EXTEND: &str = "UPDATE {t} SET expires_at = now() + $3 * interval '1 millisecond' \
+     WHERE key = $1 AND token = $2 AND expires_at > now()";
+
+/// Fenced by the token; a repeat of this very completion (its reply lost)
+/// also counts as stored.
+const COMPLETE: &str = "UPDATE {t} SET token = NULL, record = $3, expires_at = now() + $4 * interval '1 millisecond' \
+     WHERE key = $1 AND ((token = $2 AND expires_at > now()) OR record = $3)";
+
+const RELEASE: &str = "DELETE FROM {t} WHERE key = $1 AND token = $2";
+
+const DELETE_EXPIRED: &str = "DELETE FROM {t} WHERE key IN (SELECT key FROM {t} WHERE expires_at < now() \
+     LIMIT $1 FOR UPDATE SKIP LOCKED)";
+
+/// Inside a request's transaction: an expired record replaced by this
+/// claim's row, which the transaction then holds. $1 key, $2 fingerprint,
+/// $3 bound ms.
+const TAKE_OVER: &str = "UPDATE {t} SET fingerprint = $2, token = NULL, record = NULL, \
+     expires_at = now() + $3 * interval '1 millisecond' WHERE key = $1 AND expires_at <= now()";
