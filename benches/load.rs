@@ -11,13 +11,6 @@
 //! run, default all). Every run is bounded in time; all traffic stays on
 //! 127.0.0.1; the servers and `redis-server` stop when the benchmark ends.
 
-#[path = "../tests/support/postgres.rs"]
-#[allow(dead_code)]
-mod postgres;
-#[path = "../tests/support/redis_server.rs"]
-#[allow(dead_code)]
-mod redis_server;
-
 use std::{env, net::SocketAddr, process::Command, sync::Arc, time::Duration};
 
 use axum::{
@@ -30,15 +23,15 @@ use axum::{
 };
 use http::request::Parts;
 use http_body_util::BodyExt;
-use postgres::TestDatabase;
 use redis::AsyncCommands;
-use redis_server::RedisServer;
 use serde::{Deserialize, Serialize};
 use tower_idempotency::{
     IdempotencyLayer, IdempotentTx, MemoryStore, PostgresStore, RedisStore,
     sqlx::{self, PgConnection, PgPool, postgres::PgPoolOptions},
     store::{CachedStore, Store},
 };
+use tower_idempotency_harness::postgres::TestDatabase;
+use tower_idempotency_harness::redis_server::RedisServer;
 
 /// Long enough for every replay, short enough that unique keys do not pile up.
 const RETENTION: Duration = Duration::from_secs(120);
@@ -635,7 +628,7 @@ impl Costs {
 
 /// Every command Redis ran (`INFO commandstats`), those inside scripts too.
 fn redis_calls(port: u16) -> f64 {
-    redis_server::command_calls(port)
+    tower_idempotency_harness::redis_server::command_calls(port)
         .iter()
         .filter(|(name, _)| name != "info")
         .map(|(_, calls)| *calls as f64)

@@ -6,13 +6,6 @@
 //! Run with: `cargo bench --all-features --bench messages` (needs
 //! `redis-server` on PATH and PostgreSQL, as the tests do).
 
-#[path = "../tests/support/postgres.rs"]
-#[allow(dead_code)]
-mod postgres;
-#[path = "../tests/support/redis_server.rs"]
-#[allow(dead_code)]
-mod redis_server;
-
 use std::{
     env,
     sync::{
@@ -22,14 +15,14 @@ use std::{
     time::{Duration, Instant},
 };
 
-use postgres::TestDatabase;
-use redis_server::RedisServer;
 use tower_idempotency::{
     MemoryStore, PostgresStore, RedisStore,
     message::{IdempotencyProcessor, ProcessOutcome},
     sqlx::{self, PgConnection, PgPool, postgres::PgPoolOptions},
     store::Store,
 };
+use tower_idempotency_harness::postgres::TestDatabase;
+use tower_idempotency_harness::redis_server::RedisServer;
 
 const CONSUMERS: usize = 32;
 const PAYLOAD: &[u8] = br#"{"order_id":"order","amount":1999,"currency":"eur"}"#;

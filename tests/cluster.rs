@@ -1,7 +1,7 @@
-//! The Redis store on a real local Redis Cluster: the whole behaviour suite,
-//! key spread across masters, and a master failover with `WAIT`.
+//! The Redis store on a real local Redis Cluster: key spread across
+//! masters, timeouts, and a master failover with `WAIT`. (The behaviour
+//! cases run on a cluster too, in `behaviour/`.)
 
-#[macro_use]
 mod support;
 
 use std::time::Duration;
@@ -15,26 +15,7 @@ use support::{
     cluster::RedisCluster,
     http::{oneshot, post},
     redis_server::raw_command,
-    suite,
 };
-
-macro_rules! cluster_suite {
-    ($name:ident; $($case:ident),* $(,)?) => {
-        /// One cluster for the whole suite (starting one takes seconds); each
-        /// case gets a fresh key prefix.
-        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-        async fn $name() {
-            let cluster = backend::Cluster::start();
-            $(
-                eprintln!("cluster case: {}", stringify!($case));
-                suite::$case(&cluster).await;
-            )*
-        }
-    };
-}
-
-behaviour_cases!(cluster_suite, behaviour_suite_on_a_three_master_cluster);
-lease_cases!(cluster_suite, lease_cases_on_a_three_master_cluster);
 
 const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
 

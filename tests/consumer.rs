@@ -25,6 +25,7 @@ use support::{
     consumer::OrdersConsumer,
     postgres::TestDatabase,
     relay::Relay,
+    sqlite::TestFile,
 };
 
 const ORDER: &[u8] = br#"{"order_id":"order-1","amount":500,"currency":"eur"}"#;
@@ -637,4 +638,22 @@ async fn work_whose_statement_failed_is_refused_not_an_outage() {
         "{swallowed:?}"
     );
     assert_eq!(charges(&db).await, 0);
+}
+
+/// The example on SQLite (`DATABASE_URL=sqlite://…`): the order's charge
+/// and its record commit together in one file; the duplicate is
+/// acknowledged without a second charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_an_order_published_twice_charges_once() {
+    let file = TestFile::create();
+    let queue = TestQueue::declare().await;
+    let url = file.url();
+    let consumer = OrdersConsumer::start(&[("DATABASE_URL", &url), ("QUEUE", &queue.name)]).await;
+    queue.publish(&order("order-1", 500)).await;
+    queue.publish(&order("order-1", 500)).await;
+    consumer.wait_for(|l| l == "executed order-1").await;
+    consumer.wait_for(|l| l == "duplicate order-1").await;
+    drained(&queue).await;
+    assert_eq!(file.count(CHARGES).await, 1);
+    queue.delete().await;
 }

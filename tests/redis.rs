@@ -16,8 +16,9 @@ use support::{
     app::{Counter, routes},
     http::{HttpClient, Server, oneshot, post},
     logs::Logs,
-    payments::{Payments, charge_request},
+    payments::{Payments, charge_request, kill_mid_charge, retry_until_done},
     redis_server::{RedisServer, command_calls, free_port},
+    sqlite::TestFile,
 };
 
 const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
@@ -448,5 +449,40 @@ async fn payments_process_killed_mid_handler_retry_waits_for_the_lease_then_exec
         charges.as_array().unwrap().len(),
         1,
         "the killed attempt never charged; the retry did once"
+    );
+}
+
+const CHARGES: &str = "SELECT count(*) FROM charges";
+
+/// The documented contrast to the transactional stores (whose crash tests
+/// are in `postgres/` and `sqlite/`): with records in Redis and charges
+/// committed on their own (here in SQLite), the same crash charges twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_charge_on_redis_charges_twice_the_documented_crash_window() {
+    let file = TestFile::create();
+    let redis = RedisServer::start();
+    let client = HttpClient::default();
+    let (database, url) = (file.url(), redis.url());
+    let env = [
+        ("DATABASE_URL", database.as_str()),
+        ("REDIS_URL", url.as_str()),
+        ("PROCESSOR_LATENCY_MS", "2000"),
+        ("IDEMPOTENCY_LEASE_MS", "1500"),
+    ];
+    let charged = async |_: &str| file.count(CHARGES).await == 1;
+    let payments = kill_mid_charge(&client, &env, charged).await;
+    assert_eq!(
+        file.count(CHARGES).await,
+        1,
+        "the charge committed on its own before the crash"
+    );
+
+    let (executed, conflicts) = retry_until_done(&client, &payments.addr).await;
+    assert!(conflicts > 0, "409 until the dead process's lease expired");
+    assert_eq!(executed.status, StatusCode::CREATED);
+    assert_eq!(
+        file.count(CHARGES).await,
+        2,
+        "charged twice: the record and the charge were not one transaction"
     );
 }

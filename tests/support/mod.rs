@@ -1,17 +1,14 @@
-//! Test support shared by the integration tests. Not every test file uses
-//! every helper.
-#![allow(dead_code)]
+//! Test support shared by the integration tests: the example processes,
+//! an app that counts its executions, HTTP helpers, captured logs, and the
+//! real services (from `tower-idempotency-harness`). Not every test file
+//! uses every helper.
+#![allow(dead_code, unused_imports)]
 
-pub mod amqp;
 pub mod app;
 pub mod backend;
-pub mod cluster;
 pub mod consumer;
 pub mod http;
 pub mod logs;
 pub mod payments;
-pub mod postgres;
-pub mod redis_server;
-pub mod relay;
-pub mod sqlite;
-pub mod suite;
+
+pub use tower_idempotency_harness::{amqp, cluster, postgres, redis_server, relay, sqlite};

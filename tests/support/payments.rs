@@ -6,6 +6,12 @@ use std::{
     path::PathBuf,
     process::{Child, Command, Stdio},
     sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use super::{
+    http::{HttpClient, Reply},
+    redis_server::free_port,
 };
 
 /// An example binary built by `cargo test` beside the tests, or a panic
@@ -129,4 +135,50 @@ pub fn charge_request(addr: &str) -> http::Request<axum::body::Body> {
         .header("content-type", "application/json")
         .body(axum::body::Body::from(r#"{"amount":500,"currency":"usd"}"#))
         .unwrap()
+}
+
+/// Starts a charge on a fresh example process, kills it with SIGKILL once
+/// `charged(address)` says the charge is under way (its handler waiting for
+/// the processor), and restarts it on the same port.
+pub async fn kill_mid_charge(
+    client: &HttpClient,
+    env: &[(&str, &str)],
+    charged: impl AsyncFn(&str) -> bool,
+) -> Payments {
+    let port = free_port();
+    let mut payments = Payments::start(port, env);
+    let doomed = tokio::spawn({
+        let client = client.clone();
+        let addr = payments.addr.clone();
+        async move {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(5), client.send(charge_request(&addr)))
+                    .await;
+        }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !charged(&payments.addr).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the charge was never written"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    payments.child.kill().unwrap();
+    payments.child.wait().unwrap();
+    doomed.abort();
+    Payments::start(port, env)
+}
+
+/// Retries the crash-test charge until it executes or replays (`409` while
+/// a claim is held): the reply, and how many `409`s came first.
+pub async fn retry_until_done(client: &HttpClient, addr: &str) -> (Reply, usize) {
+    for conflicts in 0..80 {
+        let reply = client.send(charge_request(addr)).await;
+        if reply.status != http::StatusCode::CONFLICT {
+            return (reply, conflicts);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("still 409 after 8 s");
 }

@@ -1,13 +1,17 @@
-//! The layer's behaviour suite against the in-memory store, a real
+//! The layer's behaviour, every case against every store: in memory; a real
 //! single-node Redis (each test starts its own `redis-server`), the same
-//! Redis behind the in-process replay cache, and PostgreSQL (plain mode, a
-//! throwaway database per test). The Redis
-//! Cluster run of the same suite is in `cluster.rs`.
+//! behind the in-process replay cache, and a real three-master Redis
+//! Cluster; PostgreSQL and SQLite, each plain and transactional (a
+//! throwaway database or file per test). The cases are in `cases/`; the
+//! lease cases run on the stores whose claims are leases.
 
-#[macro_use]
+#[path = "../support/mod.rs"]
 mod support;
 
-use support::{backend, suite};
+mod cases;
+
+use cases::{behaviour_cases, lease_cases};
+use support::backend;
 
 /// One test per case, in module `$module`, each against a fresh `$backend`.
 macro_rules! tests_for {
@@ -17,7 +21,7 @@ macro_rules! tests_for {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
                 async fn $case() {
-                    suite::$case(&$backend).await;
+                    cases::$case(&$backend).await;
                 }
             )*
         }
@@ -41,3 +45,21 @@ lease_cases!(
 );
 lease_cases!(tests_for, postgres_leases, backend::Postgres::start());
 lease_cases!(tests_for, sqlite_leases, backend::Sqlite::start());
+
+/// Every case in one test against one cluster (starting one takes seconds);
+/// each case gets a fresh key prefix.
+macro_rules! on_one_cluster {
+    ($name:ident; $($case:ident),* $(,)?) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn $name() {
+            let cluster = backend::Cluster::start();
+            $(
+                eprintln!("cluster case: {}", stringify!($case));
+                cases::$case(&cluster).await;
+            )*
+        }
+    };
+}
+
+behaviour_cases!(on_one_cluster, every_case_on_a_three_master_cluster);
+lease_cases!(on_one_cluster, lease_cases_on_a_three_master_cluster);

@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::redis_server::{RedisServer, raw_command, redis_cli_binary};
+use crate::redis_server::{RedisServer, raw_command, redis_cli_binary};
 
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,

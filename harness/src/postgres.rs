@@ -116,6 +116,11 @@ impl TestDatabase {
         format!("{scheme}{credentials}{at}127.0.0.1:{port}{rest}")
     }
 
+    /// A fresh connection to this database.
+    pub async fn connect(&self) -> PgConnection {
+        PgConnection::connect(&self.url).await.unwrap()
+    }
+
     /// One query on a fresh connection, for assertions: the first column of
     /// the first row, as a number.
     pub async fn count(&self, sql: &str) -> i64 {

@@ -1,0 +1,92 @@
+//! Concurrent duplicates, and clients that hang up or drop the response
+//! future.
+
+use std::time::Duration;
+
+use http::StatusCode;
+use tower_idempotency::IdempotencyLayer;
+
+use super::{CHARGE, app_with, fire};
+use crate::support::{
+    backend::Backend,
+    http::{Server, oneshot, post},
+};
+
+pub async fn concurrent_duplicates_execute_once<B: Backend>(b: &B) {
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let server = Server::start(app).await;
+    let replies = fire(&server, 64, "/slow?ms=200", "same").await;
+    assert_eq!(runs.get(), 1, "64 concurrent duplicates, one execution");
+    let executed = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED && !r.is_replay())
+        .count();
+    assert_eq!(executed, 1);
+    // A duplicate that reached the store after the first completed (a
+    // transactional store's duplicates queue for pooled connections)
+    // replays it; every other is told to come back.
+    for r in replies.iter().filter(|r| r.status != StatusCode::CREATED) {
+        r.assert_problem(409);
+        let after: u64 = r
+            .header("retry-after")
+            .expect("409 carries Retry-After")
+            .parse()
+            .unwrap();
+        assert!(after >= 1);
+    }
+}
+
+pub async fn concurrent_duplicates_wait_and_replay<B: Backend>(b: &B) {
+    let layer = IdempotencyLayer::new(b.store().await).wait_for_in_flight(Duration::from_secs(10));
+    let (app, runs) = app_with(layer);
+    let server = Server::start(app).await;
+    let replies = fire(&server, 64, "/slow?ms=200", "same").await;
+    assert_eq!(runs.get(), 1);
+    assert!(replies.iter().all(|r| r.status == StatusCode::CREATED));
+    assert_eq!(replies.iter().filter(|r| r.is_replay()).count(), 63);
+    assert!(replies.iter().all(|r| r.body == replies[0].body));
+}
+
+pub async fn client_disconnect_does_not_cancel<B: Backend>(b: &B) {
+    use tokio::io::AsyncWriteExt;
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let server = Server::start(app).await;
+    let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    let raw = format!(
+        "POST /slow?ms=300 HTTP/1.1\r\nhost: x\r\nidempotency-key: k\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{CHARGE}",
+        CHARGE.len()
+    );
+    socket.write_all(raw.as_bytes()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(runs.get(), 1, "the handler started");
+    drop(socket); // the client hangs up mid-handler
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let retry = server.post("/slow?ms=300", "k", CHARGE).await;
+    assert!(
+        retry.is_replay(),
+        "the detached handler finished and stored its response"
+    );
+    assert_eq!(runs.get(), 1);
+}
+
+/// The same, without a network: the caller drops the response future.
+pub async fn dropped_response_future_still_completes<B: Backend>(b: &B) {
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let abandoned = tokio::time::timeout(
+        Duration::from_millis(100),
+        oneshot(&app, post("/slow?ms=300", "k", CHARGE)),
+    )
+    .await;
+    assert!(
+        abandoned.is_err(),
+        "the caller gave up while the handler ran"
+    );
+    assert_eq!(runs.get(), 1);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let retry = oneshot(&app, post("/slow?ms=300", "k", CHARGE)).await;
+    assert!(
+        retry.is_replay(),
+        "the handler finished on its own and stored its response"
+    );
+    assert_eq!(runs.get(), 1);
+}

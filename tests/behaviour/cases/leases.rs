@@ -1,0 +1,154 @@
+//! Leases, for the stores whose claims are leases: a crashed claim expires,
+//! the heartbeat keeps a slow handler's, and fencing refuses a stale holder.
+
+use std::{sync::Arc, time::Duration};
+
+use http::StatusCode;
+use tower_idempotency::{
+    IdempotencyKey, IdempotencyLayer,
+    store::{Claim, LeaseToken, StorageKey, Store},
+};
+
+use super::{CHARGE, app_with, fingerprint_of};
+use crate::support::{backend::Backend, http::Server};
+
+pub async fn expired_lease_lets_a_retry_execute<B: Backend>(b: &B)
+where
+    B::Store: Store<Granted = LeaseToken>,
+{
+    let store = b.store().await;
+    let (app, runs) = app_with(IdempotencyLayer::new(store.clone()));
+    let server = Server::start(app).await;
+    // A process claimed the key with a short lease, then crashed.
+    let key = StorageKey::new("", &IdempotencyKey::new("k").unwrap());
+    let lease = Duration::from_millis(300);
+    let claim = store
+        .claim(&key, &fingerprint_of("/charges"), lease)
+        .await
+        .unwrap();
+    assert!(matches!(claim, Claim::Acquired(_)));
+    let blocked = server.post("/charges", "k", CHARGE).await;
+    blocked.assert_problem(409);
+    assert_eq!(blocked.header("retry-after"), Some("1"));
+    assert_eq!(runs.get(), 0);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let retry = server.post("/charges", "k", CHARGE).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the crashed claim expired with its lease"
+    );
+    assert_eq!(runs.get(), 1);
+}
+
+pub async fn heartbeat_keeps_a_slow_handler_claimed<B: Backend>(b: &B)
+where
+    B::Store: Store<Granted = LeaseToken>,
+{
+    // A 1.5 s handler under a 300 ms lease: five lease periods.
+    let layer = IdempotencyLayer::new(b.store().await).lease(Duration::from_millis(300));
+    let (app, runs) = app_with(layer);
+    let server = Server::start(app).await;
+    let first = server.post("/slow?ms=1500", "k", CHARGE);
+    let probes = async {
+        // Probe well past several lease periods: the heartbeat must keep the claim.
+        for wait_ms in [500, 400, 400] {
+            tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+            server
+                .post("/slow?ms=1500", "k", CHARGE)
+                .await
+                .assert_problem(409);
+        }
+    };
+    let (first, ()) = tokio::join!(first, probes);
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(server.post("/slow?ms=1500", "k", CHARGE).await.is_replay());
+    assert_eq!(runs.get(), 1, "the claim was never lost");
+}
+
+pub async fn fencing_refuses_a_stale_holder<B: Backend>(b: &B)
+where
+    B::Store: Store<Granted = LeaseToken>,
+{
+    let store = b.store().await;
+    let key = StorageKey::new("acct", &IdempotencyKey::new("k").unwrap());
+    let fp = fingerprint_of("/charges");
+    let lease = Duration::from_millis(100);
+    let Claim::Acquired(mut stale) = store.claim(&key, &fp, lease).await.unwrap() else {
+        panic!("first claim must be acquired")
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let Claim::Acquired(mut fresh) = store
+        .claim(&key, &fp, Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
+        panic!("the expired claim must be re-claimable")
+    };
+    assert_ne!(stale, fresh);
+    let record = Arc::new(tower_idempotency::CompletedRecord::Unreplayable {
+        status: StatusCode::OK,
+        created_at: std::time::SystemTime::now(),
+    });
+    let day = Duration::from_secs(86_400);
+    assert!(
+        !store.extend(&key, stale, lease).await.unwrap(),
+        "stale extend refused"
+    );
+    assert!(
+        !store
+            .complete(&key, &mut stale, &fp, record.clone(), day)
+            .await
+            .unwrap(),
+        "stale complete refused"
+    );
+    assert!(
+        !store.release(&key, stale).await.unwrap(),
+        "stale release refused"
+    );
+    assert!(
+        matches!(
+            store.claim(&key, &fp, lease).await.unwrap(),
+            Claim::InFlight { .. }
+        ),
+        "the newer claim is intact"
+    );
+    assert!(
+        store
+            .extend(&key, fresh, Duration::from_secs(30))
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .complete(&key, &mut fresh, &fp, record.clone(), day)
+            .await
+            .unwrap()
+    );
+    assert!(
+        store
+            .complete(&key, &mut fresh, &fp, record.clone(), day)
+            .await
+            .unwrap(),
+        "a completion repeated after it was applied (its reply lost) is stored, not refused"
+    );
+    let other = Arc::new(tower_idempotency::CompletedRecord::Unreplayable {
+        status: StatusCode::CREATED,
+        created_at: std::time::SystemTime::now(),
+    });
+    assert!(
+        !store
+            .complete(&key, &mut fresh, &fp, other, day)
+            .await
+            .unwrap(),
+        "a record completes once: another record never replaces it"
+    );
+    assert!(
+        !store.release(&key, fresh).await.unwrap(),
+        "a completed record cannot be released"
+    );
+    assert!(matches!(
+        store.claim(&key, &fp, lease).await.unwrap(),
+        Claim::Completed { .. }
+    ));
+}

@@ -1,0 +1,103 @@
+//! The behaviour of the layer, case by case, generic over the store: what a
+//! request gets (a replay, a rejection, an execution), what is stored and
+//! what released, how concurrent duplicates and hang-ups are handled, and
+//! how leases behave. `main.rs` runs every case against every store.
+
+mod concurrency;
+mod leases;
+mod outcomes;
+mod requests;
+
+use axum::Router;
+use http::request::Parts;
+use tower_idempotency::{DefaultFingerprint, FingerprintStrategy, IdempotencyLayer, store::Store};
+
+pub use self::{concurrency::*, leases::*, outcomes::*, requests::*};
+use crate::support::{
+    app::{Counter, routes},
+    http::{Reply, Server, post},
+};
+
+/// Every case, in one list: `behaviour_cases!(m, args…)` expands to
+/// `m!(args…; case, case, …)`.
+macro_rules! behaviour_cases {
+    ($run:ident $(, $($arg:tt)+)?) => {
+        $run!($($($arg)+)?;
+            replay_is_byte_identical,
+            mismatch_on_body_path_query_and_method,
+            canonical_json_variants_replay,
+            query_parameter_order_is_irrelevant,
+            missing_key_passes_through_unless_required,
+            key_validation,
+            quoted_key_is_the_bare_key,
+            unguarded_methods_are_untouched,
+            oversized_request_is_413_and_stores_nothing,
+            scopes_are_isolated,
+            scope_encoding_cannot_collide,
+            non_final_responses_release_the_key,
+            store_all_keeps_every_status,
+            a_fixed_request_executes_under_its_key_only_if_client_errors_are_released,
+            handler_error_releases_the_key,
+            handler_panic_releases_the_key,
+            oversized_response_is_sent_and_unreplayable,
+            concurrent_duplicates_execute_once,
+            concurrent_duplicates_wait_and_replay,
+            client_disconnect_does_not_cancel,
+            dropped_response_future_still_completes,
+            record_expires_after_retention,
+            rejections_are_customisable,
+        );
+    };
+}
+
+/// The cases about leases, for the stores whose claims are leases (the
+/// transactional stores' claims live as long as their transaction).
+macro_rules! lease_cases {
+    ($run:ident $(, $($arg:tt)+)?) => {
+        $run!($($($arg)+)?;
+            expired_lease_lets_a_retry_execute,
+            heartbeat_keeps_a_slow_handler_claimed,
+            fencing_refuses_a_stale_holder,
+        );
+    };
+}
+
+pub(crate) use behaviour_cases;
+pub(crate) use lease_cases;
+
+pub(crate) fn scoped<St: Store>(
+    store: St,
+) -> IdempotencyLayer<St, impl tower_idempotency::ScopeExtractor> {
+    IdempotencyLayer::new(store).scope_with(|parts: &Parts| {
+        parts
+            .headers
+            .get("x-account")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    })
+}
+
+pub(crate) fn app_with<St, Sc, P, F>(layer: IdempotencyLayer<St, Sc, P, F>) -> (Router, Counter)
+where
+    St: Store,
+    Sc: tower_idempotency::ScopeExtractor,
+    P: tower_idempotency::StorePolicy,
+    F: FingerprintStrategy,
+{
+    let counter = Counter::default();
+    (routes(counter.clone()).layer(layer), counter)
+}
+
+pub(crate) const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
+
+/// The fingerprint the layer computes for `post(path, key, CHARGE)`.
+pub(crate) fn fingerprint_of(path: &str) -> tower_idempotency::Fingerprint {
+    let (parts, _) = post(path, "k", CHARGE).into_parts();
+    DefaultFingerprint.fingerprint(&parts, CHARGE.as_bytes())
+}
+
+/// `n` identical requests at once over HTTP.
+pub(crate) async fn fire(server: &Server, n: usize, path: &str, key: &str) -> Vec<Reply> {
+    let requests = (0..n).map(|_| server.post(path, key, CHARGE));
+    futures_util::future::join_all(requests).await
+}

@@ -1,0 +1,206 @@
+//! What is stored and what released: store policies, handler errors and
+//! panics, oversized responses, retention, custom rejections.
+
+use std::{sync::Arc, time::Duration};
+
+use axum::body::Body;
+use http::{HeaderMap, Request, StatusCode};
+use tower::{ServiceExt, service_fn};
+use tower_idempotency::{
+    Completion, DefaultStorePolicy, IdempotencyLayer, IdempotencyOutcome, RejectionKind, StoreAll,
+    StorePolicy,
+};
+
+use super::{CHARGE, app_with};
+use crate::support::{
+    backend::Backend,
+    http::{Server, oneshot, post},
+};
+
+pub async fn non_final_responses_release_the_key<B: Backend>(b: &B) {
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    for (i, code) in [408u16, 425, 429, 502, 503, 504].into_iter().enumerate() {
+        let path = format!("/status/{code}");
+        let key = format!("k{code}");
+        for attempt in 1..=2 {
+            let reply = oneshot(&app, post(&path, &key, "")).await;
+            assert_eq!(reply.status.as_u16(), code);
+            assert!(!reply.is_replay());
+            assert_eq!(
+                reply.outcome,
+                Some(IdempotencyOutcome::Executed(Completion::Released))
+            );
+            assert_eq!(runs.get(), i * 2 + attempt);
+        }
+    }
+    // Final statuses, including errors, are stored.
+    for code in [200u16, 400, 404, 500] {
+        let path = format!("/status/{code}");
+        let key = format!("k{code}");
+        oneshot(&app, post(&path, &key, "")).await;
+        let retry = oneshot(&app, post(&path, &key, "")).await;
+        assert!(retry.is_replay(), "{code} should be stored");
+        assert_eq!(retry.status.as_u16(), code);
+    }
+    assert_eq!(runs.get(), 12 + 4);
+}
+
+pub async fn store_all_keeps_every_status<B: Backend>(b: &B) {
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(StoreAll));
+    oneshot(&app, post("/status/503", "k", "")).await;
+    let retry = oneshot(&app, post("/status/503", "k", "")).await;
+    assert!(retry.is_replay());
+    assert_eq!(retry.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(runs.get(), 1);
+}
+
+/// A client fixes a rejected request (it had no JSON content type) and
+/// sends it again under the same key. The default policy stored the `415`,
+/// so the fixed request is another request under a used key: `422`. A
+/// policy that stores no client errors released the key: it executes.
+pub async fn a_fixed_request_executes_under_its_key_only_if_client_errors_are_released<
+    B: Backend,
+>(
+    b: &B,
+) {
+    let unlabelled = |key: &str| {
+        let mut req = post("/orders", key, CHARGE);
+        req.headers_mut().remove(http::header::CONTENT_TYPE);
+        req
+    };
+
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let rejected = oneshot(&app, unlabelled("stored")).await;
+    assert_eq!(rejected.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    let fixed = oneshot(&app, post("/orders", "stored", CHARGE)).await;
+    fixed.assert_problem(422);
+    assert_eq!(runs.get(), 0);
+
+    let no_client_errors =
+        DefaultStorePolicy.and(|status: StatusCode, _: &HeaderMap| !status.is_client_error());
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(no_client_errors));
+    let rejected = oneshot(&app, unlabelled("released")).await;
+    assert_eq!(rejected.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(
+        rejected.outcome,
+        Some(IdempotencyOutcome::Executed(Completion::Released))
+    );
+    let fixed = oneshot(&app, post("/orders", "released", CHARGE)).await;
+    assert_eq!(fixed.status, StatusCode::CREATED, "{:?}", fixed.body);
+    assert!(
+        oneshot(&app, post("/orders", "released", CHARGE))
+            .await
+            .is_replay()
+    );
+    assert_eq!(runs.get(), 1);
+}
+
+pub async fn handler_error_releases_the_key<B: Backend>(b: &B) {
+    let attempts = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = attempts.clone();
+    let service = service_fn(move |_req: Request<Body>| {
+        let n = seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+        async move {
+            if n == 1 {
+                Err(std::io::Error::other("database down"))
+            } else {
+                Ok(http::Response::new(Body::from(format!("ok {n}"))))
+            }
+        }
+    });
+    let service = tower::Layer::layer(&IdempotencyLayer::new(b.store().await), service);
+    let req = || post("/x", "k", CHARGE);
+    let error = service.clone().oneshot(req()).await.unwrap_err();
+    assert_eq!(error.to_string(), "database down");
+    let ok = service.clone().oneshot(req()).await.unwrap();
+    assert_eq!(
+        ok.status(),
+        StatusCode::OK,
+        "the retry executes: the error released the key"
+    );
+    let replay = service.oneshot(req()).await.unwrap();
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(attempts.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+pub async fn handler_panic_releases_the_key<B: Backend>(b: &B) {
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let server = Server::start(app).await;
+    server
+        .post("/panic-once", "k", CHARGE)
+        .await
+        .assert_problem(500);
+    let retry = server.post("/panic-once", "k", CHARGE).await;
+    assert_eq!(
+        retry.status,
+        StatusCode::CREATED,
+        "the panic released the claim"
+    );
+    assert!(!retry.is_replay());
+    assert!(
+        server.post("/panic-once", "k", CHARGE).await.is_replay(),
+        "the successful retry is stored"
+    );
+    assert_eq!(runs.get(), 2);
+}
+
+pub async fn oversized_response_is_sent_and_unreplayable<B: Backend>(b: &B) {
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).max_stored_body(1024));
+    let first = oneshot(&app, post("/big/4096", "k", "")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert_eq!(
+        first.body.len(),
+        4096,
+        "the client still gets the whole body"
+    );
+    assert_eq!(
+        first.outcome,
+        Some(IdempotencyOutcome::Executed(Completion::StoredUnreplayable))
+    );
+    let retry = oneshot(&app, post("/big/4096", "k", "")).await;
+    retry.assert_problem(409);
+    assert!(retry.json()["detail"].as_str().unwrap().contains("200"));
+    assert_eq!(runs.get(), 1, "never a second execution");
+    // A response at the limit is stored.
+    oneshot(&app, post("/big/1024", "k2", "")).await;
+    let replay = oneshot(&app, post("/big/1024", "k2", "")).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body.len(), 1024);
+}
+
+pub async fn record_expires_after_retention<B: Backend>(b: &B) {
+    let (app, runs) =
+        app_with(IdempotencyLayer::new(b.store().await).retention(Duration::from_secs(1)));
+    oneshot(&app, post("/charges", "k", CHARGE)).await;
+    assert!(
+        oneshot(&app, post("/charges", "k", CHARGE))
+            .await
+            .is_replay()
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let after = oneshot(&app, post("/charges", "k", CHARGE)).await;
+    assert!(!after.is_replay(), "the record expired with its retention");
+    assert_eq!(runs.get(), 2);
+}
+
+pub async fn rejections_are_customisable<B: Backend>(b: &B) {
+    let layer =
+        IdempotencyLayer::new(b.store().await).on_rejection(|r: tower_idempotency::Rejection| {
+            let mut response = http::Response::new(Body::from(format!("custom: {}", r.title())));
+            *response.status_mut() = r.status();
+            response
+        });
+    let (app, _) = app_with(layer);
+    oneshot(&app, post("/charges", "k", CHARGE)).await;
+    let reply = oneshot(&app, post("/charges", "k", "{}")).await;
+    assert_eq!(reply.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(
+        std::str::from_utf8(&reply.body)
+            .unwrap()
+            .starts_with("custom: ")
+    );
+    assert_eq!(
+        reply.outcome,
+        Some(IdempotencyOutcome::Rejected(RejectionKind::Mismatch))
+    );
+}

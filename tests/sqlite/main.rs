@@ -1,0 +1,251 @@
+//! The SQLite stores on real database files: the transactional store's
+//! semantics (charge and record commit together or not at all, counted in
+//! rows of the handler's own table), concurrent duplicates answered without
+//! waiting for the write lock, two processes on one file, kill -9 and
+//! restarts of the example (its durable default), and the start-up check.
+//! The behaviour cases run on both stores in `behaviour/`.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use axum::{Router, extract::Query, http::StatusCode, routing::post};
+use tower_idempotency::{
+    IdempotencyLayer, IdempotentTx, SqliteStore, SqliteTx, SqliteTxStore,
+    sqlx::{self, Connection, SqliteConnection},
+    store::{StoreError, sqlite::EngineCheck},
+};
+
+use support::{
+    http::{HttpClient, Server, oneshot, post as request},
+    payments::{Payments, charge_request, kill_mid_charge, retry_until_done},
+    redis_server::free_port,
+    sqlite::TestFile,
+};
+
+const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
+const CHARGES: &str = "SELECT count(*) FROM charges";
+
+async fn transactional(file: &TestFile) -> SqliteTxStore {
+    let store = SqliteStore::builder()
+        .transactional()
+        .connect(&file.url())
+        .await
+        .expect("open the test database");
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE IF NOT EXISTS charges (id INTEGER PRIMARY KEY, note TEXT)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    store
+}
+
+#[derive(serde::Deserialize)]
+struct Params {
+    #[serde(default)]
+    ms: u64,
+    #[serde(default = "created")]
+    status: u16,
+}
+
+fn created() -> u16 {
+    201
+}
+
+/// Inserts a charge in the request's transaction, waits `ms`, answers
+/// `status` with the number of charges it sees.
+async fn charge(mut tx: IdempotentTx<SqliteTx>, Query(p): Query<Params>) -> (StatusCode, String) {
+    sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
+        .execute(&mut *tx)
+        .await
+        .expect("insert the charge");
+    tokio::time::sleep(Duration::from_millis(p.ms)).await;
+    let charges: i64 = sqlx::query_scalar(CHARGES)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    (
+        StatusCode::from_u16(p.status).unwrap(),
+        format!("charge {charges}"),
+    )
+}
+
+fn app(store: SqliteTxStore) -> Router {
+    Router::new()
+        .route("/charges", post(charge))
+        .layer(IdempotencyLayer::new(store))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_charge_and_the_record_commit_together_and_replay() {
+    let file = TestFile::create();
+    let app = app(transactional(&file).await);
+    let first = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body, "charge 1");
+    let replay = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, first.body);
+    oneshot(&app, request("/charges", "k", "{}"))
+        .await
+        .assert_problem(422);
+    let busy = oneshot(&app, request("/charges?status=503", "n", CHARGE)).await;
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        file.count(CHARGES).await,
+        1,
+        "a non-final response rolls back"
+    );
+    assert_eq!(
+        file.count("SELECT count(*) FROM idempotency_records WHERE record IS NOT NULL")
+            .await,
+        1
+    );
+}
+
+/// 32 duplicates of a request whose handler holds the write lock for a
+/// second: one execution, and every duplicate answered `409` while the
+/// first still runs — none waits for the lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_duplicates_get_409_at_once_not_a_wait_for_the_write_lock() {
+    let file = TestFile::create();
+    let server = Server::start(app(transactional(&file).await)).await;
+    let started = Instant::now();
+    let replies = futures_util::future::join_all((0..32).map(|_| async {
+        let reply = server.post("/charges?ms=1000", "k", CHARGE).await;
+        (reply, started.elapsed())
+    }))
+    .await;
+    let executed: Vec<_> = replies
+        .iter()
+        .filter(|(r, _)| r.status == StatusCode::CREATED)
+        .collect();
+    assert_eq!(executed.len(), 1, "one execution");
+    let done = executed[0].1;
+    for (reply, at) in replies
+        .iter()
+        .filter(|(r, _)| r.status != StatusCode::CREATED)
+    {
+        reply.assert_problem(409);
+        assert!(*at < done, "answered while the first still ran");
+    }
+    assert_eq!(file.count(CHARGES).await, 1);
+}
+
+/// Two example processes on one database file, concurrent duplicates sent
+/// to both: SQLite's write lock keeps the second process out until the
+/// first commits, then it replays. One charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_processes_on_one_file_never_both_execute_a_key() {
+    let file = TestFile::create();
+    let url = file.url();
+    let env = [
+        ("DATABASE_URL", url.as_str()),
+        ("PROCESSOR_LATENCY_MS", "300"),
+    ];
+    let a = Payments::start(free_port(), &env);
+    let b = Payments::start(free_port(), &env);
+    let client = HttpClient::default();
+    let replies = futures_util::future::join_all((0..16).map(|i| {
+        let addr = if i % 2 == 0 { &a.addr } else { &b.addr };
+        client.send(charge_request(addr))
+    }))
+    .await;
+    let executed = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED && !r.is_replay())
+        .count();
+    assert_eq!(
+        executed,
+        1,
+        "{:?}",
+        replies.iter().map(|r| r.status).collect::<Vec<_>>()
+    );
+    for reply in &replies {
+        assert!(
+            reply.status == StatusCode::CREATED || reply.status == StatusCode::CONFLICT,
+            "{} {:?}",
+            reply.status,
+            reply.body
+        );
+    }
+    let (done, _) = retry_until_done(&client, &b.addr).await;
+    assert!(done.is_replay());
+    assert_eq!(file.count(CHARGES).await, 1, "exactly one charge");
+}
+
+/// The example's durable default, killed (-9) while its handler holds an
+/// uncommitted charge: nothing committed, the key free at once after the
+/// restart (the dead process's file locks went with it), and the retry
+/// charges once; after another restart the completed charge replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_charge_the_default_example_charges_once_and_replays_after_restarts() {
+    let file = TestFile::create();
+    let url = file.url();
+    let client = HttpClient::default();
+    let env = [
+        ("DATABASE_URL", url.as_str()),
+        ("PROCESSOR_LATENCY_MS", "2000"),
+    ];
+    // In flight: a duplicate is told so (the handler holds its claim, its
+    // charge inserted and uncommitted while the processor works).
+    let probe = client.clone();
+    let in_flight =
+        async |addr: &str| probe.send(charge_request(addr)).await.status == StatusCode::CONFLICT;
+    let payments = kill_mid_charge(&client, &env, in_flight).await;
+    assert_eq!(
+        file.count(CHARGES).await,
+        0,
+        "the uncommitted charge died with the process"
+    );
+
+    let (executed, conflicts) = retry_until_done(&client, &payments.addr).await;
+    assert_eq!(executed.status, StatusCode::CREATED);
+    assert!(!executed.is_replay());
+    eprintln!("sqlite: the retry executed after {conflicts} × 409");
+    drop(payments);
+
+    let restarted = Payments::start(free_port(), &env);
+    let replay = client.send(charge_request(&restarted.addr)).await;
+    assert!(
+        replay.is_replay(),
+        "the record outlived the process: {}",
+        replay.status
+    );
+    assert_eq!(replay.body, executed.body);
+    assert_eq!(file.count(CHARGES).await, 1, "exactly one charge");
+}
+
+/// A table made by hand without its primary key would let a second claim
+/// of a key succeed: the store refuses to open on it, naming SQLite's
+/// version and the opt-out; opting out opens it.
+#[tokio::test]
+async fn a_table_without_its_primary_key_is_refused_at_start_up() {
+    let file = TestFile::create();
+    let mut connection = SqliteConnection::connect(&file.url()).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE idempotency_records (key TEXT NOT NULL, fingerprint BLOB NOT NULL, \
+         token BLOB, record BLOB, expires_at INTEGER NOT NULL)",
+    )
+    .execute(&mut connection)
+    .await
+    .unwrap();
+    let refused = SqliteStore::builder()
+        .transactional()
+        .connect(&file.url())
+        .await;
+    match refused {
+        Err(StoreError::Misconfigured(message)) => {
+            assert!(message.contains("SQLite 3."), "{message}");
+            assert!(message.contains("EngineCheck::Warn"), "{message}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let opted_out = SqliteStore::builder()
+        .transactional()
+        .engine_check(EngineCheck::Warn)
+        .connect(&file.url())
+        .await;
+    assert!(opted_out.is_ok(), "{opted_out:?}");
+}
