@@ -26,12 +26,14 @@ use http_body_util::BodyExt;
 use redis::AsyncCommands;
 use serde::{Deserialize, Serialize};
 use tower_idempotency::{
-    IdempotencyLayer, IdempotentTx, MemoryStore, PostgresStore, RedisStore,
-    sqlx::{self, PgConnection, PgPool, postgres::PgPoolOptions},
+    IdempotencyLayer, IdempotentTx, MemoryStore, PostgresStore, RedisStore, SqliteStore,
+    SqliteTxStore,
+    sqlx::{self, PgConnection, PgPool, SqliteConnection, SqlitePool, postgres::PgPoolOptions},
     store::{CachedStore, Store},
 };
 use tower_idempotency_harness::postgres::TestDatabase;
 use tower_idempotency_harness::redis_server::RedisServer;
+use tower_idempotency_harness::sqlite::TestFile;
 
 /// Long enough for every replay, short enough that unique keys do not pile up.
 const RETENTION: Duration = Duration::from_secs(120);
@@ -170,6 +172,111 @@ async fn replay_by_hand(State(pool): State<PgPool>, headers: http::HeaderMap) ->
         .into_response()
 }
 
+async fn insert_charge_sqlite(connection: &mut SqliteConnection, new: &NewCharge) {
+    sqlx::query("INSERT INTO charges (amount, currency, description) VALUES (?1, ?2, ?3)")
+        .bind(new.amount)
+        .bind(&new.currency)
+        .bind(&new.description)
+        .execute(connection)
+        .await
+        .expect("insert the charge");
+}
+
+/// SQLite's floor for exactly-once effects, hand-written without the layer:
+/// the charge and a record row of the same shape inserted in one
+/// `IMMEDIATE` transaction of its own (the write lock taken up front, as
+/// the store takes it).
+async fn sqlite_charge_and_record(
+    State(pool): State<SqlitePool>,
+    headers: http::HeaderMap,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
+    insert_charge_sqlite(&mut tx, &new).await;
+    sqlx::query(
+        "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) VALUES (?1, ?2, ?3, ?4)",
+    )
+    .bind(format!("{:064}:{key}", 0))
+    .bind(&[7u8; 32][..])
+    .bind(&[7u8; 200][..])
+    .bind(unix_ms() + 120_000)
+    .execute(&mut *tx)
+    .await
+    .expect("insert the record");
+    tx.commit().await.expect("commit");
+    charge(Json(new)).await
+}
+
+/// SQLite's floor for a replay: one prepared lookup of the stored response
+/// by key, outside any transaction. (A key not yet stored, during the
+/// warm-up only, is stored first.)
+async fn sqlite_replay_by_hand(
+    State(pool): State<SqlitePool>,
+    headers: http::HeaderMap,
+) -> Response {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let key = format!("{:064}:{key}", 1);
+    let found: Option<Vec<u8>> = sqlx::query_scalar(
+        "SELECT record FROM idempotency_records WHERE key = ?1 AND expires_at > ?2",
+    )
+    .bind(&key)
+    .bind(unix_ms())
+    .fetch_optional(&pool)
+    .await
+    .expect("look the response up");
+    let body = match found {
+        Some(body) => body,
+        None => {
+            let body = br#"{"id":"ch_0000000000000000","amount":1999,"currency":"eur","description":"floor"}"#.to_vec();
+            sqlx::query(
+                "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) VALUES (?1, ?2, ?3, ?4) \
+                 ON CONFLICT (key) DO UPDATE SET record = excluded.record, expires_at = excluded.expires_at",
+            )
+            .bind(&key)
+            .bind(&[7u8; 32][..])
+            .bind(&body)
+            .bind(unix_ms() + 86_400_000)
+            .execute(&pool)
+            .await
+            .expect("store the response");
+            body
+        }
+    };
+    (
+        StatusCode::CREATED,
+        [
+            (http::header::CONTENT_TYPE, "application/json"),
+            (http::HeaderName::from_static("idempotent-replayed"), "true"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// The same charge in the request's SQLite transaction, committed by the
+/// layer with the record.
+async fn sqlite_charge_in_transaction(
+    mut tx: IdempotentTx<tower_idempotency::SqliteTx>,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    insert_charge_sqlite(&mut tx, &new).await;
+    charge(Json(new)).await
+}
+
 /// The same charge in the request's transaction, committed by the layer with
 /// the record.
 async fn charge_in_transaction(
@@ -246,7 +353,7 @@ async fn serve(app: Router) -> SocketAddr {
     addr
 }
 
-async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
+async fn start_variants(redis_url: &str, pool: PgPool, sqlite: SqliteTxStore) -> Vec<Variant> {
     let redis = || async {
         RedisStore::builder()
             .connect(redis_url)
@@ -342,6 +449,38 @@ async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
             "pg-floor",
             committed().layer(layer(redis().await)),
         ),
+        (
+            "sqlite-floor-record",
+            Keys::Unique,
+            "sqlite-floor-record",
+            Router::new()
+                .route("/v1/charges", post(sqlite_charge_and_record))
+                .with_state(sqlite.pool().clone()),
+        ),
+        (
+            "sqlite-replay-floor",
+            Keys::Replay,
+            "sqlite-replay-floor",
+            Router::new()
+                .route("/v1/charges", post(sqlite_replay_by_hand))
+                .with_state(sqlite.pool().clone()),
+        ),
+        (
+            "sqlite-tx",
+            Keys::Unique,
+            "sqlite-floor-record",
+            Router::new()
+                .route("/v1/charges", post(sqlite_charge_in_transaction))
+                .layer(layer(sqlite.clone())),
+        ),
+        (
+            "sqlite-tx-replay",
+            Keys::Replay,
+            "sqlite-replay-floor",
+            Router::new()
+                .route("/v1/charges", post(sqlite_charge_in_transaction))
+                .layer(layer(sqlite)),
+        ),
     ];
     let wanted: Option<Vec<String>> = env::var("LOAD_VARIANTS")
         .ok()
@@ -360,6 +499,8 @@ async fn start_variants(redis_url: &str, pool: PgPool) -> Vec<Variant> {
                 ("pg-tx-replay", "pg-replay-floor"),
                 ("pg-tx-replay-cached", "pg-floor"),
                 ("pg-redis", "pg-floor"),
+                ("sqlite-tx", "sqlite-floor-record"),
+                ("sqlite-tx-replay", "sqlite-replay-floor"),
             ]
             .iter()
             .any(|(v, r)| *r == n && wanted(v))
@@ -686,7 +827,24 @@ fn main() {
         .unwrap();
         pool
     });
-    let variants = runtime.block_on(start_variants(&redis.url(), pool.clone()));
+    let sqlite_file = TestFile::create();
+    let sqlite = runtime.block_on(async {
+        let store = SqliteStore::builder()
+            .transactional()
+            .max_connections(connections + 8)
+            .connect(&sqlite_file.url())
+            .await
+            .expect("open the benchmark's SQLite file");
+        store.migrate().await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE charges (id INTEGER PRIMARY KEY, amount INTEGER, currency TEXT, description TEXT)",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        store
+    });
+    let variants = runtime.block_on(start_variants(&redis.url(), pool.clone(), sqlite));
     let nonce = std::process::id();
 
     println!(
@@ -773,6 +931,8 @@ fn main() {
     for (name, reference) in [
         ("pg-tx", "pg-floor-record"),
         ("pg-tx-replay", "pg-replay-floor"),
+        ("sqlite-tx", "sqlite-floor-record"),
+        ("sqlite-tx-replay", "sqlite-replay-floor"),
     ] {
         let (Some(v), Some(r)) = (
             variants.iter().position(|v| v.name == name),

@@ -1,4 +1,111 @@
-#![doc = include_str!("../README.md")]
+//! Stripe-style `Idempotency-Key` semantics for [tower] and [axum] services
+//! and for queue consumers: a retry never runs the work twice, never runs
+//! it alongside the original, never receives another tenant's answer, and a
+//! key reused with other parameters is refused.
+//!
+//! Networks and processes fail between "the work was done" and "the caller
+//! heard about it", so clients retry and brokers redeliver. The layer names
+//! each operation by its `Idempotency-Key`, claims the key atomically, runs
+//! the handler once, stores its response and replays it — byte for byte,
+//! with `Idempotent-Replayed: true` — to every retry.
+//!
+//! # Quick start
+//!
+//! ```
+//! use axum::{Router, routing::post};
+//! use http::request::Parts;
+//! use tower_idempotency::{IdempotencyLayer, MemoryStore};
+//!
+//! /// Put in the request's extensions by your authentication middleware.
+//! #[derive(Clone)]
+//! struct AccountId(String);
+//!
+//! let idempotency = IdempotencyLayer::new(MemoryStore::new())
+//!     .require_key(true)
+//!     // Records are per account: never replay one tenant's response to another.
+//!     .scope_with(|parts: &Parts| parts.extensions.get::<AccountId>().map(|a| a.0.clone()));
+//!
+//! let app: Router = Router::new()
+//!     .route("/v1/charges", post(|| async { "charged once" }))
+//!     .route_layer(idempotency);
+//! ```
+//!
+//! | Request | Answer | Handler runs? |
+//! |---|---|---|
+//! | unguarded method (guarded: `POST`, `PATCH`) or no key | passed through (or `400` with `require_key`) | yes |
+//! | invalid key; body over the limit | `400`; `413` | no |
+//! | new key | the handler runs under a claim; its response is stored, then sent | once |
+//! | same key and request, completed | the stored response, `Idempotent-Replayed: true` | no |
+//! | same key and request, still running | `409` + `Retry-After` (or wait, then replay) | no |
+//! | same key, other method, path, query or body | `422` | no |
+//! | store unreachable | `503` + `Retry-After` (fail closed) | no |
+//!
+//! Rejections are RFC 9457 `application/problem+json` ([`Rejection`]), never
+//! stored; every response carries an [`IdempotencyOutcome`]. See
+//! [`IdempotencyLayer`] for the configuration, [`StorePolicy`] for which
+//! responses are stored, [`FingerprintStrategy`] for what counts as the same
+//! request, and [`ScopeExtractor`] for scopes.
+//!
+//! # Stores
+//!
+//! | Store | Feature | Claims | For |
+//! |---|---|---|---|
+//! | [`MemoryStore`] | `memory` (default) | leases | tests, one process |
+//! | [`SqliteTxStore`] | `sqlite` | transactions | one machine, durable, nothing to install |
+//! | [`PostgresTxStore`] | `postgres` | transactions | effects in PostgreSQL (or a compatible engine) |
+//! | [`SqliteStore`], [`PostgresStore`] | `sqlite`, `postgres` | leases | effects elsewhere |
+//! | [`RedisStore`] | `redis` (`cluster`) | leases | effects elsewhere, many instances |
+//! | [`CachedStore`] | `cache` | the inner store's | replays without a round trip |
+//!
+//! A store whose claims are **transactions** commits the record with the
+//! handler's own writes: the handler takes the transaction with
+//! [`IdempotentTx`], and a crash anywhere leaves both or neither — exactly
+//! one effect. A store whose claims are **leases** keeps the record apart
+//! from the effect: a crash between them means the retry executes again
+//! once the lease expires. Custom stores implement [`store::Store`].
+//!
+//! ```no_run
+//! # #[cfg(feature = "sqlite")]
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use axum::{Router, http::StatusCode, routing::post};
+//! use tower_idempotency::{IdempotencyLayer, IdempotentTx, SqliteStore, SqliteTx};
+//!
+//! async fn charge(mut tx: IdempotentTx<SqliteTx>) -> Result<StatusCode, StatusCode> {
+//!     sqlx::query("INSERT INTO charges (amount) VALUES (1999)")
+//!         .execute(&mut *tx)
+//!         .await
+//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+//!     Ok(StatusCode::CREATED) // committed with the stored response, or not at all
+//! }
+//!
+//! let store = SqliteStore::builder().transactional().connect("sqlite://payments.db").await?;
+//! store.migrate().await?;
+//! let app: Router = Router::new()
+//!     .route("/v1/charges", post(charge))
+//!     .route_layer(IdempotencyLayer::new(store).require_key(true));
+//! # let _ = app; Ok(()) }
+//! ```
+//!
+//! # Queue consumers
+//!
+//! [`message::IdempotencyProcessor`] runs the same protocol for messages,
+//! keyed by a business identifier, with the same stores; on a transactional
+//! store the message's record commits in the work's transaction.
+//!
+//! # Feature flags
+//!
+//! | Feature | Default | Adds |
+//! |---|---|---|
+//! | `memory` | yes | [`MemoryStore`] |
+//! | `redis` | | [`RedisStore`] on one node (re-exports `redis`) |
+//! | `cluster` | | Redis Cluster for [`RedisStore`] |
+//! | `sqlite` | | [`SqliteStore`], [`SqliteTxStore`] (bundled SQLite; re-exports `sqlx`) |
+//! | `postgres` | | [`PostgresStore`], [`PostgresTxStore`] (re-exports `sqlx`) |
+//! | `cache` | | [`CachedStore`] |
+//! | `metrics` | | counters and histograms through the `metrics` facade |
+//!
+//! [tower]: https://docs.rs/tower
+//! [axum]: https://docs.rs/axum
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -34,7 +141,7 @@ pub use http::rejection::{Rejection, RejectionKind};
 pub use http::replay::IDEMPOTENT_REPLAYED;
 pub use http::scope::{NoScope, ScopeExtractor};
 pub use http::service::IdempotencyService;
-pub use http::store_policy::{And, DefaultStorePolicy, StoreAll, StorePolicy};
+pub use http::store_policy::{And, DefaultStorePolicy, StoreAllPolicy, StorePolicy};
 pub use http::transaction::IdempotentTx;
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey};
 pub use protocol::{MAX_LEASE, MAX_RETENTION};
@@ -55,3 +162,8 @@ pub use store::redis::RedisStore;
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use store::sqlite::{SqliteStore, SqliteTx, SqliteTxStore};
+
+/// The README's snippets, compiled and run as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -85,15 +85,15 @@ impl StorePolicy for DefaultStorePolicy {
 /// # Examples
 ///
 /// ```
-/// use tower_idempotency::{IdempotencyLayer, MemoryStore, StoreAll};
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore, StoreAllPolicy};
 ///
-/// let layer = IdempotencyLayer::new(MemoryStore::new()).store_when(StoreAll);
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).store_when(StoreAllPolicy);
 /// # let _ = layer;
 /// ```
 #[derive(Clone, Copy, Debug, Default)]
-pub struct StoreAll;
+pub struct StoreAllPolicy;
 
-impl StorePolicy for StoreAll {
+impl StorePolicy for StoreAllPolicy {
     fn should_store(&self, _status: StatusCode, _headers: &HeaderMap) -> bool {
         true
     }

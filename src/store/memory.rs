@@ -9,18 +9,16 @@ use std::{
 
 use tokio::time::Instant;
 
-use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
+use super::{Claim, LeaseToken, MAX_TTL, StorageKey, Store, StoreError};
 use crate::{fingerprint::Fingerprint, record::CompletedRecord};
 
 /// Enough shards that cores rarely wait for each other's lock, and that
 /// growing one shard's table (a copy of it) stays a short pause.
 const SHARDS: usize = 64;
 
-/// Deadlines further out than this are kept at this distance: the store
-/// lives no longer than its process, and `Instant` cannot represent every
-/// `Duration`.
-const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
-
+/// Deadlines further out than [`MAX_TTL`] are kept at that distance: the
+/// store lives no longer than its process, and `Instant` cannot represent
+/// every `Duration`.
 fn deadline(now: Instant, after: Duration) -> Instant {
     now + after.min(MAX_TTL)
 }

@@ -231,6 +231,28 @@ pub enum Claim<G = LeaseToken> {
     },
 }
 
+/// The longest TTL a store keeps: far beyond any retention or lease the
+/// doors accept ([`MAX_RETENTION`](crate::MAX_RETENTION),
+/// [`MAX_LEASE`](crate::MAX_LEASE)), far below what every store can
+/// represent. The one bound inside the stores, for callers that use a store
+/// directly.
+pub(crate) const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// `ttl` in whole milliseconds, at least 1; a TTL over [`MAX_TTL`] is a
+/// configuration error (naming `what`), not a command that fails each time.
+#[cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "sqlite")),
+    allow(dead_code)
+)]
+pub(crate) fn ttl_millis(ttl: Duration, what: &str) -> Result<u64, StoreError> {
+    if ttl > MAX_TTL {
+        return Err(StoreError::Misconfigured(format!(
+            "a {what} of {ttl:?} is longer than a store keeps a record (100 years)"
+        )));
+    }
+    Ok((ttl.as_millis() as u64).max(1))
+}
+
 /// The address of a record: an unambiguous encoding of *(scope, key)*.
 ///
 /// The scope never appears raw: it is replaced by its SHA-256, so a scope

@@ -100,15 +100,9 @@ pub(crate) fn checked_table(table: &str, store: &str) -> Result<(), StoreError> 
     Ok(())
 }
 
-/// Whole milliseconds, at least 1; a TTL of over a century is a mistake.
+/// Whole milliseconds, as SQL binds them.
 pub(crate) fn millis(d: Duration, what: &str) -> Result<i64, StoreError> {
-    const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
-    if d > CENTURY {
-        return Err(StoreError::Misconfigured(format!(
-            "a {what} of {d:?} is longer than the SQL stores keep a record (100 years)"
-        )));
-    }
-    Ok((d.as_millis() as i64).max(1))
+    Ok(super::ttl_millis(d, what)? as i64)
 }
 
 /// The key the start-up check claims: never a layer's (scope hashes are hex,

@@ -81,7 +81,7 @@ use std::{
 use redis::Value;
 
 use self::connection::{Connection, Lua};
-use super::{Claim, LeaseToken, StorageKey, Store, StoreError, claim_within};
+use super::{Claim, LeaseToken, StorageKey, Store, StoreError, claim_within, ttl_millis};
 use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, CorruptRecord},
@@ -291,19 +291,9 @@ impl Durable {
     }
 }
 
-/// The longest TTL the store sets: far beyond any retention the layer
-/// accepts, far below what Redis can represent.
-const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
-
-/// Milliseconds as the decimal string Redis expects, at least 1; a TTL Redis
-/// cannot keep is a configuration error, not a command that fails each time.
+/// Milliseconds as the decimal string Redis expects.
 fn millis(d: Duration, what: &str) -> Result<String, StoreError> {
-    if d > MAX_TTL {
-        return Err(StoreError::Misconfigured(format!(
-            "a {what} of {d:?} is longer than the Redis store keeps a key (100 years)"
-        )));
-    }
-    Ok(d.as_millis().max(1).to_string())
+    Ok(ttl_millis(d, what)?.to_string())
 }
 
 impl From<redis::RedisError> for StoreError {

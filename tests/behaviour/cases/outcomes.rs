@@ -7,8 +7,8 @@ use axum::body::Body;
 use http::{HeaderMap, Request, StatusCode};
 use tower::{ServiceExt, service_fn};
 use tower_idempotency::{
-    Completion, DefaultStorePolicy, IdempotencyLayer, IdempotencyOutcome, RejectionKind, StoreAll,
-    StorePolicy,
+    Completion, DefaultStorePolicy, IdempotencyLayer, IdempotencyOutcome, RejectionKind,
+    StoreAllPolicy, StorePolicy,
 };
 
 use super::{CHARGE, app_with};
@@ -46,7 +46,7 @@ pub async fn non_final_responses_release_the_key<B: Backend>(b: &B) {
 }
 
 pub async fn store_all_keeps_every_status<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(StoreAll));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(StoreAllPolicy));
     oneshot(&app, post("/status/503", "k", "")).await;
     let retry = oneshot(&app, post("/status/503", "k", "")).await;
     assert!(retry.is_replay());
