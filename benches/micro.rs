@@ -51,7 +51,9 @@ fn fingerprints(c: &mut Criterion) {
         group.bench_with_input(
             BenchmarkId::new("canonical_json", size),
             &body,
-            |b, body| b.iter(|| DefaultFingerprint.fingerprint(&json_parts, black_box(body))),
+            |b, body| {
+                b.iter(|| DefaultFingerprint::new().fingerprint(&json_parts, black_box(body)))
+            },
         );
         group.bench_with_input(BenchmarkId::new("raw", size), &body, |b, body| {
             b.iter(|| RawBodyFingerprint.fingerprint(&json_parts, black_box(body)))

@@ -131,7 +131,8 @@ pub use ::redis;
 #[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "sqlite"))))]
 pub use ::sqlx;
 pub use fingerprint::{
-    DefaultFingerprint, Fingerprint, FingerprintHasher, FingerprintStrategy, RawBodyFingerprint,
+    DefaultFingerprint, Fingerprint, FingerprintHasher, FingerprintStrategy, PayloadFingerprint,
+    RawBodyFingerprint,
 };
 pub use http::future::ResponseFuture;
 pub use http::layer::IdempotencyLayer;

@@ -657,3 +657,31 @@ async fn on_sqlite_an_order_published_twice_charges_once() {
     assert_eq!(file.count(CHARGES).await, 1);
     queue.delete().await;
 }
+
+/// The consumer's fingerprint takes the same rules: a resent order with a
+/// new `sent_at` is still the same order; another amount is not.
+#[tokio::test]
+async fn declared_rules_decide_what_is_the_same_message() {
+    let orders = IdempotencyProcessor::new(MemoryStore::new())
+        .fingerprint_with(tower_idempotency::DefaultFingerprint::new().ignore("/sent_at"));
+    let runs = Runs::default();
+    let order = |amount: u32, sent_at: &str| {
+        format!(r#"{{"order_id":"order-1","amount":{amount},"sent_at":"{sent_at}"}}"#)
+    };
+    let first = orders
+        .process("order-1", order(500, "10:00").as_bytes(), charge(&runs))
+        .await
+        .unwrap();
+    assert_eq!(first, ProcessOutcome::Executed("ch_1".to_owned()));
+    let resent = orders
+        .process("order-1", order(500, "10:05").as_bytes(), charge(&runs))
+        .await
+        .unwrap();
+    assert_eq!(resent, ProcessOutcome::Duplicate("ch_1".to_owned()));
+    let other = orders
+        .process("order-1", order(900, "10:05").as_bytes(), charge(&runs))
+        .await
+        .unwrap();
+    assert_eq!(other, ProcessOutcome::Mismatch);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}

@@ -3,5 +3,8 @@
 
 // Start-up code the example's `main` uses is dead here.
 #[allow(dead_code)]
+#[path = "../examples/payments/admin.rs"]
+mod admin;
+#[allow(dead_code)]
 #[path = "../examples/payments/app.rs"]
 mod app;

@@ -28,6 +28,11 @@ use tower_idempotency::{
 /// The example's configuration, read from the environment.
 pub struct Settings {
     pub bind_addr: String,
+    /// `ADMIN_TOKEN`: serve the operators' routes behind it.
+    pub admin_token: Option<Arc<str>>,
+    /// `IDEMPOTENCY_DOCS_URL`: where the API publishes its idempotency
+    /// policy, linked from every rejection.
+    pub docs_url: Option<String>,
     /// How long a charge's transaction may sit idle before the database
     /// ends it (`PostgresStoreBuilder::transaction_timeout`).
     pub transaction_timeout: Duration,
@@ -60,6 +65,13 @@ impl Settings {
         let max_ttl_secs = tower_idempotency::MAX_RETENTION.as_secs();
         Ok(Self {
             bind_addr: env::var("BIND_ADDR").unwrap_or_else(|_| "127.0.0.1:3000".into()),
+            admin_token: env::var("ADMIN_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty())
+                .map(Into::into),
+            docs_url: env::var("IDEMPOTENCY_DOCS_URL")
+                .ok()
+                .filter(|u| !u.is_empty()),
             transaction_timeout: Duration::from_millis(number(
                 "IDEMPOTENCY_TX_TIMEOUT_MS",
                 30_000,
@@ -97,11 +109,18 @@ where
     St: Store<Granted: Recording>,
 {
     let create = St::Granted::create_route();
-    let idempotency = IdempotencyLayer::new(store)
+    let admin = settings
+        .admin_token
+        .clone()
+        .map(|token| super::admin::routes(store.clone(), token));
+    let mut idempotency = IdempotencyLayer::new(store)
         .require_key(true)
         .scope_with(|parts: &Parts| parts.extensions.get::<Account>().map(|a| a.0.clone()))
         .lease(settings.lease)
         .retention(settings.retention);
+    if let Some(url) = &settings.docs_url {
+        idempotency = idempotency.documentation(url);
+    }
     let state = AppState {
         charges,
         processor_latency: settings.processor_latency,
@@ -112,6 +131,8 @@ where
         .route_layer(idempotency)
         // Authenticate first, so the account is the idempotency scope.
         .layer(middleware::from_fn(authenticate))
+        // The operators' routes, outside both: they check `ADMIN_TOKEN`.
+        .merge(admin.unwrap_or_default())
         // Outermost first. Whatever rewrites the body (compression) must sit
         // outside the idempotency layer: inside, a gzip body would be stored
         // and replayed to clients that never asked for gzip.
@@ -464,6 +485,8 @@ mod tests {
     fn settings() -> Settings {
         Settings {
             bind_addr: String::new(),
+            admin_token: None,
+            docs_url: None,
             transaction_timeout: Duration::from_secs(30),
             processor_latency: Duration::ZERO,
             lease: Duration::from_secs(30),
@@ -543,6 +566,101 @@ mod tests {
         assert!(retry.headers().get(header::CONTENT_ENCODING).is_none());
         let charge: serde_json::Value = serde_json::from_slice(&body(retry).await).unwrap();
         assert_eq!(charge["amount"], 100);
+    }
+
+    fn admin(method: &str, path: &str, token: &str) -> Request {
+        Request::builder()
+            .method(method)
+            .uri(path)
+            .header("authorization", format!("Bearer {token}"))
+            .body(Body::empty())
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn operators_inspect_and_forget_a_key_behind_the_admin_token() {
+        let store = MemoryStore::new();
+        let without = app(store.clone(), memory(), &settings());
+        let path = "/admin/idempotency/acct_test/order%2D7";
+        let unset = without.oneshot(admin("GET", path, "s3cret")).await.unwrap();
+        assert_eq!(
+            unset.status(),
+            StatusCode::NOT_FOUND,
+            "no ADMIN_TOKEN: no routes"
+        );
+
+        let settings = Settings {
+            admin_token: Some("s3cret".into()),
+            ..settings()
+        };
+        let app = app(store, memory(), &settings);
+        let wrong = app
+            .clone()
+            .oneshot(admin("GET", path, "guess"))
+            .await
+            .unwrap();
+        assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+        let nothing = app
+            .clone()
+            .oneshot(admin("GET", path, "s3cret"))
+            .await
+            .unwrap();
+        assert_eq!(nothing.status(), StatusCode::NOT_FOUND);
+
+        let charged = app
+            .clone()
+            .oneshot(charge("order-7", r#"{"amount":100,"currency":"eur"}"#))
+            .await
+            .unwrap();
+        assert_eq!(charged.status(), StatusCode::CREATED);
+        let found = app
+            .clone()
+            .oneshot(admin("GET", path, "s3cret"))
+            .await
+            .unwrap();
+        assert_eq!(found.status(), StatusCode::OK);
+        let found: serde_json::Value = serde_json::from_slice(&body(found).await).unwrap();
+        assert_eq!(found["state"], "completed");
+        assert_eq!(found["status"], 201);
+        assert!(found["expires_in_secs"].as_u64().unwrap() > 86_000);
+
+        let forgot = app
+            .clone()
+            .oneshot(admin("DELETE", path, "s3cret"))
+            .await
+            .unwrap();
+        assert_eq!(forgot.status(), StatusCode::NO_CONTENT);
+        let gone = app
+            .clone()
+            .oneshot(admin("DELETE", path, "s3cret"))
+            .await
+            .unwrap();
+        assert_eq!(gone.status(), StatusCode::NOT_FOUND);
+        let again = app
+            .oneshot(charge("order-7", r#"{"amount":100,"currency":"eur"}"#))
+            .await
+            .unwrap();
+        assert!(
+            again.headers().get("idempotent-replayed").is_none(),
+            "executes again"
+        );
+    }
+
+    #[tokio::test]
+    async fn rejections_link_to_idempotency_docs_url() {
+        let settings = Settings {
+            docs_url: Some("https://docs.example.com/idempotency".into()),
+            ..settings()
+        };
+        let app = app(MemoryStore::new(), memory(), &settings);
+        let mut missing = charge("k", r#"{"amount":100,"currency":"eur"}"#);
+        missing.headers_mut().remove("idempotency-key");
+        let refused = app.oneshot(missing).await.unwrap();
+        assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            refused.headers()["link"],
+            r#"<https://docs.example.com/idempotency>; rel="describedby""#
+        );
     }
 
     #[tokio::test]

@@ -23,7 +23,10 @@
 //! 30000); `IDEMPOTENCY_TTL_SECS` (default 86400); `REQUEST_TIMEOUT_MS`
 //! (default 10000); `IDEMPOTENCY_TX_TIMEOUT_MS` (default 30000: how long a
 //! charge's transaction may sit idle before PostgreSQL ends it, which bounds
-//! how long a paused or cut-off instance holds a key).
+//! how long a paused or cut-off instance holds a key); `IDEMPOTENCY_DOCS_URL`
+//! (where the API's idempotency policy is published: every rejection links
+//! to it); `ADMIN_TOKEN` (set: the operators' routes shown below, behind
+//! `Authorization: Bearer <ADMIN_TOKEN>`; unset: they are `404`).
 //!
 //! Layers, outermost first: tracing (logs each response with its idempotency
 //! outcome), compression, a request timeout, authentication, then the
@@ -65,8 +68,14 @@
 //!
 //! # What the layer decided, as Prometheus counters.
 //! curl -s localhost:3000/metrics | grep idempotency_
+//!
+//! # Operators (start with ADMIN_TOKEN=s3cret): what happened to acct_alice's
+//! # order-42, then forget it so the next request with it executes again.
+//! curl -s localhost:3000/admin/idempotency/acct_alice/order-42 -H 'authorization: Bearer s3cret'
+//! curl -i -X DELETE localhost:3000/admin/idempotency/acct_alice/order-42 -H 'authorization: Bearer s3cret'
 //! ```
 
+mod admin;
 mod app;
 
 use std::{env, sync::Arc};

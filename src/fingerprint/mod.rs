@@ -5,15 +5,19 @@
 //! (`application/json` or `application/*+json`) is canonicalised first, so a
 //! retry that serialises the same parameters differently still matches, while
 //! numbers are compared exactly. Every field is length-prefixed, so no two
-//! different requests concatenate to the same hash input.
+//! different requests concatenate to the same hash input. Rules can narrow
+//! the body to parts of it (JSON Pointers to ignore or to keep) and add
+//! request headers.
 
 pub(crate) mod canonical_json;
+mod json_pointer;
 
-use std::fmt;
+use std::{fmt, sync::Arc};
 
-use http::{header::CONTENT_TYPE, request::Parts};
+use http::{HeaderName, header::CONTENT_TYPE, request::Parts};
 use sha2::{Digest, Sha256};
 
+use self::json_pointer::JsonPointer;
 use crate::fingerprint::canonical_json::canonical_json;
 
 /// The SHA-256 fingerprint of a request.
@@ -121,7 +125,8 @@ where
 }
 
 /// The default strategy: method, path, query and body, with JSON bodies
-/// canonicalised.
+/// canonicalised — and, when configured, only the parts of the body that
+/// matter, and some request headers.
 ///
 /// - **Query**: parameters are sorted by name only, so `?b=1&a=2` and
 ///   `?a=2&b=1` match, while the values of a repeated name keep their order
@@ -139,6 +144,16 @@ where
 /// bytes sent once without and once with `Content-Type: application/json` are
 /// two different requests.
 ///
+/// **Rules.** [`keep`](Self::keep) narrows a JSON body to the values its
+/// JSON Pointers (RFC 6901) reach — what a retry must repeat — and
+/// [`ignore`](Self::ignore) leaves values out, such as a client timestamp
+/// that differs on every attempt; both apply to the canonical JSON, and a
+/// body that is not JSON is still hashed whole. [`header`](Self::header)
+/// adds a request header (an API version, `Accept`): its values compared
+/// exactly, and absent not the same as empty. Without rules the
+/// fingerprint is the one earlier versions computed, so stored records
+/// keep matching.
+///
 /// # Examples
 ///
 /// ```
@@ -151,24 +166,201 @@ where
 ///         .body(())
 ///         .unwrap()
 ///         .into_parts();
-///     DefaultFingerprint.fingerprint(&parts, body.as_bytes())
+///     DefaultFingerprint::new().fingerprint(&parts, body.as_bytes())
 /// };
 /// assert_eq!(fp(r#"{"amount":1,"currency":"eur"}"#), fp(r#"{ "currency": "eur", "amount": 1 }"#));
 /// assert_ne!(fp(r#"{"amount":1}"#), fp(r#"{"amount":2}"#));
 /// ```
-#[derive(Clone, Copy, Debug, Default)]
-pub struct DefaultFingerprint;
+///
+/// With rules:
+///
+/// ```
+/// use tower_idempotency::{DefaultFingerprint, IdempotencyLayer, MemoryStore};
+///
+/// let same_request = DefaultFingerprint::new()
+///     .ignore("/metadata/client_time")
+///     .header("api-version");
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).fingerprint_with(same_request);
+/// # let _ = layer;
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct DefaultFingerprint {
+    rules: Option<Arc<Rules>>,
+}
+
+#[derive(Clone, Debug, Default)]
+struct Rules {
+    keep: Vec<JsonPointer>,
+    ignore: Vec<JsonPointer>,
+    headers: Vec<HeaderName>,
+}
+
+impl DefaultFingerprint {
+    /// The default strategy, without rules.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn rules(&mut self) -> &mut Rules {
+        Arc::make_mut(self.rules.get_or_insert_with(Arc::default))
+    }
+
+    /// Leaves the JSON value at `pointer` (RFC 6901, e.g.
+    /// `/metadata/client_time`) out of the fingerprint: two requests that
+    /// differ only there are the same request.
+    ///
+    /// # Panics
+    ///
+    /// When configured, never at request time: if `pointer` is not a JSON
+    /// Pointer (empty, or `/`-separated tokens with `~0` and `~1` escapes).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let fp = tower_idempotency::DefaultFingerprint::new().ignore("/metadata/client_time");
+    /// # let _ = fp;
+    /// ```
+    pub fn ignore(mut self, pointer: &str) -> Self {
+        self.rules().ignore.push(parse(pointer, "ignore"));
+        self
+    }
+
+    /// Keeps only the JSON values the kept pointers reach (e.g. `/amount`,
+    /// `/currency`): any other part of the body may differ between retries.
+    /// A value that is absent stays absent, apart from `null`.
+    ///
+    /// # Panics
+    ///
+    /// When configured: if `pointer` is not a JSON Pointer.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let fp = tower_idempotency::DefaultFingerprint::new().keep("/amount").keep("/currency");
+    /// # let _ = fp;
+    /// ```
+    pub fn keep(mut self, pointer: &str) -> Self {
+        self.rules().keep.push(parse(pointer, "keep"));
+        self
+    }
+
+    /// Adds the request header `name` to the fingerprint: its values,
+    /// compared exactly and in order; absent is not the same as empty.
+    /// (Ignored for message payloads, which have no headers.)
+    ///
+    /// # Panics
+    ///
+    /// When configured: if `name` is not a valid header name.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// let fp = tower_idempotency::DefaultFingerprint::new().header("api-version");
+    /// # let _ = fp;
+    /// ```
+    pub fn header(mut self, name: &str) -> Self {
+        let name = HeaderName::try_from(name).unwrap_or_else(|_| {
+            panic!("DefaultFingerprint::header: {name:?} is not a valid header name")
+        });
+        self.rules().headers.push(name);
+        self
+    }
+
+    /// The canonical JSON of `body` narrowed by the rules, or `None` when
+    /// it is not JSON.
+    fn json(&self, body: &[u8]) -> Option<Vec<u8>> {
+        let canonical = canonical_json(body)?;
+        match self.rules.as_deref() {
+            Some(rules) if !rules.keep.is_empty() || !rules.ignore.is_empty() => {
+                json_pointer::select(&canonical, &rules.keep, &rules.ignore)
+            }
+            _ => Some(canonical),
+        }
+    }
+}
+
+fn parse(pointer: &str, rule: &str) -> JsonPointer {
+    JsonPointer::parse(pointer).unwrap_or_else(|why| panic!("DefaultFingerprint::{rule}: {why}"))
+}
 
 impl FingerprintStrategy for DefaultFingerprint {
     fn fingerprint(&self, parts: &Parts, body: &[u8]) -> Fingerprint {
         let mut h = hash_head(parts);
-        if let Some(canonical) = is_json(parts).then(|| canonical_json(body)).flatten() {
+        if let Some(rules) = self.rules.as_deref().filter(|r| !r.headers.is_empty()) {
+            h.field(b"headers");
+            for name in &rules.headers {
+                let values: Vec<_> = parts.headers.get_all(name).iter().collect();
+                h.field(name.as_str().as_bytes());
+                h.field(&(values.len() as u64).to_be_bytes());
+                values.iter().for_each(|v| h.field(v.as_bytes()));
+            }
+        }
+        if let Some(json) = is_json(parts).then(|| self.json(body)).flatten() {
             h.field(b"json");
-            h.field(&canonical);
+            h.field(&json);
             return h.finish();
         }
         h.field(b"raw");
         h.field(body);
+        h.finish()
+    }
+}
+
+/// Decides which message payloads count as the same: the sibling of
+/// [`FingerprintStrategy`] for [`IdempotencyProcessor`](crate::message::IdempotencyProcessor).
+///
+/// Implemented by [`DefaultFingerprint`] (a JSON payload compared by its
+/// canonical form, narrowed by the rules; any other byte for byte), by
+/// [`RawBodyFingerprint`], and for closures `Fn(&[u8]) -> Fingerprint`.
+///
+/// # Examples
+///
+/// ```
+/// use tower_idempotency::{DefaultFingerprint, PayloadFingerprint};
+///
+/// let fp = DefaultFingerprint::new();
+/// assert_eq!(fp.fingerprint_payload(br#"{"a":1,"b":2}"#), fp.fingerprint_payload(br#"{ "b": 2, "a": 1.0 }"#));
+/// assert_ne!(fp.fingerprint_payload(br#"{"a":1}"#), fp.fingerprint_payload(br#"{"a":2}"#));
+/// ```
+pub trait PayloadFingerprint: Clone + Send + Sync + 'static {
+    /// Fingerprints a message payload.
+    fn fingerprint_payload(&self, payload: &[u8]) -> Fingerprint;
+}
+
+impl<F> PayloadFingerprint for F
+where
+    F: Fn(&[u8]) -> Fingerprint + Clone + Send + Sync + 'static,
+{
+    fn fingerprint_payload(&self, payload: &[u8]) -> Fingerprint {
+        self(payload)
+    }
+}
+
+/// The domain of a message payload's hash.
+const MESSAGE: &str = "tower-idempotency/message/v1";
+
+impl PayloadFingerprint for DefaultFingerprint {
+    fn fingerprint_payload(&self, payload: &[u8]) -> Fingerprint {
+        let mut h = FingerprintHasher::new(MESSAGE);
+        match self.json(payload) {
+            Some(json) => {
+                h.field(b"json");
+                h.field(&json);
+            }
+            None => {
+                h.field(b"raw");
+                h.field(payload);
+            }
+        }
+        h.finish()
+    }
+}
+
+impl PayloadFingerprint for RawBodyFingerprint {
+    fn fingerprint_payload(&self, payload: &[u8]) -> Fingerprint {
+        let mut h = FingerprintHasher::new(MESSAGE);
+        h.field(b"raw");
+        h.field(payload);
         h.finish()
     }
 }

@@ -74,7 +74,7 @@ impl<St: Store> IdempotencyLayer<St> {
             store,
             scope: NoScope,
             policy: DefaultStorePolicy,
-            fingerprint: DefaultFingerprint,
+            fingerprint: DefaultFingerprint::new(),
             config: Config {
                 methods: vec![Method::POST, Method::PATCH],
                 header: IDEMPOTENCY_KEY,
@@ -86,6 +86,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 in_flight_wait: None,
                 fail_open: false,
                 unavailable_retry_after: Duration::from_secs(1),
+                documentation: None,
             },
             render: Arc::new(Rejection::into_problem_response),
             outage_log: Arc::new(Throttle::new(Duration::from_secs(1))),
@@ -320,6 +321,35 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// ```
     pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
         self.config().unavailable_retry_after = after;
+        self
+    }
+
+    /// Publishes the API's idempotency policy at `url` (its key format,
+    /// retention, what each status means): every rejection the layer makes
+    /// — `400`, `409`, `413`, `422`, and the `503` it answers for the store —
+    /// carries `Link: <url>; rel="describedby"`, and its problem+json `type`
+    /// points into it (`url#key-reused`), as the IETF draft on the
+    /// `Idempotency-Key` header asks of servers.
+    ///
+    /// # Panics
+    ///
+    /// When configured: if `url` cannot be written into a header.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .documentation("https://docs.example.com/api/idempotency");
+    /// # let _ = layer;
+    /// ```
+    pub fn documentation(mut self, url: &str) -> Self {
+        assert!(
+            crate::http::rejection::described_by(url).is_ok(),
+            "IdempotencyLayer::documentation: {url:?} cannot be written into a Link header"
+        );
+        self.config().documentation = Some(url.into());
         self
     }
 

@@ -3,7 +3,7 @@
 use std::{fmt, sync::Arc, time::Duration};
 
 use axum_core::{body::Body, response::IntoResponse};
-use http::{Response, StatusCode, header};
+use http::{HeaderValue, Response, StatusCode, header, header::InvalidHeaderValue};
 
 use crate::{http::problem::Problem, key::InvalidKey};
 
@@ -78,12 +78,39 @@ pub enum RejectionKind {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rejection {
     kind: RejectionKind,
+    documentation: Option<Arc<str>>,
 }
 
 impl Rejection {
     /// A rejection of this kind.
     pub fn new(kind: RejectionKind) -> Self {
-        Self { kind }
+        Self {
+            kind,
+            documentation: None,
+        }
+    }
+
+    /// The same rejection, pointing to the API's idempotency policy at
+    /// `url` (see
+    /// [`IdempotencyLayer::documentation`](crate::IdempotencyLayer::documentation)).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{Rejection, RejectionKind};
+    ///
+    /// let r = Rejection::new(RejectionKind::Mismatch).documented_at("https://example.com/idempotency");
+    /// let response = r.into_problem_response();
+    /// assert_eq!(response.headers()["link"], r#"<https://example.com/idempotency>; rel="describedby""#);
+    /// ```
+    pub fn documented_at(mut self, url: impl Into<Arc<str>>) -> Self {
+        self.documentation = Some(url.into());
+        self
+    }
+
+    /// The URL of the API's idempotency policy, if the layer has one.
+    pub fn documentation(&self) -> Option<&str> {
+        self.documentation.as_deref()
     }
 
     /// Why the request was rejected.
@@ -202,15 +229,33 @@ impl Rejection {
     }
 
     /// Renders the rejection as RFC 9457 `application/problem+json`, with
-    /// `Retry-After` where there is one.
+    /// `Retry-After` where there is one. With a documentation URL, the
+    /// problem's `type` is that URL with the problem's name as fragment
+    /// (`https://…/idempotency#key-reused`), and the response carries `Link:
+    /// <url>; rel="describedby"`, as the IETF draft on the `Idempotency-Key`
+    /// header asks.
     pub fn into_problem_response(self) -> Response<Body> {
+        let problem_type = match &self.documentation {
+            Some(url) => {
+                let name = self.problem_type().rsplit(':').next().unwrap_or_default();
+                format!("{url}#{name}").into()
+            }
+            None => std::borrow::Cow::Borrowed(self.problem_type()),
+        };
         let mut response = Problem::new(self.status(), self.title())
-            .problem_type(self.problem_type())
+            .problem_type(problem_type)
             .detail(self.detail())
             .into_response();
+        let headers = response.headers_mut();
         if let Some(after) = self.retry_after() {
-            let headers = response.headers_mut();
             headers.insert(header::RETRY_AFTER, retry_after_secs(after).into());
+        }
+        if let Some(link) = self
+            .documentation
+            .as_deref()
+            .and_then(|url| described_by(url).ok())
+        {
+            headers.insert(header::LINK, link);
         }
         response
     }
@@ -225,6 +270,11 @@ impl IntoResponse for Rejection {
         response.extensions_mut().insert(kind);
         response
     }
+}
+
+/// The `Link` header value that points to the policy at `url`.
+pub(crate) fn described_by(url: &str) -> Result<HeaderValue, InvalidHeaderValue> {
+    HeaderValue::from_str(&format!("<{url}>; rel=\"describedby\""))
 }
 
 /// Whole seconds, rounded up, at least 1: `Retry-After: 0` would invite a

@@ -25,6 +25,8 @@ pub(crate) struct Config {
     pub(crate) in_flight_wait: Option<Duration>,
     pub(crate) fail_open: bool,
     pub(crate) unavailable_retry_after: Duration,
+    /// Where the API publishes its idempotency policy, for rejections.
+    pub(crate) documentation: Option<Arc<str>>,
 }
 
 /// Everything a service needs, shared by the clones of one service.
@@ -44,7 +46,11 @@ pub(crate) struct Shared<St, Sc, P, F> {
 impl<St, Sc, P, F> Shared<St, Sc, P, F> {
     /// The rendered rejection, with its outcome.
     pub(crate) fn rejection(&self, kind: RejectionKind) -> Answered {
-        let response = (self.render)(Rejection::new(kind.clone()));
+        let mut rejection = Rejection::new(kind.clone());
+        if let Some(url) = &self.config.documentation {
+            rejection = rejection.documented_at(url.clone());
+        }
+        let response = (self.render)(rejection);
         Answered::new(response, IdempotencyOutcome::Rejected(kind))
     }
 }

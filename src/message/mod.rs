@@ -62,7 +62,7 @@ use futures_util::FutureExt;
 use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
-    fingerprint::{Fingerprint, FingerprintHasher, canonical_json::canonical_json},
+    fingerprint::{DefaultFingerprint, PayloadFingerprint},
     key::{IdempotencyKey, InvalidKey},
     protocol::{self, Claimed, Finished},
     record::CompletedRecord,
@@ -75,11 +75,12 @@ use crate::{
 ///
 /// Cloning is cheap when the store's is; clones share the store.
 #[derive(Clone, Debug)]
-pub struct IdempotencyProcessor<St> {
+pub struct IdempotencyProcessor<St, F = DefaultFingerprint> {
     store: St,
     scope: String,
     lease: Duration,
     retention: Duration,
+    fingerprint: F,
 }
 
 /// What [`IdempotencyProcessor::process`] did with a message — the sibling
@@ -183,6 +184,38 @@ impl<St: Store> IdempotencyProcessor<St> {
             scope: "messages".into(),
             lease: protocol::DEFAULT_LEASE,
             retention: protocol::DEFAULT_RETENTION,
+            fingerprint: DefaultFingerprint::new(),
+        }
+    }
+}
+
+impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
+    /// Decides which payloads count as the same message (default
+    /// [`DefaultFingerprint`]: a JSON payload by its canonical form, any
+    /// other byte for byte): the sibling of the layer's
+    /// [`fingerprint_with`](crate::IdempotencyLayer::fingerprint_with). Its
+    /// JSON Pointer rules apply to payloads too.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{DefaultFingerprint, MemoryStore, message::IdempotencyProcessor};
+    ///
+    /// // A resent order carries a new `sent_at`: still the same order.
+    /// let orders = IdempotencyProcessor::new(MemoryStore::new())
+    ///     .fingerprint_with(DefaultFingerprint::new().ignore("/sent_at"));
+    /// # let _ = orders;
+    /// ```
+    pub fn fingerprint_with<F2: PayloadFingerprint>(
+        self,
+        fingerprint: F2,
+    ) -> IdempotencyProcessor<St, F2> {
+        IdempotencyProcessor {
+            store: self.store,
+            scope: self.scope,
+            lease: self.lease,
+            retention: self.retention,
+            fingerprint,
         }
     }
 
@@ -277,21 +310,20 @@ impl<St: Store> IdempotencyProcessor<St> {
     /// # Examples
     ///
     /// See the [module docs](self).
-    pub async fn process<T, E, F>(
+    pub async fn process<T, E, W>(
         &self,
         key: &str,
         payload: &[u8],
-        work: F,
+        work: W,
     ) -> Result<ProcessOutcome<T>, ProcessError<E>>
     where
         T: Serialize + DeserializeOwned,
-        F: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
+        W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
     {
         let key = IdempotencyKey::new(key).map_err(ProcessError::InvalidKey)?;
         let key = StorageKey::new(&self.scope, &key);
-        let mut hold = match protocol::claim(&self.store, key, fingerprint(payload), self.lease)
-            .await
-        {
+        let fingerprint = self.fingerprint.fingerprint_payload(payload);
+        let mut hold = match protocol::claim(&self.store, key, fingerprint, self.lease).await {
             Claimed::Granted(hold) => hold,
             Claimed::InFlight { retry_after } => {
                 return Ok(ProcessOutcome::InFlight { retry_after });
@@ -351,32 +383,6 @@ impl<St: Store> IdempotencyProcessor<St> {
             ))),
         }
     }
-}
-
-/// The fingerprint of a message payload: its canonical JSON form if it is
-/// JSON, else its bytes.
-///
-/// # Examples
-///
-/// ```
-/// use tower_idempotency::message::fingerprint;
-///
-/// assert_eq!(fingerprint(br#"{"a":1,"b":2}"#), fingerprint(br#"{ "b": 2, "a": 1.0 }"#));
-/// assert_ne!(fingerprint(br#"{"a":1}"#), fingerprint(br#"{"a":2}"#));
-/// ```
-pub fn fingerprint(payload: &[u8]) -> Fingerprint {
-    let mut h = FingerprintHasher::new("tower-idempotency/message/v1");
-    match canonical_json(payload) {
-        Some(canonical) => {
-            h.field(b"json");
-            h.field(&canonical);
-        }
-        None => {
-            h.field(b"raw");
-            h.field(payload);
-        }
-    }
-    h.finish()
 }
 
 /// A duplicate's stored result, read back as `T` if it can be.

@@ -5,7 +5,7 @@ use std::{sync::Arc, time::Duration};
 use quick_cache::{Weighter, sync::Cache};
 use tokio::time::Instant;
 
-use super::{Claim, LeaseToken, StorageKey, Store, StoreError};
+use super::{Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError};
 use crate::{fingerprint::Fingerprint, observe, record::CompletedRecord};
 
 /// Serves replays from memory: a bounded cache of completed records in front
@@ -211,5 +211,19 @@ impl<St: Store> Store for CachedStore<St> {
 
     async fn release(&self, key: &StorageKey, granted: St::Granted) -> Result<bool, StoreError> {
         self.inner.release(key, granted).await
+    }
+
+    /// Asks the store, not the cache.
+    async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
+        self.inner.inspect(key).await
+    }
+
+    /// Forgets the key in the store and in this process's cache. Other
+    /// processes' caches keep their copy until it expires: forget on every
+    /// instance, or run them without a cache where records are forgotten.
+    async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        let forgotten = self.inner.forget(key, force).await?;
+        self.cache.remove(key);
+        Ok(forgotten)
     }
 }

@@ -9,7 +9,7 @@ use std::{
 
 use tokio::time::Instant;
 
-use super::{Claim, LeaseToken, MAX_TTL, StorageKey, Store, StoreError};
+use super::{Claim, Forgotten, KeyState, LeaseToken, MAX_TTL, StorageKey, Store, StoreError};
 use crate::{fingerprint::Fingerprint, record::CompletedRecord};
 
 /// Enough shards that cores rarely wait for each other's lock, and that
@@ -242,5 +242,42 @@ impl Store for MemoryStore {
         Ok(self.with_own_claim(key, token, |shard| {
             shard.entries.remove(key);
         }))
+    }
+
+    async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
+        let now = Instant::now();
+        let shard = self.shard(key);
+        Ok(
+            match shard.entries.get(key).filter(|e| e.expires_at > now) {
+                None => KeyState::Absent,
+                Some(entry) => match &entry.state {
+                    State::InFlight(_) => KeyState::InFlight {
+                        retry_after: entry.expires_at - now,
+                    },
+                    State::Completed(record) => KeyState::Completed {
+                        record: record.clone(),
+                        expires_in: entry.expires_at - now,
+                    },
+                },
+            },
+        )
+    }
+
+    async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        let now = Instant::now();
+        let mut shard = self.shard(key);
+        let forgotten = match shard.entries.get(key).filter(|e| e.expires_at > now) {
+            None => return Ok(Forgotten::Nothing),
+            Some(Entry {
+                state: State::Completed(_),
+                ..
+            }) => Forgotten::Completed,
+            Some(_) if force => Forgotten::ForcedInFlight,
+            Some(_) => return Ok(Forgotten::InFlight),
+        };
+        // The holder's completion and release check its token: gone, they
+        // are refused.
+        shard.entries.remove(key);
+        Ok(forgotten)
     }
 }

@@ -181,6 +181,103 @@ pub trait Store: Clone + Send + Sync + 'static {
         key: &StorageKey,
         granted: Self::Granted,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// What the store holds for `key`, for an operator answering "what
+    /// happened to this request?": nothing, a claim in flight, or a
+    /// completed record (its status, when it expires, the stored body).
+    /// Build the key with [`StorageKey::new`] from the raw scope (the
+    /// account) and the idempotency key: it is hashed as the layer hashes
+    /// it.
+    ///
+    /// A store that cannot look a key up answers
+    /// [`StoreError::Unsupported`] (the default).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+    /// use tower_idempotency::{IdempotencyKey, MemoryStore, store::{KeyState, StorageKey, Store}};
+    ///
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("acct_alice", &IdempotencyKey::new("order-42").unwrap());
+    /// assert!(matches!(store.inspect(&key).await?, KeyState::Absent));
+    /// # Ok(()) }
+    /// ```
+    fn inspect(
+        &self,
+        key: &StorageKey,
+    ) -> impl Future<Output = Result<KeyState, StoreError>> + Send {
+        let _ = key;
+        async { Err(StoreError::Unsupported("inspect")) }
+    }
+
+    /// Forgets `key`, so the next request with it executes again: a
+    /// completed record is deleted. A claim in flight is left alone
+    /// ([`Forgotten::InFlight`]) unless `force`: then it is deleted too, and
+    /// the running handler's completion is fenced off — its response is sent
+    /// but not stored, and its lease is lost — while a retry meanwhile
+    /// executes again. That is what forcing means: the work may run twice.
+    /// A transactional store's claim in flight is the handler's open
+    /// transaction: it cannot be forced ([`StoreError::Unsupported`]), only
+    /// waited for.
+    ///
+    /// A store that cannot forget answers [`StoreError::Unsupported`] (the
+    /// default).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+    /// use tower_idempotency::{IdempotencyKey, MemoryStore, store::{Forgotten, StorageKey, Store}};
+    ///
+    /// let store = MemoryStore::new();
+    /// let key = StorageKey::new("acct_alice", &IdempotencyKey::new("order-42").unwrap());
+    /// assert_eq!(store.forget(&key, false).await?, Forgotten::Nothing);
+    /// # Ok(()) }
+    /// ```
+    fn forget(
+        &self,
+        key: &StorageKey,
+        force: bool,
+    ) -> impl Future<Output = Result<Forgotten, StoreError>> + Send {
+        let _ = (key, force);
+        async { Err(StoreError::Unsupported("forget")) }
+    }
+}
+
+/// What a store holds for one key: see [`Store::inspect`].
+#[derive(Clone, Debug)]
+pub enum KeyState {
+    /// Nothing: the next request with the key executes.
+    Absent,
+    /// A claim is in flight: a request with the key is running.
+    InFlight {
+        /// How long its lease has left, at most (an estimate, for a claim
+        /// that lives as long as a transaction).
+        retry_after: Duration,
+    },
+    /// A completed record, replayed to every retry until it expires.
+    Completed {
+        /// The record: the stored response (status, headers, body), or a
+        /// processed message's result.
+        record: Arc<CompletedRecord>,
+        /// How long the store keeps it.
+        expires_in: Duration,
+    },
+}
+
+/// What [`Store::forget`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Forgotten {
+    /// The store held nothing for the key.
+    Nothing,
+    /// A completed record was deleted: the next request executes.
+    Completed,
+    /// A claim is in flight and was left alone (forget it with `force`).
+    InFlight,
+    /// A claim in flight was deleted (`force`): its handler's completion is
+    /// fenced off.
+    ForcedInFlight,
 }
 
 /// A granted claim, as a store hands it out: see [`Store::Granted`].
@@ -383,4 +480,11 @@ pub enum StoreError {
     /// something it cannot represent.
     #[error("idempotency store misconfigured: {0}")]
     Misconfigured(String),
+    /// The store does not support this operation: a custom store that did
+    /// not implement [`Store::inspect`] or [`Store::forget`], or forcing a
+    /// transactional store's claim in flight (it is the handler's open
+    /// transaction: it ends when the handler does, or at the transaction
+    /// timeout).
+    #[error("the idempotency store does not support {0}")]
+    Unsupported(&'static str),
 }

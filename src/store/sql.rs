@@ -6,7 +6,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 
-use super::{Claim, StoreError};
+use super::{Claim, Forgotten, KeyState, StoreError};
 use crate::{fingerprint::Fingerprint, record::codec};
 
 /// What to do when the start-up check finds that the database would not
@@ -79,6 +79,31 @@ pub(crate) fn decide<G>(
             record: Arc::new(codec::decode(bytes)?.1),
             expires_in: left,
         },
+    })
+}
+
+/// What a live row tells an operator: a record is completed, none yet is a
+/// claim in flight (a plain store's).
+pub(crate) fn key_state(record: Option<Vec<u8>>, ms_left: i64) -> Result<KeyState, StoreError> {
+    let left = Duration::from_millis(ms_left.max(0) as u64);
+    Ok(match record {
+        None => KeyState::InFlight { retry_after: left },
+        Some(bytes) => KeyState::Completed {
+            record: Arc::new(codec::decode(bytes)?.1),
+            expires_in: left,
+        },
+    })
+}
+
+/// What a forget's `DELETE … RETURNING record IS NOT NULL` deleted, if
+/// anything: a completed record, or (forced) a claim in flight.
+pub(crate) fn forgotten(deleted_completed: Option<bool>) -> Option<Forgotten> {
+    deleted_completed.map(|completed| {
+        if completed {
+            Forgotten::Completed
+        } else {
+            Forgotten::ForcedInFlight
+        }
     })
 }
 

@@ -10,7 +10,7 @@ mod support;
 
 mod cases;
 
-use cases::{behaviour_cases, lease_cases};
+use cases::{behaviour_cases, lease_cases, transaction_cases};
 use support::backend;
 
 /// One test per case, in module `$module`, each against a fresh `$backend`.
@@ -45,6 +45,17 @@ lease_cases!(
 );
 lease_cases!(tests_for, postgres_leases, backend::Postgres::start());
 lease_cases!(tests_for, sqlite_leases, backend::Sqlite::start());
+
+transaction_cases!(
+    tests_for,
+    postgres_tx_transactions,
+    backend::PostgresTx::start()
+);
+transaction_cases!(
+    tests_for,
+    sqlite_tx_transactions,
+    backend::SqliteTx::start()
+);
 
 /// Every case in one test against one cluster (starting one takes seconds);
 /// each case gets a fresh key prefix.

@@ -187,12 +187,20 @@ async fn killed_mid_charge_the_default_example_charges_once_and_replays_after_re
     let env = [
         ("DATABASE_URL", url.as_str()),
         ("PROCESSOR_LATENCY_MS", "2000"),
+        ("ADMIN_TOKEN", "s3cret"),
     ];
-    // In flight: a duplicate is told so (the handler holds its claim, its
-    // charge inserted and uncommitted while the processor works).
+    // In flight, as the operators' route shows it: the handler holds its
+    // claim, its charge inserted and uncommitted while the processor works.
     let probe = client.clone();
-    let in_flight =
-        async |addr: &str| probe.send(charge_request(addr)).await.status == StatusCode::CONFLICT;
+    let in_flight = async |addr: &str| {
+        let inspect = http::Request::get(format!(
+            "http://{addr}/admin/idempotency/acct_crash/crash-1"
+        ))
+        .header("authorization", "Bearer s3cret")
+        .body(axum::body::Body::empty())
+        .unwrap();
+        probe.send(inspect).await.json()["state"] == "in_flight"
+    };
     let payments = kill_mid_charge(&client, &env, in_flight).await;
     assert_eq!(
         file.count(CHARGES).await,

@@ -135,8 +135,11 @@ pub use self::{
     builder::PostgresStoreBuilder, plain::PostgresStore, sql::SCHEMA,
     transactional::PostgresTxStore, tx::PostgresTx,
 };
-use super::StoreError;
+use sqlx::Row;
+
+use super::{Forgotten, KeyState, StorageKey, StoreError};
 pub use crate::store::sql::{EngineCheck, Plain, Transactional};
+use crate::store::sql::{forgotten, key_state};
 
 /// What both stores hold: the pool, the command timeout, the statements.
 pub(super) struct Base {
@@ -156,6 +159,37 @@ impl Base {
             Ok(result) => result.map_err(Into::into),
             Err(_) => Err(StoreError::Timeout(self.timeout)),
         }
+    }
+
+    /// A live row, as an operator sees it; `None` when there is none.
+    async fn inspect_row(&self, key: &StorageKey) -> Result<Option<KeyState>, StoreError> {
+        let row = self
+            .bounded(
+                sqlx::query(&self.sql.inspect)
+                    .bind(key.as_str())
+                    .fetch_optional(&self.pool),
+            )
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        key_state(row.try_get("record")?, row.try_get("ms_left")?).map(Some)
+    }
+
+    /// Deletes a live completed record (or, `force`, a plain claim in
+    /// flight); what it deleted, if anything.
+    async fn forget_row(
+        &self,
+        key: &StorageKey,
+        force: bool,
+    ) -> Result<Option<Forgotten>, StoreError> {
+        let deleted: Option<bool> = self
+            .bounded(
+                sqlx::query_scalar(&self.sql.forget)
+                    .bind(key.as_str())
+                    .bind(force)
+                    .fetch_optional(&self.pool),
+            )
+            .await?;
+        Ok(forgotten(deleted))
     }
 
     async fn migrate(&self) -> Result<(), StoreError> {

@@ -14,7 +14,7 @@ use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, codec},
     store::{
-        Claim, LeaseToken, StorageKey, Store, StoreError, claim_within,
+        Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError, claim_within,
         sql::{decide, millis},
     },
 };
@@ -152,6 +152,25 @@ impl Store for PostgresStore {
             )
             .await?;
         Ok(updated.rows_affected() == 1)
+    }
+
+    async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
+        Ok(self
+            .base
+            .inspect_row(key)
+            .await?
+            .unwrap_or(KeyState::Absent))
+    }
+
+    async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        if let Some(forgotten) = self.base.forget_row(key, force).await? {
+            return Ok(forgotten);
+        }
+        // Nothing deleted: in flight (not forced), or nothing at all.
+        Ok(match self.base.inspect_row(key).await? {
+            Some(KeyState::InFlight { .. }) => Forgotten::InFlight,
+            _ => Forgotten::Nothing,
+        })
     }
 
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {

@@ -23,6 +23,8 @@ pub(super) struct Sql {
     pub(super) release: String,
     pub(super) delete_expired: String,
     pub(super) take_over: String,
+    pub(super) inspect: String,
+    pub(super) forget: String,
 }
 
 impl Sql {
@@ -38,6 +40,8 @@ impl Sql {
             release: t(RELEASE),
             delete_expired: t(DELETE_EXPIRED),
             take_over: t(TAKE_OVER),
+            inspect: t(INSPECT),
+            forget: t(FORGET),
         })
     }
 
@@ -77,6 +81,18 @@ impl Sql {
             self.table
         ));
         sql
+    }
+
+    /// Whether a transaction holds `key` in flight: a claim of it in a
+    /// transaction of its own, rolled back at once, that meets the holder's
+    /// uncommitted row fails its `lock_timeout`. One round trip.
+    pub(super) fn tx_probe(&self, key: &str) -> String {
+        format!(
+            "BEGIN; SET LOCAL lock_timeout = 50; INSERT INTO {} (key, fingerprint, record, expires_at) \
+             VALUES ({}, '\\x00', NULL, now()) ON CONFLICT (key) DO NOTHING; ROLLBACK",
+            self.table,
+            text_literal(key)
+        )
     }
 
     /// The transactional completion, sent with `COMMIT` in one round trip:
@@ -145,3 +161,13 @@ const DELETE_EXPIRED: &str = "DELETE FROM {t} WHERE key IN (SELECT key FROM {t} 
 /// $3 bound ms.
 const TAKE_OVER: &str = "UPDATE {t} SET fingerprint = $2, token = NULL, record = NULL, \
      expires_at = now() + $3 * interval '1 millisecond' WHERE key = $1 AND expires_at <= now()";
+
+/// A live row's record (none: a plain claim in flight) and milliseconds
+/// left. $1 key.
+const INSPECT: &str = "SELECT record, (extract(epoch FROM expires_at - now()) * 1000)::bigint AS ms_left \
+     FROM {t} WHERE key = $1 AND expires_at > now()";
+
+/// Deletes a live completed record, or (with $2) a claim in flight too.
+/// $1 key, $2 force.
+const FORGET: &str = "DELETE FROM {t} WHERE key = $1 AND expires_at > now() \
+     AND (record IS NOT NULL OR $2) RETURNING record IS NOT NULL AS completed";

@@ -12,7 +12,7 @@ use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, codec},
     store::{
-        Claim, LeaseToken, StorageKey, Store, StoreError,
+        Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError,
         sql::{decide, millis},
     },
 };
@@ -334,5 +334,59 @@ impl Store for PostgresTxStore {
     async fn release(&self, _: &StorageKey, tx: PostgresTx) -> Result<bool, StoreError> {
         self.base.bounded(tx.rollback()).await?;
         Ok(true)
+    }
+
+    /// A committed record is read; a claim in flight is an uncommitted row
+    /// no other session sees, so it is probed: a claim in a transaction of
+    /// its own, rolled back at once, that meets it waits 50 ms and fails. (A
+    /// request claiming the key at that very moment may be told `409`.)
+    async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
+        if let Some(found) = self.base.inspect_row(key).await? {
+            return Ok(found);
+        }
+        Ok(if self.in_flight(key).await? {
+            KeyState::InFlight {
+                retry_after: IN_FLIGHT_RETRY_AFTER,
+            }
+        } else {
+            KeyState::Absent
+        })
+    }
+
+    async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        // Only committed (completed) records: a claim in flight is a row no
+        // other session can delete.
+        if let Some(forgotten) = self.base.forget_row(key, false).await? {
+            return Ok(forgotten);
+        }
+        match self.in_flight(key).await? {
+            false => Ok(Forgotten::Nothing),
+            true if force => Err(StoreError::Unsupported(
+                "forcing a transactional claim in flight: it is the handler's open transaction, which ends when the handler does or at the transaction timeout",
+            )),
+            true => Ok(Forgotten::InFlight),
+        }
+    }
+}
+
+impl PostgresTxStore {
+    /// Whether a transaction holds `key` in flight (see `inspect`).
+    async fn in_flight(&self, key: &StorageKey) -> Result<bool, StoreError> {
+        let probe = self.base.sql.tx_probe(key.as_str());
+        let connection = self.base.bounded(self.base.pool.acquire()).await?;
+        // Closed if the probe fails halfway: never back in the pool inside
+        // its transaction.
+        let mut tx = PostgresTx::begun(connection);
+        match self.base.bounded(tx.end(&probe)).await {
+            Ok(()) => Ok(false),
+            Err(StoreError::Unavailable(error))
+                if error
+                    .downcast_ref::<sqlx::Error>()
+                    .is_some_and(is_lock_timeout) =>
+            {
+                Ok(true)
+            }
+            Err(error) => Err(error),
+        }
     }
 }

@@ -24,7 +24,7 @@ use crate::{
     fingerprint::Fingerprint,
     record::codec,
     record::{CompletedRecord, CorruptRecord},
-    store::{Claim, LeaseToken},
+    store::{Claim, KeyState, LeaseToken},
 };
 
 const IN_FLIGHT: u8 = b'i';
@@ -134,6 +134,40 @@ pub(super) fn decode_claim(
         record: Arc::new(codec::decode(record)?.1),
         expires_in,
     })
+}
+
+/// What a value tells an operator (see `Store::inspect`), exact about its
+/// expiry: no cache margin.
+pub(super) fn inspect(found: Option<Vec<u8>>) -> Result<KeyState, CorruptRecord> {
+    let Some(found) = found else {
+        return Ok(KeyState::Absent);
+    };
+    match found.first() {
+        Some(&IN_FLIGHT) => {
+            let deadline = found
+                .get(DEADLINE_AT..DEADLINE_AT + 8)
+                .ok_or(CorruptRecord("truncated claim"))?;
+            let deadline = u64::from_be_bytes(deadline.try_into().expect("8 bytes"));
+            Ok(KeyState::InFlight {
+                retry_after: until(deadline),
+            })
+        }
+        Some(&COMPLETED) => {
+            let expiry = found.get(1..9).ok_or(CorruptRecord("truncated record"))?;
+            let expiry = u64::from_be_bytes(expiry.try_into().expect("8 bytes"));
+            let record = bytes::Bytes::from(found).slice(9..);
+            Ok(KeyState::Completed {
+                record: Arc::new(codec::decode(record)?.1),
+                expires_in: until(expiry),
+            })
+        }
+        // Written before the expiry was stored.
+        Some(&codec::RESPONSE | &codec::UNREPLAYABLE) => Ok(KeyState::Completed {
+            record: Arc::new(codec::decode(found)?.1),
+            expires_in: Duration::ZERO,
+        }),
+        _ => Err(CorruptRecord("unknown record state")),
+    }
 }
 
 #[cfg(test)]

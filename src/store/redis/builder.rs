@@ -5,7 +5,9 @@ use std::{sync::Arc, time::Duration};
 
 use redis::Value;
 
-use super::{COMPLETE, Durable, EXTEND, Inner, RELEASE, RedisStore, connection::Connection};
+use super::{
+    COMPLETE, Durable, EXTEND, FORGET, Inner, RELEASE, RedisStore, connection::Connection,
+};
 use crate::store::StoreError;
 
 /// What to do when Redis may evict idempotency records: a `maxmemory-policy`
@@ -283,7 +285,7 @@ impl RedisStoreBuilder {
         check_version(&connection).await?;
         check_eviction_policy(&connection, self.eviction).await?;
         // Load the scripts now so the first requests need no NOSCRIPT detour.
-        for lua in [&*EXTEND, &*COMPLETE, &*RELEASE] {
+        for lua in [&*EXTEND, &*COMPLETE, &*RELEASE, &*FORGET] {
             connection.on_every_master(lua.load()).await?;
         }
         Ok(RedisStore {

@@ -81,7 +81,9 @@ use std::{
 use redis::Value;
 
 use self::connection::{Connection, Lua};
-use super::{Claim, LeaseToken, StorageKey, Store, StoreError, claim_within, ttl_millis};
+use super::{
+    Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError, claim_within, ttl_millis,
+};
 use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, CorruptRecord},
@@ -90,6 +92,7 @@ use crate::{
 static EXTEND: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("extend.lua")));
 static COMPLETE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("complete.lua")));
 static RELEASE: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("release.lua")));
+static FORGET: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("forget.lua")));
 
 /// A [`Store`] on Redis or Redis Cluster. See the [module docs](self) for the
 /// protocol, the data layout and the failure behaviour.
@@ -263,6 +266,36 @@ impl Store for RedisStore {
             &args,
         )
         .await
+    }
+
+    async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
+        let mut get = redis::cmd("GET");
+        get.arg(self.redis_key(key));
+        let timeout = self.inner.timeout;
+        let found = match tokio::time::timeout(timeout, self.inner.connection.query(&get)).await {
+            Ok(reply) => reply?,
+            Err(_) => return Err(StoreError::Timeout(timeout)),
+        };
+        let found = match found {
+            Value::Nil => None,
+            Value::BulkString(bytes) => Some(bytes),
+            _ => return Err(CorruptRecord("GET reply is not a string").into()),
+        };
+        Ok(blob::inspect(found)?)
+    }
+
+    async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        let args: [&[u8]; 1] = [if force { b"1" } else { b"0" }];
+        let reply = self
+            .run(&self.inner.connection, &FORGET, &self.redis_key(key), &args)
+            .await?;
+        Ok(match reply {
+            Value::Int(0) => Forgotten::Nothing,
+            Value::Int(1) => Forgotten::Completed,
+            Value::Int(2) => Forgotten::InFlight,
+            Value::Int(3) => Forgotten::ForcedInFlight,
+            _ => return Err(CorruptRecord("forget reply").into()),
+        })
     }
 }
 

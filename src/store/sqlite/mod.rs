@@ -65,8 +65,11 @@ pub use self::{
     builder::SqliteStoreBuilder, plain::SqliteStore, sql::SCHEMA, transactional::SqliteTxStore,
     tx::SqliteTx,
 };
-use super::StoreError;
+use sqlx::Row;
+
+use super::{Forgotten, KeyState, StorageKey, StoreError};
 pub use crate::store::sql::{EngineCheck, Plain, Transactional};
+use crate::store::sql::{forgotten, key_state};
 
 /// What both stores hold: the pool, the busy timeout, the statements.
 pub(super) struct Base {
@@ -77,6 +80,36 @@ pub(super) struct Base {
 }
 
 impl Base {
+    /// A live row, as an operator sees it; `None` when there is none.
+    async fn inspect_row(&self, key: &StorageKey) -> Result<Option<KeyState>, StoreError> {
+        let row = sqlx::query(&self.sql.find)
+            .bind(key.as_str())
+            .fetch_optional(&self.pool)
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let ms_left = row.try_get::<i64, _>("expires_at")? - now_ms();
+        if ms_left <= 0 {
+            return Ok(None);
+        }
+        key_state(row.try_get("record")?, ms_left).map(Some)
+    }
+
+    /// Deletes a live completed record (or, `force`, a plain claim in
+    /// flight); what it deleted, if anything.
+    async fn forget_row(
+        &self,
+        key: &StorageKey,
+        force: bool,
+    ) -> Result<Option<Forgotten>, StoreError> {
+        let deleted: Option<bool> = sqlx::query_scalar(&self.sql.forget)
+            .bind(key.as_str())
+            .bind(now_ms())
+            .bind(force)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(forgotten(deleted))
+    }
+
     async fn migrate(&self) -> Result<(), StoreError> {
         sqlx::raw_sql(&self.sql.schema).execute(&self.pool).await?;
         self.check_engine(true).await

@@ -11,7 +11,7 @@ use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, codec},
     store::{
-        Claim, LeaseToken, StorageKey, Store, StoreError,
+        Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError,
         sql::{decide, millis},
     },
 };
@@ -134,6 +134,24 @@ impl Store for SqliteStore {
             .execute(&self.base.pool)
             .await?;
         Ok(updated.rows_affected() == 1)
+    }
+
+    async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
+        Ok(self
+            .base
+            .inspect_row(key)
+            .await?
+            .unwrap_or(KeyState::Absent))
+    }
+
+    async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        if let Some(forgotten) = self.base.forget_row(key, force).await? {
+            return Ok(forgotten);
+        }
+        Ok(match self.base.inspect_row(key).await? {
+            Some(KeyState::InFlight { .. }) => Forgotten::InFlight,
+            _ => Forgotten::Nothing,
+        })
     }
 
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {

@@ -19,6 +19,7 @@ pub(super) struct Sql {
     pub(super) delete_expired: String,
     pub(super) tx_claim: String,
     pub(super) tx_complete: String,
+    pub(super) forget: String,
 }
 
 impl Sql {
@@ -36,6 +37,7 @@ impl Sql {
             delete_expired: t(DELETE_EXPIRED),
             tx_claim: t(TX_CLAIM),
             tx_complete: t(TX_COMPLETE),
+            forget: t(FORGET),
         })
     }
 }
@@ -76,3 +78,8 @@ const TX_CLAIM: &str = "INSERT INTO {t} AS r (key, fingerprint, token, record, e
 
 /// The record, written into the claim's row. ?1 key, ?2 record, ?3 expiry.
 const TX_COMPLETE: &str = "UPDATE {t} SET record = ?2, expires_at = ?3 WHERE key = ?1";
+
+/// Deletes a live completed record, or (with ?3) a claim in flight too.
+/// ?1 key, ?2 now, ?3 force.
+const FORGET: &str = "DELETE FROM {t} WHERE key = ?1 AND expires_at > ?2 \
+     AND (record IS NOT NULL OR ?3) RETURNING record IS NOT NULL";

@@ -16,7 +16,7 @@ use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, codec},
     store::{
-        Claim, LeaseToken, StorageKey, Store, StoreError,
+        Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError,
         sql::{decide, millis},
     },
 };
@@ -253,6 +253,39 @@ impl Store for SqliteTxStore {
             tx.rollback().await?;
         }
         Ok(true)
+    }
+
+    /// A committed record is read; a claim in flight is known from this
+    /// process's registry (another process's claim in flight is an
+    /// uncommitted row no reader sees: it shows as absent).
+    async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
+        if lock(&self.in_flight).contains(key) {
+            return Ok(KeyState::InFlight {
+                retry_after: IN_FLIGHT_RETRY_AFTER,
+            });
+        }
+        Ok(self
+            .base
+            .inspect_row(key)
+            .await?
+            .unwrap_or(KeyState::Absent))
+    }
+
+    async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        if lock(&self.in_flight).contains(key) {
+            return if force {
+                Err(StoreError::Unsupported(
+                    "forcing a transactional claim in flight: it is the handler's open transaction, which ends when the handler does",
+                ))
+            } else {
+                Ok(Forgotten::InFlight)
+            };
+        }
+        Ok(self
+            .base
+            .forget_row(key, false)
+            .await?
+            .unwrap_or(Forgotten::Nothing))
     }
 }
 

@@ -5,6 +5,7 @@
 
 mod concurrency;
 mod leases;
+mod operations;
 mod outcomes;
 mod requests;
 
@@ -12,7 +13,7 @@ use axum::Router;
 use http::request::Parts;
 use tower_idempotency::{DefaultFingerprint, FingerprintStrategy, IdempotencyLayer, store::Store};
 
-pub use self::{concurrency::*, leases::*, outcomes::*, requests::*};
+pub use self::{concurrency::*, leases::*, operations::*, outcomes::*, requests::*};
 use crate::support::{
     app::{Counter, routes},
     http::{Reply, Server, post},
@@ -46,6 +47,10 @@ macro_rules! behaviour_cases {
             dropped_response_future_still_completes,
             record_expires_after_retention,
             rejections_are_customisable,
+            a_completed_key_is_inspected_and_forgotten,
+            a_key_in_flight_is_not_forgotten_without_force,
+            declared_fingerprint_rules_decide_what_is_the_same_request,
+            rejections_link_to_the_published_policy,
         );
     };
 }
@@ -58,12 +63,23 @@ macro_rules! lease_cases {
             expired_lease_lets_a_retry_execute,
             heartbeat_keeps_a_slow_handler_claimed,
             fencing_refuses_a_stale_holder,
+            a_key_in_flight_is_forgotten_with_force,
+        );
+    };
+}
+
+/// The cases about the transactional stores' claims.
+macro_rules! transaction_cases {
+    ($run:ident $(, $($arg:tt)+)?) => {
+        $run!($($($arg)+)?;
+            a_transaction_in_flight_cannot_be_forced,
         );
     };
 }
 
 pub(crate) use behaviour_cases;
 pub(crate) use lease_cases;
+pub(crate) use transaction_cases;
 
 pub(crate) fn scoped<St: Store>(
     store: St,
@@ -93,7 +109,7 @@ pub(crate) const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
 /// The fingerprint the layer computes for `post(path, key, CHARGE)`.
 pub(crate) fn fingerprint_of(path: &str) -> tower_idempotency::Fingerprint {
     let (parts, _) = post(path, "k", CHARGE).into_parts();
-    DefaultFingerprint.fingerprint(&parts, CHARGE.as_bytes())
+    DefaultFingerprint::new().fingerprint(&parts, CHARGE.as_bytes())
 }
 
 /// `n` identical requests at once over HTTP.
