@@ -184,10 +184,11 @@ async fn insert_charge_sqlite(connection: &mut SqliteConnection, new: &NewCharge
 
 /// SQLite's floor for exactly-once effects, hand-written without the layer:
 /// the charge and a record row of the same shape inserted in one
-/// `IMMEDIATE` transaction of its own (the write lock taken up front, as
-/// the store takes it).
+/// `IMMEDIATE` transaction of its own, the writers of the process taking
+/// turns on a mutex first (as the store does; SQLite's own busy handler
+/// alone starves some of 32 writers for seconds).
 async fn sqlite_charge_and_record(
-    State(pool): State<SqlitePool>,
+    State((pool, writer)): State<(SqlitePool, Arc<tokio::sync::Mutex<()>>)>,
     headers: http::HeaderMap,
     Json(new): Json<NewCharge>,
 ) -> Response {
@@ -195,6 +196,7 @@ async fn sqlite_charge_and_record(
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
+    let _turn = writer.lock().await;
     let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
     insert_charge_sqlite(&mut tx, &new).await;
     sqlx::query(
@@ -455,7 +457,7 @@ async fn start_variants(redis_url: &str, pool: PgPool, sqlite: SqliteTxStore) ->
             "sqlite-floor-record",
             Router::new()
                 .route("/v1/charges", post(sqlite_charge_and_record))
-                .with_state(sqlite.pool().clone()),
+                .with_state((sqlite.pool().clone(), Arc::default())),
         ),
         (
             "sqlite-replay-floor",

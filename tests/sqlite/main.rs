@@ -191,7 +191,8 @@ async fn killed_mid_charge_the_default_example_charges_once_and_replays_after_re
     ];
     // In flight, as the operators' route shows it: the handler holds its
     // claim, its charge inserted and uncommitted while the processor works.
-    let probe = client.clone();
+    // A client of its own: its kept-alive connection dies with the process.
+    let probe = HttpClient::default();
     let in_flight = async |addr: &str| {
         let inspect = http::Request::get(format!(
             "http://{addr}/admin/idempotency/acct_crash/crash-1"

@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use sha2::{Digest, Sha256};
+
 use crate::{
     fingerprint::{Fingerprint, push_hex},
     store::{StoreError, sql::checked_table},
@@ -25,6 +27,8 @@ pub(super) struct Sql {
     pub(super) take_over: String,
     pub(super) inspect: String,
     pub(super) forget: String,
+    /// The prefix of this table's prepared statements' names.
+    pub(super) prepared: String,
 }
 
 impl Sql {
@@ -42,6 +46,7 @@ impl Sql {
             take_over: t(TAKE_OVER),
             inspect: t(INSPECT),
             forget: t(FORGET),
+            prepared: prepared_names(table),
         })
     }
 
@@ -54,7 +59,8 @@ impl Sql {
     /// table (a migration) is waited for under the command timeout — an
     /// outage, `503` — not taken for a duplicate in flight. Sent in the
     /// simple protocol (it travels with `BEGIN`), so the values are
-    /// literals.
+    /// literals, to statements prepared once per connection
+    /// ([`prepare`](Self::prepare)): planned once, not on every request.
     pub(super) fn tx_claim(
         &self,
         key: &str,
@@ -62,25 +68,39 @@ impl Sql {
         wait: Duration,
         bound: Duration,
     ) -> String {
-        let key = text_literal(key);
-        let mut sql = String::with_capacity(640);
+        let mut sql = String::with_capacity(256);
         sql.push_str(&format!(
-            "SELECT 1 FROM {} LIMIT 0; SET LOCAL lock_timeout = {}; ",
-            self.table,
-            wait.as_millis().max(1)
+            "EXECUTE {names}_table; SET LOCAL lock_timeout = {wait}; EXECUTE {names}_claim({key}, ",
+            names = self.prepared,
+            wait = wait.as_millis().max(1),
+            key = text_literal(key),
         ));
-        sql.push_str(&format!("WITH claimed AS (INSERT INTO {} (key, fingerprint, record, expires_at) VALUES ({key}, ", self.table));
         push_bytea_literal(&mut sql, fingerprint.as_bytes());
         sql.push_str(&format!(
-            ", NULL, now() + {} * interval '1 millisecond') ON CONFLICT (key) DO NOTHING RETURNING 1) \
-             SELECT true AS acquired, NULL::bytea AS fingerprint, NULL::bytea AS record, 0::bigint AS ms_left FROM claimed \
-             UNION ALL SELECT false, fingerprint, record, (extract(epoch FROM expires_at - now()) * 1000)::bigint \
-             FROM {} WHERE key = {key} AND NOT EXISTS (SELECT 1 FROM claimed); \
-             SET LOCAL lock_timeout TO DEFAULT",
-            bound.as_millis(),
-            self.table
+            ", {}); SET LOCAL lock_timeout TO DEFAULT",
+            bound.as_millis()
         ));
         sql
+    }
+
+    /// The statements [`tx_claim`](Self::tx_claim) and
+    /// [`tx_complete`](Self::tx_complete) execute, prepared on a connection
+    /// the first time it serves a claim.
+    pub(super) fn prepare(&self) -> String {
+        let (names, t) = (&self.prepared, &self.table);
+        format!(
+            "PREPARE {names}_table AS SELECT 1 FROM {t} LIMIT 0; \
+             PREPARE {names}_claim (text, bytea, bigint) AS \
+             WITH claimed AS (INSERT INTO {t} (key, fingerprint, record, expires_at) \
+             VALUES ($1, $2, NULL, now() + $3 * interval '1 millisecond') ON CONFLICT (key) DO NOTHING RETURNING 1) \
+             SELECT true AS acquired, NULL::bytea AS fingerprint, NULL::bytea AS record, 0::bigint AS ms_left FROM claimed \
+             UNION ALL SELECT false, fingerprint, record, (extract(epoch FROM expires_at - now()) * 1000)::bigint \
+             FROM {t} WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM claimed); \
+             PREPARE {names}_complete (text, bytea, bigint) AS \
+             WITH done AS (UPDATE {t} SET record = $2, \
+             expires_at = clock_timestamp() + $3 * interval '1 millisecond' WHERE key = $1 RETURNING 1) \
+             SELECT 1 / (SELECT count(*)::int FROM done)"
+        )
     }
 
     /// Whether a transaction holds `key` in flight: a claim of it in a
@@ -98,22 +118,28 @@ impl Sql {
     /// The transactional completion, sent with `COMMIT` in one round trip:
     /// the record written into the claim's row, its retention counted from
     /// now (`clock_timestamp()`, the end of the handler, not the
-    /// transaction's start). If the row is gone, the division by zero fails
-    /// the statement, and the `COMMIT` after it never runs.
+    /// transaction's start). If the row is gone, the prepared statement's
+    /// division by zero fails, and the `COMMIT` after it never runs.
     pub(super) fn tx_complete(&self, key: &str, record: &[u8], retention_ms: i64) -> String {
-        let mut sql = String::with_capacity(2 * record.len() + 256);
+        let mut sql = String::with_capacity(2 * record.len() + 128);
         sql.push_str(&format!(
-            "WITH done AS (UPDATE {} SET record = ",
-            self.table
-        ));
-        push_bytea_literal(&mut sql, record);
-        sql.push_str(&format!(
-            ", expires_at = clock_timestamp() + {retention_ms} * interval '1 millisecond' \
-             WHERE key = {} RETURNING 1) SELECT 1 / (SELECT count(*)::int FROM done); COMMIT",
+            "EXECUTE {}_complete({}, ",
+            self.prepared,
             text_literal(key)
         ));
+        push_bytea_literal(&mut sql, record);
+        sql.push_str(&format!(", {retention_ms}); COMMIT"));
         sql
     }
+}
+
+/// The prefix of a table's prepared statements: one set per table, so two
+/// stores on one connection's database never share them.
+fn prepared_names(table: &str) -> String {
+    let digest = Sha256::digest(table.as_bytes());
+    let mut names = String::from("tower_idempotency_");
+    push_hex(&mut names, &digest[..6]);
+    names
 }
 
 /// `s` as an escape string literal: visible ASCII keys, `\` and `'` escaped.

@@ -29,6 +29,10 @@ const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// aborted.
 const IN_FAILED_TRANSACTION: &str = "25P02";
 
+/// The SQLSTATE of an `EXECUTE` of a statement this connection has not
+/// prepared.
+const NOT_PREPARED: &str = "26000";
+
 /// A [`Store`] on PostgreSQL whose record commits in the handler's own
 /// transaction: exactly one effect per key, across crashes. See the
 /// [module docs](super) for how it works and what it costs.
@@ -154,9 +158,24 @@ impl PostgresTxStore {
         let mut tx = PostgresTx::begun(connection);
         // READ COMMITTED whatever the database's default: the claim must see
         // the rows committed before it, each statement on a fresh snapshot.
-        let sql = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {bounds}{claim}");
+        let begin = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {bounds}{claim}");
         let on: &mut PgConnection = &mut tx;
-        match on.fetch_optional(sqlx::raw_sql(&sql)).await {
+        let mut claimed = on.fetch_optional(sqlx::raw_sql(&begin)).await;
+        if claimed
+            .as_ref()
+            .is_err_and(|e| sqlstate(e).as_deref() == Some(NOT_PREPARED))
+        {
+            // A connection's first claim: its statements prepared first,
+            // inside the transaction (a statement before BEGIN would start
+            // one at the database's default isolation level).
+            let prepare = self.base.sql.prepare();
+            let sql = format!(
+                "ROLLBACK; BEGIN ISOLATION LEVEL READ COMMITTED; {bounds}{prepare}; {claim}"
+            );
+            let on: &mut PgConnection = &mut tx;
+            claimed = on.fetch_optional(sqlx::raw_sql(&sql)).await;
+        }
+        match claimed {
             Ok(row) => Ok(Some((tx, row))),
             // The duplicate's transaction is aborted: parked for the next
             // claim to roll back.

@@ -158,6 +158,7 @@ impl<M> SqliteStoreBuilder<M> {
             timeout: self.timeout,
             sql: Sql::new(&self.table)?,
             engine_check: self.engine_check,
+            writer: Arc::default(),
         });
         base.check_engine(false).await?;
         Ok(base)

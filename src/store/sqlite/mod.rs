@@ -56,7 +56,12 @@ mod sql;
 mod transactional;
 mod tx;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use tokio::sync::OwnedMutexGuard;
 
 use sqlx::SqlitePool;
 
@@ -71,15 +76,30 @@ use super::{Forgotten, KeyState, StorageKey, StoreError};
 pub use crate::store::sql::{EngineCheck, Plain, Transactional};
 use crate::store::sql::{forgotten, key_state};
 
-/// What both stores hold: the pool, the busy timeout, the statements.
+/// What both stores hold: the pool, the busy timeout, the statements, and
+/// the process's turn to write.
 pub(super) struct Base {
     pool: SqlitePool,
     timeout: Duration,
     sql: Sql,
     engine_check: EngineCheck,
+    /// SQLite lets one connection write at a time. Its busy handler makes a
+    /// waiting writer sleep and retry, with no order among them: under
+    /// contention some wait far longer than others (seconds at 32
+    /// requests). The writers of this process take turns here instead, in
+    /// arrival order; the busy timeout is left for writers in other
+    /// processes.
+    writer: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Base {
+    /// This process's turn to write, waited for up to the command timeout.
+    async fn write_turn(&self) -> Result<OwnedMutexGuard<()>, StoreError> {
+        tokio::time::timeout(self.timeout, self.writer.clone().lock_owned())
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))
+    }
+
     /// A live row, as an operator sees it; `None` when there is none.
     async fn inspect_row(&self, key: &StorageKey) -> Result<Option<KeyState>, StoreError> {
         let row = sqlx::query(&self.sql.find)
@@ -118,6 +138,7 @@ impl Base {
 
 impl crate::store::sql::DeleteExpired for Base {
     async fn delete_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let _turn = self.write_turn().await?;
         let done = sqlx::query(&self.sql.delete_expired)
             .bind(now_ms())
             .bind(i64::from(batch))

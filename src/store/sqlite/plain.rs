@@ -67,6 +67,7 @@ impl Store for SqliteStore {
         // A row removed between the two statements (released, or expired
         // and cleaned) makes the claim ask again.
         for _ in 0..3 {
+            let turn = self.base.write_turn().await?;
             let now = now_ms();
             let inserted = sqlx::query(&self.base.sql.claim)
                 .bind(key.as_str())
@@ -76,6 +77,7 @@ impl Store for SqliteStore {
                 .bind(now)
                 .fetch_optional(&self.base.pool)
                 .await?;
+            drop(turn);
             if inserted.is_some() {
                 return Ok(Claim::Acquired(token));
             }
@@ -104,6 +106,7 @@ impl Store for SqliteStore {
         token: LeaseToken,
         lease: Duration,
     ) -> Result<bool, StoreError> {
+        let _turn = self.base.write_turn().await?;
         let now = now_ms();
         let updated = sqlx::query(&self.base.sql.extend)
             .bind(key.as_str())
@@ -124,6 +127,7 @@ impl Store for SqliteStore {
         retention: Duration,
     ) -> Result<bool, StoreError> {
         let record = codec::encode(fingerprint, &record);
+        let _turn = self.base.write_turn().await?;
         let now = now_ms();
         let updated = sqlx::query(&self.base.sql.complete)
             .bind(key.as_str())
@@ -155,6 +159,7 @@ impl Store for SqliteStore {
     }
 
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
+        let _turn = self.base.write_turn().await?;
         let deleted = sqlx::query(&self.base.sql.release)
             .bind(key.as_str())
             .bind(&token.to_bytes()[..])

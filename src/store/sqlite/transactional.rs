@@ -10,6 +10,7 @@ use std::{
 
 use bytes::Bytes;
 use sqlx::{Row, Sqlite, Transaction};
+use tokio::sync::OwnedMutexGuard;
 
 use super::{Base, SqliteTx, now_ms};
 use crate::{
@@ -166,8 +167,9 @@ impl SqliteTxStore {
             .await
             .map_err(|e| StoreError::Unavailable(e.into()))??
         {
-            Some(tx) => Ok(Claim::Acquired(SqliteTx {
+            Some((tx, turn)) => Ok(Claim::Acquired(SqliteTx {
                 tx: Some(tx),
+                _turn: turn,
                 _registered: registered,
             })),
             // Committed by another process since the first look.
@@ -175,16 +177,18 @@ impl SqliteTxStore {
         }
     }
 
-    /// Takes the write lock, waiting for it as SQLite does (its busy
-    /// timeout, the command timeout: any other writer of the file holds it),
-    /// and inserts the claim's row: the transaction holding it, or `None`
-    /// when a live row holds the key.
+    /// Takes this process's turn to write, then the database's write lock
+    /// (waiting for a writer in another process as SQLite does: its busy
+    /// timeout, the command timeout), and inserts the claim's row: the
+    /// transaction holding it, with the turn, or `None` when a live row
+    /// holds the key.
     async fn insert_claim(
         base: &Base,
         key: &StorageKey,
         fingerprint: &Fingerprint,
         hold_ms: i64,
-    ) -> Result<Option<Transaction<'static, Sqlite>>, StoreError> {
+    ) -> Result<Option<(Transaction<'static, Sqlite>, OwnedMutexGuard<()>)>, StoreError> {
+        let turn = base.write_turn().await?;
         let mut tx = base.pool.begin_with("BEGIN IMMEDIATE").await?;
         let now = now_ms();
         let inserted = sqlx::query(&base.sql.tx_claim)
@@ -194,7 +198,7 @@ impl SqliteTxStore {
             .bind(now)
             .fetch_optional(&mut *tx)
             .await?;
-        Ok(inserted.map(|_| tx))
+        Ok(inserted.map(|_| (tx, turn)))
     }
 }
 

@@ -5,6 +5,7 @@
 use std::ops::{Deref, DerefMut};
 
 use sqlx::{Sqlite, SqliteConnection, Transaction};
+use tokio::sync::OwnedMutexGuard;
 
 use super::transactional::Registered;
 use crate::store::{Granted, LeaseToken};
@@ -39,6 +40,8 @@ use crate::store::{Granted, LeaseToken};
 pub struct SqliteTx {
     /// `None` once committed or rolled back.
     pub(super) tx: Option<Transaction<'static, Sqlite>>,
+    /// This process's turn to write, held with the write lock.
+    pub(super) _turn: OwnedMutexGuard<()>,
     pub(super) _registered: Registered,
 }
 
