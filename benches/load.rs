@@ -195,21 +195,30 @@ async fn sqlite_charge_and_record(
     let key = headers
         .get("idempotency-key")
         .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let _turn = writer.lock().await;
-    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
-    insert_charge_sqlite(&mut tx, &new).await;
-    sqlx::query(
-        "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) VALUES (?1, ?2, ?3, ?4)",
-    )
-    .bind(format!("{:064}:{key}", 0))
-    .bind(&[7u8; 32][..])
-    .bind(&[7u8; 200][..])
-    .bind(unix_ms() + 120_000)
-    .execute(&mut *tx)
+        .unwrap_or_default()
+        .to_owned();
+    // On a task of its own: a request dropped halfway through `BEGIN` (wrk
+    // closes its connections when a run ends) must not return a connection
+    // to the pool that the worker then puts inside a transaction.
+    let new = tokio::spawn(async move {
+        let _turn = writer.lock().await;
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
+        insert_charge_sqlite(&mut tx, &new).await;
+        sqlx::query(
+            "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) VALUES (?1, ?2, ?3, ?4)",
+        )
+        .bind(format!("{:064}:{key}", 0))
+        .bind(&[7u8; 32][..])
+        .bind(&[7u8; 200][..])
+        .bind(unix_ms() + 120_000)
+        .execute(&mut *tx)
+        .await
+        .expect("insert the record");
+        tx.commit().await.expect("commit");
+        new
+    })
     .await
-    .expect("insert the record");
-    tx.commit().await.expect("commit");
+    .expect("the charge's task");
     charge(Json(new)).await
 }
 
