@@ -639,3 +639,41 @@ async fn a_table_created_by_version_0_1_keeps_working() {
     );
     assert_eq!(charges(&db).await, 1);
 }
+
+/// The claim waits at most 50 ms on a duplicate's row; the handler's own
+/// statements must not inherit that: one that waits 300 ms on a row
+/// another session holds still succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handlers_statements_do_not_inherit_the_claims_short_lock_wait() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    sqlx::raw_sql("INSERT INTO charges (note) VALUES ('held')")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/waits",
+            post(async |mut tx: Tx| {
+                sqlx::query("UPDATE charges SET note = 'updated' WHERE note = 'held'")
+                    .execute(&mut *tx)
+                    .await
+                    .map(|_| StatusCode::CREATED)
+                    .unwrap_or(StatusCode::CONFLICT)
+            }),
+        )
+        .layer(IdempotencyLayer::new(store));
+    let mut holder = db.connect().await;
+    sqlx::raw_sql("BEGIN; SELECT * FROM charges FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let reply = tokio::spawn({
+        let app = app.clone();
+        async move { oneshot(&app, request("/waits", "k", CHARGE)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
+    let reply = reply.await.unwrap();
+    assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+}

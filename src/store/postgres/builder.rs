@@ -292,15 +292,15 @@ impl PostgresStoreBuilder<Transactional> {
     /// # let _ = store; Ok(()) }
     /// ```
     pub async fn with_pool(self, pool: PgPool) -> Result<PostgresTxStore, StoreError> {
-        let ms = self.transaction_timeout.as_millis();
-        let bounds = format!(
-            "SET LOCAL idle_in_transaction_session_timeout = {ms}; SET LOCAL statement_timeout = {ms}; "
-        );
+        // What the claim restores once it no longer needs its short wait.
+        let lock_timeout: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+            .fetch_one(&pool)
+            .await?;
         let idle = Arc::new(IdleTransactions::new(&pool, self.timeout));
         Ok(PostgresTxStore {
             base: self.base(pool).await?,
             idle,
-            bounds: bounds.into(),
+            lock_timeout: lock_timeout.into(),
             claim_wait: self.claim_wait,
             transaction_timeout: self.transaction_timeout,
         })

@@ -50,46 +50,58 @@ impl Sql {
         })
     }
 
-    /// The transactional claim, inside the request's transaction: the
-    /// claim's row inserted, or else the row that holds the key. A row
+    /// The transactional claim, inside the request's transaction. First the
+    /// transaction's bounds (`idle_in_transaction_session_timeout` and
+    /// `statement_timeout`, for this transaction only) and the claim's short
+    /// `lock_timeout` (`wait`), set once the table's lock is held — so that
+    /// DDL holding the table (a migration) is waited for under the command
+    /// timeout, an outage (`503`), not taken for a duplicate in flight. Then
+    /// the claim's row inserted, or else the row that holds the key: a row
     /// another transaction inserted and has not committed makes the insert
-    /// wait for that transaction, for at most `wait` (`lock_timeout`), then
-    /// fail: that is the in-flight answer. The table's lock is taken first,
-    /// without that short timeout (an empty read), so that DDL holding the
-    /// table (a migration) is waited for under the command timeout — an
-    /// outage, `503` — not taken for a duplicate in flight. Sent in the
-    /// simple protocol (it travels with `BEGIN`), so the values are
-    /// literals, to statements prepared once per connection
-    /// ([`prepare`](Self::prepare)): planned once, not on every request.
+    /// wait for that transaction, for at most `wait`, then fail — the
+    /// in-flight answer. Then `lock_timeout` back to the session's
+    /// (`lock_timeout`), for the handler's statements. Sent in the simple
+    /// protocol (it travels with `BEGIN`), so the values are literals, to
+    /// statements prepared once per connection ([`prepare`](Self::prepare)):
+    /// planned once, not on every request.
     pub(super) fn tx_claim(
         &self,
         key: &str,
         fingerprint: &Fingerprint,
         wait: Duration,
         bound: Duration,
+        lock_timeout: &str,
     ) -> String {
         let mut sql = String::with_capacity(256);
         sql.push_str(&format!(
-            "EXECUTE {names}_table; SET LOCAL lock_timeout = {wait}; EXECUTE {names}_claim({key}, ",
+            "EXECUTE {names}_begin('{bound}', '{wait}'); EXECUTE {names}_claim({key}, ",
             names = self.prepared,
+            bound = bound.as_millis(),
             wait = wait.as_millis().max(1),
             key = text_literal(key),
         ));
         push_bytea_literal(&mut sql, fingerprint.as_bytes());
         sql.push_str(&format!(
-            ", {}); SET LOCAL lock_timeout TO DEFAULT",
-            bound.as_millis()
+            ", {}); EXECUTE {}_after({})",
+            bound.as_millis(),
+            self.prepared,
+            text_literal(lock_timeout)
         ));
         sql
     }
 
     /// The statements [`tx_claim`](Self::tx_claim) and
     /// [`tx_complete`](Self::tx_complete) execute, prepared on a connection
-    /// the first time it serves a claim.
+    /// the first time it serves a claim. The settings are made in a `WHERE`
+    /// that is never true: only the claim answers with a row.
     pub(super) fn prepare(&self) -> String {
         let (names, t) = (&self.prepared, &self.table);
         format!(
-            "PREPARE {names}_table AS SELECT 1 FROM {t} LIMIT 0; \
+            "PREPARE {names}_begin (text, text) AS \
+             SELECT 1 FROM (SELECT 1) AS one LEFT JOIN (SELECT 1 FROM {t} LIMIT 0) AS locked ON true \
+             WHERE (set_config('idle_in_transaction_session_timeout', $1, true) \
+             || set_config('statement_timeout', $1, true) || set_config('lock_timeout', $2, true)) IS NULL; \
+             PREPARE {names}_after (text) AS SELECT 1 WHERE set_config('lock_timeout', $1, true) IS NULL; \
              PREPARE {names}_claim (text, bytea, bigint) AS \
              WITH claimed AS (INSERT INTO {t} (key, fingerprint, record, expires_at) \
              VALUES ($1, $2, NULL, now() + $3 * interval '1 millisecond') ON CONFLICT (key) DO NOTHING RETURNING 1) \

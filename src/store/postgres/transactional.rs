@@ -75,8 +75,8 @@ pub struct PostgresTxStore {
     pub(super) base: Arc<Base>,
     /// Transactions of claims that found nothing to do, to be rolled back.
     pub(super) idle: Arc<IdleTransactions>,
-    /// Sent at the start of every request's transaction: its bounds.
-    pub(super) bounds: Arc<str>,
+    /// The session's `lock_timeout`, restored after the claim.
+    pub(super) lock_timeout: Arc<str>,
     /// How long a claim waits on a duplicate's uncommitted row.
     pub(super) claim_wait: Duration,
     pub(super) transaction_timeout: Duration,
@@ -130,14 +130,13 @@ impl PostgresTxStore {
         &self,
         claim: &str,
     ) -> Result<Option<(PostgresTx, Option<PgRow>)>, StoreError> {
-        let bounds = &self.bounds;
         // `Executor::fetch_optional`, boxed, rather than `RawSql`'s async fn,
         // whose future trips rustc's inference of higher-ranked `Send`
         // bounds (rust-lang/rust#100013).
         if let Some(mut parked) = self.idle.take() {
             // Its ROLLBACK travels with this claim; AND CHAIN begins the
             // next transaction at the same (READ COMMITTED) level.
-            let sql = format!("ROLLBACK AND CHAIN; {bounds}{claim}");
+            let sql = format!("ROLLBACK AND CHAIN; {claim}");
             let on: &mut PgConnection = &mut parked;
             match on.fetch_optional(sqlx::raw_sql(&sql)).await {
                 Ok(row) => return Ok(Some((parked, row))),
@@ -158,7 +157,7 @@ impl PostgresTxStore {
         let mut tx = PostgresTx::begun(connection);
         // READ COMMITTED whatever the database's default: the claim must see
         // the rows committed before it, each statement on a fresh snapshot.
-        let begin = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {bounds}{claim}");
+        let begin = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {claim}");
         let on: &mut PgConnection = &mut tx;
         let mut claimed = on.fetch_optional(sqlx::raw_sql(&begin)).await;
         if claimed
@@ -169,9 +168,7 @@ impl PostgresTxStore {
             // inside the transaction (a statement before BEGIN would start
             // one at the database's default isolation level).
             let prepare = self.base.sql.prepare();
-            let sql = format!(
-                "ROLLBACK; BEGIN ISOLATION LEVEL READ COMMITTED; {bounds}{prepare}; {claim}"
-            );
+            let sql = format!("ROLLBACK; BEGIN ISOLATION LEVEL READ COMMITTED; {prepare}; {claim}");
             let on: &mut PgConnection = &mut tx;
             claimed = on.fetch_optional(sqlx::raw_sql(&sql)).await;
         }
@@ -197,6 +194,7 @@ impl PostgresTxStore {
             fingerprint,
             self.claim_wait,
             self.transaction_timeout,
+            &self.lock_timeout,
         );
         let Some((mut tx, row)) = self.begin_claim(&claim).await? else {
             return Ok(Claim::InFlight {

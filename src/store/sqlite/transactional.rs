@@ -147,13 +147,17 @@ impl SqliteTxStore {
         let in_flight = Claim::InFlight {
             retry_after: IN_FLIGHT_RETRY_AFTER,
         };
-        let Some(registered) = Registered::enter(&self.in_flight, key) else {
+        // A replay (or a mismatch) needs no write lock, and no place in the
+        // registry: concurrent replays of one key all replay.
+        if lock(&self.in_flight).contains(key) {
             return Ok(in_flight);
-        };
-        // A replay (or a mismatch) needs no write lock.
+        }
         if let Some(found) = self.find(key, fingerprint).await? {
             return Ok(found);
         }
+        let Some(registered) = Registered::enter(&self.in_flight, key) else {
+            return Ok(in_flight);
+        };
         // On a task of its own: a caller that stops waiting halfway through
         // `BEGIN` must not return a connection to the pool that the worker
         // then puts inside a transaction. The task finishes, and a
