@@ -35,8 +35,10 @@ use tower_idempotency_harness::postgres::TestDatabase;
 use tower_idempotency_harness::redis_server::RedisServer;
 use tower_idempotency_harness::sqlite::TestFile;
 
-/// Long enough for every replay, short enough that unique keys do not pile up.
-const RETENTION: Duration = Duration::from_secs(120);
+/// Long enough for every replay of a run of every variant (a record that
+/// expired mid-run would execute again), short enough that unique keys do not
+/// pile up.
+const RETENTION: Duration = Duration::from_secs(600);
 
 #[derive(Clone, Copy, PartialEq)]
 enum Keys {
@@ -114,7 +116,7 @@ async fn charge_and_record(
     insert_charge(&mut tx, &new).await;
     sqlx::query(
         "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) \
-         VALUES ($1, $2, $3, now() + interval '120 seconds')",
+         VALUES ($1, $2, $3, now() + interval '600 seconds')",
     )
     .bind(format!("{:064}:{key}", 0))
     .bind(&[7u8; 32][..])
@@ -210,7 +212,7 @@ async fn sqlite_charge_and_record(
         .bind(format!("{:064}:{key}", 0))
         .bind(&[7u8; 32][..])
         .bind(&[7u8; 200][..])
-        .bind(unix_ms() + 120_000)
+        .bind(unix_ms() + 600_000)
         .execute(&mut *tx)
         .await
         .expect("insert the record");
