@@ -8,8 +8,9 @@ use std::time::Duration;
 use axum::Router;
 use http::StatusCode;
 use tower_idempotency::{
-    Completion, IdempotencyKey, IdempotencyLayer, IdempotencyOutcome, RedisStore,
-    store::{CachedStore, StorageKey},
+    CompletedRecord, Completion, Fingerprint, IdempotencyKey, IdempotencyLayer, IdempotencyOutcome,
+    RedisStore,
+    store::{CachedStore, Claim, StorageKey, Store, redis::KeyNames},
 };
 
 use support::{
@@ -377,7 +378,8 @@ async fn storm_of_200_requests_over_20_keys_executes_20_times() {
     let replies = futures_util::future::join_all(requests).await;
     assert!(replies.iter().all(|r| r.status == StatusCode::CREATED));
     assert_eq!(counter.get(), 20, "exactly one execution per key");
-    assert_eq!(server.command(&["DBSIZE"]).trim(), "20");
+    // One record per key, and the key-names marker.
+    assert_eq!(server.command(&["DBSIZE"]).trim(), "21");
 }
 
 fn start_payments(redis_url: &str, port: u16) -> Payments {
@@ -409,14 +411,15 @@ async fn payments_process_killed_mid_handler_retry_waits_for_the_lease_then_exec
             .await;
         }
     });
-    // Killed once its claim is in Redis: the handler is running.
+    // Killed once its claim is in Redis (beside the key-names marker): the
+    // handler is running.
     for _ in 0..100 {
-        if redis.command(&["DBSIZE"]).trim() == "1" {
+        if redis.command(&["DBSIZE"]).trim() == "2" {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(redis.command(&["DBSIZE"]).trim(), "1", "never claimed");
+    assert_eq!(redis.command(&["DBSIZE"]).trim(), "2", "never claimed");
     payments.child.kill().unwrap(); // SIGKILL, mid-handler
     payments.child.wait().unwrap();
     doomed.abort();
@@ -485,4 +488,160 @@ async fn killed_mid_charge_on_redis_charges_twice_the_documented_crash_window() 
         2,
         "charged twice: the record and the charge were not one transaction"
     );
+}
+
+#[tokio::test]
+async fn key_names_are_compact_and_every_instance_on_a_prefix_must_agree() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    let key = redis_key_of(&store, "order-42");
+    assert_eq!(key.len(), "idempotency:".len() + 22, "{key}");
+    assert_eq!(
+        server.command(&["GET", "idempotency:key-names"]).trim(),
+        "compact"
+    );
+
+    // An instance that would name the same records differently would not
+    // find them: it refuses to start, and says what to configure.
+    let readable = RedisStore::builder()
+        .key_names(KeyNames::Readable)
+        .connect(&server.url())
+        .await
+        .expect_err("a second naming on one prefix");
+    assert!(
+        readable.to_string().contains("KeyNames::Compact"),
+        "{readable}"
+    );
+    // On a prefix of its own it starts.
+    let other = RedisStore::builder()
+        .prefix("legacy:")
+        .key_names(KeyNames::Readable)
+        .connect(&server.url())
+        .await
+        .expect("another prefix");
+    assert!(redis_key_of(&other, "order-42").ends_with(":order-42"));
+}
+
+/// A completed record exactly as 0.1 wrote it: `c`, a u64 expiry, and the
+/// 0.1 codec (`r`, fingerprint, status, u64 created-at, header block, body).
+fn record_written_by_0_1(fingerprint: &Fingerprint, body: &[u8]) -> Vec<u8> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let mut value = vec![b'c'];
+    value.extend_from_slice(&(now + 3_600_000).to_be_bytes());
+    value.push(b'r');
+    value.extend_from_slice(fingerprint.as_bytes());
+    value.extend_from_slice(&201u16.to_be_bytes());
+    value.extend_from_slice(&now.to_be_bytes());
+    let (name, header) = (b"content-type", b"application/json");
+    value.extend_from_slice(&((2 + name.len() + 4 + header.len()) as u32).to_be_bytes());
+    value.extend_from_slice(&(name.len() as u16).to_be_bytes());
+    value.extend_from_slice(name);
+    value.extend_from_slice(&(header.len() as u32).to_be_bytes());
+    value.extend_from_slice(header);
+    value.extend_from_slice(body);
+    value
+}
+
+#[tokio::test]
+async fn an_upgrade_from_0_1_keeps_its_records_or_refuses_to_start() {
+    let server = RedisServer::start();
+    let fingerprint = Fingerprint::from_bytes([7; 32]);
+    let key = StorageKey::new("", &IdempotencyKey::new("order-1").unwrap());
+    // What 0.1 left: a completed record under its readable name.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut redis = client.get_multiplexed_async_connection().await.unwrap();
+    let () = redis::cmd("SET")
+        .arg(format!("idempotency:{key}"))
+        .arg(record_written_by_0_1(&fingerprint, br#"{"id":"ch_1"}"#))
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+
+    // Compact names would miss it, and its retry would charge again.
+    let refused = RedisStore::builder()
+        .connect(&server.url())
+        .await
+        .expect_err("compact names over 0.1's records");
+    assert!(
+        refused.to_string().contains("KeyNames::Readable"),
+        "{refused}"
+    );
+
+    // Kept readable, the 0.1 record replays.
+    let store = RedisStore::builder()
+        .key_names(KeyNames::Readable)
+        .connect(&server.url())
+        .await
+        .unwrap();
+    match store
+        .claim(&key, &fingerprint, Duration::from_secs(5))
+        .await
+        .unwrap()
+    {
+        Claim::Completed { record, .. } => match &*record {
+            CompletedRecord::Response(response) => {
+                assert_eq!(response.status(), StatusCode::CREATED);
+                assert_eq!(&response.body()[..], br#"{"id":"ch_1"}"#);
+            }
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+}
+
+#[cfg(feature = "compression")]
+#[tokio::test]
+async fn compressed_records_replay_the_original_bytes_and_store_fewer() {
+    use axum::{extract::State, routing::post as route_post};
+    use tower_idempotency::codec::Compression;
+
+    let server = RedisServer::start();
+    let counter = Counter::default();
+    // A 4 KiB charge-like body: JSON that compresses.
+    async fn big_charge(State(counter): State<Counter>) -> (StatusCode, String) {
+        counter.incr();
+        let lines: Vec<String> = (0..60)
+            .map(|i| {
+                format!(
+                    r#"{{"id":"li_{i:04}","amount":{},"currency":"eur"}}"#,
+                    i * 7
+                )
+            })
+            .collect();
+        (
+            StatusCode::CREATED,
+            format!(r#"{{"lines":[{}]}}"#, lines.join(",")),
+        )
+    }
+    let app = |store: RedisStore| {
+        Router::new()
+            .route("/charges", route_post(big_charge))
+            .with_state(counter.clone())
+            .layer(IdempotencyLayer::new(store))
+    };
+    let compressing = RedisStore::builder()
+        .compression(Compression::zstd(1))
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let key = redis_key_of(&compressing, "big-1");
+    let first = oneshot(&app(compressing), post("/charges", "big-1", CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(first.body.len() > 2000);
+    let stored: usize = server.command(&["STRLEN", &key]).trim().parse().unwrap();
+    assert!(
+        stored * 3 < first.body.len(),
+        "{stored} B stored for {} B",
+        first.body.len()
+    );
+
+    // Any instance built with the feature replays it, byte for byte.
+    let plain = store(&server).await;
+    let replay = oneshot(&app(plain), post("/charges", "big-1", CHARGE)).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, first.body);
+    assert_eq!(counter.get(), 1);
 }

@@ -7,7 +7,10 @@ use std::{future::Future, sync::Arc, time::Duration};
 use bytes::Bytes;
 
 use super::{Claim, Forgotten, KeyState, StoreError};
-use crate::{fingerprint::Fingerprint, record::codec};
+use crate::{
+    fingerprint::Fingerprint,
+    record::codec::{self, Compression},
+};
 
 /// What to do when the start-up check finds that the database would not
 /// make a concurrent duplicate wait or fail: a claim held by one
@@ -68,6 +71,7 @@ pub(crate) fn decide<G>(
     stored: &[u8],
     record: Option<Bytes>,
     ms_left: i64,
+    compression: &Compression,
 ) -> Result<Claim<G>, StoreError> {
     let left = Duration::from_millis(ms_left.max(0) as u64);
     if stored != fingerprint.as_bytes() {
@@ -76,7 +80,7 @@ pub(crate) fn decide<G>(
     Ok(match record {
         None => Claim::InFlight { retry_after: left },
         Some(bytes) => Claim::Completed {
-            record: Arc::new(codec::decode(bytes)?.1),
+            record: Arc::new(codec::decode_with(bytes, compression)?.1),
             expires_in: left,
         },
     })
@@ -84,12 +88,16 @@ pub(crate) fn decide<G>(
 
 /// What a live row tells an operator: a record is completed, none yet is a
 /// claim in flight (a plain store's).
-pub(crate) fn key_state(record: Option<Vec<u8>>, ms_left: i64) -> Result<KeyState, StoreError> {
+pub(crate) fn key_state(
+    record: Option<Vec<u8>>,
+    ms_left: i64,
+    compression: &Compression,
+) -> Result<KeyState, StoreError> {
     let left = Duration::from_millis(ms_left.max(0) as u64);
     Ok(match record {
         None => KeyState::InFlight { retry_after: left },
         Some(bytes) => KeyState::Completed {
-            record: Arc::new(codec::decode(bytes)?.1),
+            record: Arc::new(codec::decode_with(bytes, compression)?.1),
             expires_in: left,
         },
     })

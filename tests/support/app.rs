@@ -27,7 +27,7 @@ impl Counter {
         self.0.load(Ordering::SeqCst)
     }
 
-    fn incr(&self) -> usize {
+    pub fn incr(&self) -> usize {
         self.0.fetch_add(1, Ordering::SeqCst) + 1
     }
 }

@@ -10,9 +10,12 @@ use super::{
     idle::IdleTransactions,
     sql::{DEFAULT_TABLE, Sql},
 };
-use crate::store::{
-    StoreError,
-    sql::{EngineCheck, Plain, Transactional, self_test_key},
+use crate::{
+    record::codec::Compression,
+    store::{
+        StoreError,
+        sql::{EngineCheck, Plain, Transactional, self_test_key},
+    },
 };
 
 /// Configures and connects a [`PostgresStore`], or with
@@ -41,6 +44,7 @@ pub struct PostgresStoreBuilder<M = Plain> {
     timeout: Duration,
     max_connections: u32,
     engine_check: EngineCheck,
+    compression: Compression,
     transaction_timeout: Duration,
     claim_wait: Duration,
     mode: PhantomData<M>,
@@ -61,6 +65,7 @@ impl PostgresStore {
             timeout: Duration::from_secs(1),
             max_connections: 20,
             engine_check: EngineCheck::Refuse,
+            compression: Compression::none(),
             transaction_timeout: Duration::from_secs(30),
             claim_wait: Duration::from_millis(50),
             mode: PhantomData,
@@ -138,6 +143,25 @@ impl<M> PostgresStoreBuilder<M> {
         self
     }
 
+    /// How stored bodies are written (default: as they are). With the
+    /// `compression` feature, [`Compression::zstd`] compresses large ones;
+    /// every store built with the feature reads them.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{PostgresStore, codec::Compression};
+    ///
+    /// # #[cfg(feature = "compression")]
+    /// let builder = PostgresStore::builder().compression(Compression::zstd(1));
+    /// # #[cfg(feature = "compression")]
+    /// # let _ = builder;
+    /// ```
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
     async fn pool(&self, url: &str) -> Result<PgPool, StoreError> {
         Ok(PgPoolOptions::new()
             .max_connections(self.max_connections)
@@ -152,6 +176,7 @@ impl<M> PostgresStoreBuilder<M> {
             timeout: self.timeout,
             sql: Sql::new(&self.table)?,
             engine_check: self.engine_check,
+            compression: self.compression.clone(),
         });
         base.check_engine(false).await?;
         Ok(base)
@@ -175,6 +200,7 @@ impl PostgresStoreBuilder<Plain> {
             timeout: self.timeout,
             max_connections: self.max_connections,
             engine_check: self.engine_check,
+            compression: self.compression.clone(),
             transaction_timeout: self.transaction_timeout,
             claim_wait: self.claim_wait,
             mode: PhantomData,

@@ -138,6 +138,7 @@ pub use self::{
 use sqlx::Row;
 
 use super::{Forgotten, KeyState, StorageKey, StoreError};
+use crate::record::codec::Compression;
 pub use crate::store::sql::{EngineCheck, Plain, Transactional};
 use crate::store::sql::{forgotten, key_state};
 
@@ -147,6 +148,7 @@ pub(super) struct Base {
     timeout: Duration,
     sql: Sql,
     engine_check: EngineCheck,
+    compression: Compression,
 }
 
 impl Base {
@@ -171,7 +173,12 @@ impl Base {
             )
             .await?;
         let Some(row) = row else { return Ok(None) };
-        key_state(row.try_get("record")?, row.try_get("ms_left")?).map(Some)
+        key_state(
+            row.try_get("record")?,
+            row.try_get("ms_left")?,
+            &self.compression,
+        )
+        .map(Some)
     }
 
     /// Deletes a live completed record (or, `force`, a plain claim in

@@ -100,7 +100,13 @@ impl Store for PostgresStore {
                         let stored: Vec<u8> = row.try_get("fingerprint")?;
                         let record: Option<Vec<u8>> = row.try_get("record")?;
                         let left = row.try_get::<i64, _>("ms_left")?;
-                        return decide(&fingerprint, &stored, record.map(Bytes::from), left);
+                        return decide(
+                            &fingerprint,
+                            &stored,
+                            record.map(Bytes::from),
+                            left,
+                            &base.compression,
+                        );
                     }
                     None => continue,
                 }
@@ -139,7 +145,7 @@ impl Store for PostgresStore {
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let record = codec::encode(fingerprint, &record);
+        let record = codec::encode_with(fingerprint, &record, &self.base.compression);
         let updated = self
             .base
             .bounded(

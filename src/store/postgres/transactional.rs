@@ -229,7 +229,13 @@ impl PostgresTxStore {
                 // Nothing to do in this transaction: it ends with the next
                 // claim on its connection.
                 self.idle.park(tx, &self.base.pool);
-                decide(fingerprint, &stored, record.map(Bytes::from), ms_left)
+                decide(
+                    fingerprint,
+                    &stored,
+                    record.map(Bytes::from),
+                    ms_left,
+                    &self.base.compression,
+                )
             }
             Ok(Answer::Raced) => {
                 self.idle.roll_back(tx);
@@ -316,7 +322,7 @@ impl Store for PostgresTxStore {
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let record = codec::encode(fingerprint, &record);
+        let record = codec::encode_with(fingerprint, &record, &self.base.compression);
         // The record and COMMIT in one round trip (simple protocol, so the
         // values are literals); if the record cannot be written, COMMIT
         // never runs. Written into one buffer: the record's literal can run

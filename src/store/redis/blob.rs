@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! in flight:  'i' | fingerprint (32) | lease token (16) | lease deadline, Unix ms (u64)
-//! completed:  'c' | expiry, Unix ms (u64) | the crate's record codec ('r' or 'u' | fingerprint | …)
+//! completed:  'C' | expiry, Unix ms (u48) | the crate's record codec ('R', 'U' or 'M' | fingerprint | …)
 //! ```
 //!
 //! Integers are big-endian. The scripts read only the state byte and the
@@ -12,23 +12,27 @@
 //! place (`SETRANGE` at 49, 0-based), which keeps the key's TTL. The times
 //! are the writing server's clock: they inform `Retry-After` and how long
 //! a replay cache may keep a record (with a margin), never a decision.
-//! Completed values written before the expiry was stored (a bare codec
-//! record) still decode, with no expiry known.
+//! Completed values written by 0.1 (`'c'` and a u64 expiry, or a bare codec
+//! record from before the expiry was stored) still decode.
 
 use std::{
     sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
+use bytes::Bytes;
+
 use crate::{
     fingerprint::Fingerprint,
-    record::codec,
+    record::codec::{self, Compression},
     record::{CompletedRecord, CorruptRecord},
     store::{Claim, KeyState, LeaseToken},
 };
 
 const IN_FLIGHT: u8 = b'i';
-const COMPLETED: u8 = b'c';
+const COMPLETED: u8 = b'C';
+/// 0.1's completed state, with a u64 expiry.
+const COMPLETED_0_1: u8 = b'c';
 /// State and fingerprint.
 const HEAD: usize = 1 + 32;
 /// Where an in-flight value's deadline starts (0-based), after the token.
@@ -57,15 +61,13 @@ pub(super) fn in_flight(fingerprint: &Fingerprint, token: LeaseToken, lease: Dur
     blob
 }
 
-fn after(at: SystemTime, d: Duration) -> [u8; 8] {
-    unix_ms(at)
-        .saturating_add(d.as_millis().try_into().unwrap_or(u64::MAX))
-        .to_be_bytes()
+fn after(at: SystemTime, d: Duration) -> u64 {
+    unix_ms(at).saturating_add(d.as_millis().try_into().unwrap_or(u64::MAX))
 }
 
 /// The deadline of a lease starting now, as stored.
 pub(super) fn deadline(lease: Duration) -> [u8; 8] {
-    after(SystemTime::now(), lease)
+    after(SystemTime::now(), lease).to_be_bytes()
 }
 
 /// The expiry is counted from the record's creation, not from now: every
@@ -76,13 +78,39 @@ pub(super) fn completed(
     fingerprint: &Fingerprint,
     record: &CompletedRecord,
     retention: Duration,
+    compression: &Compression,
 ) -> Vec<u8> {
-    let created_at = record.created_at();
-    let mut blob = Vec::with_capacity(1 + 8 + codec::encoded_len(record));
+    let expiry = after(record.created_at(), retention).min((1 << 48) - 1);
+    let mut blob = Vec::with_capacity(1 + 6 + codec::encoded_len(record));
     blob.push(COMPLETED);
-    blob.extend_from_slice(&after(created_at, retention));
-    codec::encode_into(&mut blob, fingerprint, record);
+    blob.extend_from_slice(&expiry.to_be_bytes()[2..]);
+    codec::encode_into(&mut blob, fingerprint, record, compression);
     blob
+}
+
+/// A completed value's expiry (Unix ms; `None` if it was not stored) and
+/// its encoded record.
+fn split_completed(found: Vec<u8>) -> Result<(Option<u64>, Bytes), CorruptRecord> {
+    let truncated = CorruptRecord("truncated record");
+    let found = Bytes::from(found);
+    let (expiry, at) = match found.first() {
+        Some(&COMPLETED) => {
+            let mut wide = [0; 8];
+            wide[2..].copy_from_slice(found.get(1..7).ok_or(truncated)?);
+            (Some(u64::from_be_bytes(wide)), 7)
+        }
+        Some(&COMPLETED_0_1) => {
+            let expiry = found.get(1..9).ok_or(truncated)?;
+            (
+                Some(u64::from_be_bytes(expiry.try_into().expect("8 bytes"))),
+                9,
+            )
+        }
+        // Written by 0.1 before the expiry was stored.
+        Some(&(codec::legacy::RESPONSE | codec::legacy::UNREPLAYABLE)) => (None, 0),
+        _ => return Err(CorruptRecord("unknown record state")),
+    };
+    Ok((expiry, found.slice(at..)))
 }
 
 /// What a claim found: the value `SET … NX GET` returned (`None`: the key
@@ -92,82 +120,67 @@ pub(super) fn decode_claim(
     fingerprint: &Fingerprint,
     token: LeaseToken,
     lease: Duration,
+    compression: &Compression,
 ) -> Result<Claim, CorruptRecord> {
     let Some(found) = found else {
         return Ok(Claim::Acquired(token));
     };
-    let (expires_in, record) = match found.first() {
-        Some(&IN_FLIGHT) => {
-            let stored = found.get(1..HEAD).ok_or(CorruptRecord("truncated claim"))?;
-            if stored != fingerprint.as_bytes() {
-                return Ok(Claim::Mismatch);
-            }
-            let held = found
-                .get(HEAD..DEADLINE_AT)
-                .ok_or(CorruptRecord("truncated claim"))?;
-            if held == token.to_bytes() {
-                // Our own claim, sent twice (a client-side retry): ours.
-                return Ok(Claim::Acquired(token));
-            }
-            let deadline = found
-                .get(DEADLINE_AT..DEADLINE_AT + 8)
-                .ok_or(CorruptRecord("truncated claim"))?;
-            let deadline = u64::from_be_bytes(deadline.try_into().expect("8 bytes"));
-            return Ok(Claim::InFlight {
-                retry_after: until(deadline).min(lease),
-            });
+    if found.first() == Some(&IN_FLIGHT) {
+        let stored = found.get(1..HEAD).ok_or(CorruptRecord("truncated claim"))?;
+        if stored != fingerprint.as_bytes() {
+            return Ok(Claim::Mismatch);
         }
-        Some(&COMPLETED) => {
-            let expiry = found.get(1..9).ok_or(CorruptRecord("truncated record"))?;
-            let expiry = u64::from_be_bytes(expiry.try_into().expect("8 bytes"));
-            let left = until(expiry).saturating_sub(CLOCK_SKEW_MARGIN);
-            (left, bytes::Bytes::from(found).slice(9..))
+        let held = found
+            .get(HEAD..DEADLINE_AT)
+            .ok_or(CorruptRecord("truncated claim"))?;
+        if held == token.to_bytes() {
+            // Our own claim, sent twice (a client-side retry): ours.
+            return Ok(Claim::Acquired(token));
         }
-        // Written before the expiry was stored: replayable, not cacheable.
-        Some(&codec::RESPONSE | &codec::UNREPLAYABLE) => (Duration::ZERO, found.into()),
-        _ => return Err(CorruptRecord("unknown record state")),
-    };
+        return Ok(Claim::InFlight {
+            retry_after: until(lease_deadline(&found)?).min(lease),
+        });
+    }
+    let (expiry, record) = split_completed(found)?;
     if codec::fingerprint(&record) != Some(*fingerprint) {
         return Ok(Claim::Mismatch);
     }
+    // Not cacheable when the expiry is unknown.
+    let expires_in = expiry.map_or(Duration::ZERO, |e| {
+        until(e).saturating_sub(CLOCK_SKEW_MARGIN)
+    });
     Ok(Claim::Completed {
-        record: Arc::new(codec::decode(record)?.1),
+        record: Arc::new(codec::decode_with(record, compression)?.1),
         expires_in,
     })
 }
 
+fn lease_deadline(found: &[u8]) -> Result<u64, CorruptRecord> {
+    let deadline = found
+        .get(DEADLINE_AT..DEADLINE_AT + 8)
+        .ok_or(CorruptRecord("truncated claim"))?;
+    Ok(u64::from_be_bytes(deadline.try_into().expect("8 bytes")))
+}
+
 /// What a value tells an operator (see `Store::inspect`), exact about its
 /// expiry: no cache margin.
-pub(super) fn inspect(found: Option<Vec<u8>>) -> Result<KeyState, CorruptRecord> {
+pub(super) fn inspect(
+    found: Option<Vec<u8>>,
+    compression: &Compression,
+) -> Result<KeyState, CorruptRecord> {
     let Some(found) = found else {
         return Ok(KeyState::Absent);
     };
-    match found.first() {
-        Some(&IN_FLIGHT) => {
-            let deadline = found
-                .get(DEADLINE_AT..DEADLINE_AT + 8)
-                .ok_or(CorruptRecord("truncated claim"))?;
-            let deadline = u64::from_be_bytes(deadline.try_into().expect("8 bytes"));
-            Ok(KeyState::InFlight {
-                retry_after: until(deadline),
-            })
-        }
-        Some(&COMPLETED) => {
-            let expiry = found.get(1..9).ok_or(CorruptRecord("truncated record"))?;
-            let expiry = u64::from_be_bytes(expiry.try_into().expect("8 bytes"));
-            let record = bytes::Bytes::from(found).slice(9..);
-            Ok(KeyState::Completed {
-                record: Arc::new(codec::decode(record)?.1),
-                expires_in: until(expiry),
-            })
-        }
-        // Written before the expiry was stored.
-        Some(&codec::RESPONSE | &codec::UNREPLAYABLE) => Ok(KeyState::Completed {
-            record: Arc::new(codec::decode(found)?.1),
-            expires_in: Duration::ZERO,
-        }),
-        _ => Err(CorruptRecord("unknown record state")),
+    if found.first() == Some(&IN_FLIGHT) {
+        return Ok(KeyState::InFlight {
+            retry_after: until(lease_deadline(&found)?),
+        });
     }
+    let (expiry, record) = split_completed(found)?;
+    Ok(KeyState::Completed {
+        record: Arc::new(codec::decode_with(record, compression)?.1),
+        expires_in: expiry.map_or(Duration::ZERO, until),
+    })
 }
 
 #[cfg(test)]
@@ -191,11 +204,12 @@ mod tests {
         let other = Fingerprint::from_bytes([8; 32]);
         let (mine, theirs) = (LeaseToken::generate(), LeaseToken::generate());
         let lease = Duration::from_secs(30);
-        let decode =
-            |found: Vec<u8>, fp: &Fingerprint| decode_claim(Some(found), fp, mine, lease).unwrap();
+        let decode = |found: Vec<u8>, fp: &Fingerprint| {
+            decode_claim(Some(found), fp, mine, lease, &Compression::none()).unwrap()
+        };
 
         assert!(
-            matches!(decode_claim(None, &fp, mine, lease), Ok(Claim::Acquired(t)) if t == mine)
+            matches!(decode_claim(None, &fp, mine, lease, &Compression::none()), Ok(Claim::Acquired(t)) if t == mine)
         );
         let held = in_flight(&fp, theirs, lease);
         // extend.lua rewrites the deadline with SETRANGE at this offset.
@@ -210,10 +224,11 @@ mod tests {
             matches!(decode(in_flight(&fp, mine, lease), &fp), Claim::Acquired(t) if t == mine)
         );
 
+        let none = Compression::none();
         let now = record();
-        let done = completed(&fp, &now, Duration::from_secs(3600));
+        let done = completed(&fp, &now, Duration::from_secs(3600), &none);
         // Every attempt at one completion writes the same bytes.
-        assert_eq!(done, completed(&fp, &now, Duration::from_secs(3600)));
+        assert_eq!(done, completed(&fp, &now, Duration::from_secs(3600), &none));
         match decode(done.clone(), &fp) {
             Claim::Completed {
                 record: r,
@@ -226,24 +241,34 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(decode(done, &other), Claim::Mismatch));
-        // A value from before the expiry was stored: replayed, not cached.
-        let legacy = codec::encode(&fp, &record());
+        // 0.1's values: with a u64 expiry (cached), and from before the
+        // expiry was stored (replayed, not cached).
+        let mut legacy = vec![b'u'];
+        legacy.extend_from_slice(fp.as_bytes());
+        legacy.extend_from_slice(&200u16.to_be_bytes());
+        legacy.extend_from_slice(&unix_ms(now.created_at()).to_be_bytes());
+        let mut expiring = vec![b'c'];
+        expiring.extend_from_slice(&(unix_ms(SystemTime::now()) + 3_600_000).to_be_bytes());
+        expiring.extend_from_slice(&legacy);
         assert!(
-            matches!(decode(legacy, &fp), Claim::Completed { expires_in, .. } if expires_in == Duration::ZERO)
+            matches!(decode(expiring, &fp), Claim::Completed { record, expires_in } if *record == now && expires_in > Duration::from_secs(3500))
         );
-        // Every attempt at one completion writes the same bytes.
-        let retention = Duration::from_secs(3600);
-        assert_eq!(
-            completed(&fp, &record(), retention),
-            completed(&fp, &record(), retention)
+        assert!(
+            matches!(decode(legacy, &fp), Claim::Completed { record, expires_in } if *record == now && expires_in == Duration::ZERO)
         );
-        // Absurd durations saturate, they never overflow.
-        in_flight(&fp, mine, Duration::MAX);
-        completed(&fp, &record(), Duration::MAX);
         // Absurd durations saturate; they never overflow.
         in_flight(&fp, mine, Duration::MAX);
-        completed(&fp, &now, Duration::MAX);
-        assert!(decode_claim(Some(b"x".to_vec()), &fp, mine, lease).is_err());
-        assert!(decode_claim(Some(b"i12".to_vec()), &fp, mine, lease).is_err());
+        completed(&fp, &now, Duration::MAX, &none);
+        assert!(decode_claim(Some(b"x".to_vec()), &fp, mine, lease, &Compression::none()).is_err());
+        assert!(
+            decode_claim(
+                Some(b"i12".to_vec()),
+                &fp,
+                mine,
+                lease,
+                &Compression::none()
+            )
+            .is_err()
+        );
     }
 }

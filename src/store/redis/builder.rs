@@ -6,9 +6,10 @@ use std::{sync::Arc, time::Duration};
 use redis::Value;
 
 use super::{
-    COMPLETE, Durable, EXTEND, FORGET, Inner, RELEASE, RedisStore, connection::Connection,
+    COMPLETE, Durable, EXTEND, FORGET, Inner, KeyNames, RELEASE, RedisStore,
+    connection::Connection, key_names,
 };
-use crate::store::StoreError;
+use crate::{record::codec::Compression, store::StoreError};
 
 /// What to do when Redis may evict idempotency records: a `maxmemory-policy`
 /// other than `noeviction` with a `maxmemory` limit, or a policy that cannot
@@ -62,6 +63,8 @@ pub struct RedisStoreBuilder {
     timeout: Duration,
     eviction: EvictionPolicyCheck,
     replicas: Option<(usize, Duration)>,
+    key_names: KeyNames,
+    compression: Compression,
 }
 
 /// How long a cluster connection keeps waiting for a reply that our own
@@ -76,6 +79,8 @@ impl RedisStoreBuilder {
             timeout: Duration::from_secs(1),
             eviction: EvictionPolicyCheck::Refuse,
             replicas: None,
+            key_names: KeyNames::default(),
+            compression: Compression::none(),
         }
     }
 
@@ -89,6 +94,42 @@ impl RedisStoreBuilder {
     /// ```
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// How Redis keys are named (default [`KeyNames::Compact`]). A
+    /// deployment upgraded from 0.1 keeps [`KeyNames::Readable`]; the store
+    /// refuses to start on a prefix whose records are named otherwise.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{RedisStore, store::redis::KeyNames};
+    ///
+    /// let builder = RedisStore::builder().key_names(KeyNames::Readable);
+    /// # let _ = builder;
+    /// ```
+    pub fn key_names(mut self, names: KeyNames) -> Self {
+        self.key_names = names;
+        self
+    }
+
+    /// How stored bodies are written (default: as they are). With the
+    /// `compression` feature, [`Compression::zstd`] compresses large ones;
+    /// every store built with the feature reads them.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{RedisStore, codec::Compression};
+    ///
+    /// # #[cfg(feature = "compression")]
+    /// let builder = RedisStore::builder().compression(Compression::zstd(1));
+    /// # #[cfg(feature = "compression")]
+    /// # let _ = builder;
+    /// ```
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
         self
     }
 
@@ -284,6 +325,7 @@ impl RedisStoreBuilder {
     ) -> Result<RedisStore, StoreError> {
         check_version(&connection).await?;
         check_eviction_policy(&connection, self.eviction).await?;
+        key_names::check(&connection, &self.prefix, self.key_names).await?;
         // Load the scripts now so the first requests need no NOSCRIPT detour.
         for lua in [&*EXTEND, &*COMPLETE, &*RELEASE, &*FORGET] {
             connection.on_every_master(lua.load()).await?;
@@ -292,6 +334,8 @@ impl RedisStoreBuilder {
             inner: Arc::new(Inner {
                 connection,
                 prefix: self.prefix,
+                key_names: self.key_names,
+                compression: self.compression,
                 timeout: self.timeout,
                 durable: durable
                     .zip(self.replicas)

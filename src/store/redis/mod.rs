@@ -14,18 +14,22 @@
 //!
 //! # Layout
 //!
-//! One binary string per record at `{prefix}{SHA-256 of the scope}:{key}`
-//! (see [`StorageKey`]): an in-flight claim is `i`, the 32-byte fingerprint,
-//! the 16-byte lease token and the lease's deadline; a completed record is
-//! `c`, its expiry, then the crate's record [`codec`](crate::record::codec) (`r` response or `u`
-//! unreplayable, the fingerprint, status, created-at, headers and body) — no
-//! JSON or base64 anywhere. The deadline and the expiry (Unix milliseconds,
-//! by the writing server's clock) give `Retry-After` and how long a
-//! [`CachedStore`](crate::CachedStore) may keep the record, less a 5 s margin
-//! for clocks that disagree; they never decide anything. `SET NX GET` needs
-//! Redis **7.0 or newer**. An in-flight record's TTL is the lease; a completed
-//! record's TTL is the retention (`PX`), so nothing needs a sweeper. Records
-//! written before the expiry was stored (a bare codec value) still replay.
+//! One binary string per record. Its key is the prefix and 22 characters
+//! (128 bits of a SHA-256 of scope and key, base64url; see [`KeyNames`],
+//! which also keeps 0.1's longer readable names for deployments upgraded
+//! from it). Its value: an in-flight claim is `i`, the 32-byte
+//! fingerprint, the 16-byte lease token and the lease's deadline; a
+//! completed record is `C`, its expiry, then the crate's record
+//! [`codec`](crate::record::codec) (status, created-at, common headers as
+//! one-byte codes, the body — compressed if the store was given a
+//! [`Compression`](crate::codec::Compression)) — no JSON or base64
+//! anywhere. The deadline and the expiry (Unix milliseconds, by the writing
+//! server's clock) give `Retry-After` and how long a
+//! [`CachedStore`](crate::CachedStore) may keep the record, less a 5 s
+//! margin for clocks that disagree; they never decide anything. `SET NX
+//! GET` needs Redis **7.0 or newer**. An in-flight record's TTL is the
+//! lease; a completed record's TTL is the retention (`PX`), so nothing
+//! needs a sweeper. Records written by 0.1 still replay.
 //!
 //! # Eviction
 //!
@@ -70,8 +74,10 @@
 mod blob;
 mod builder;
 mod connection;
+mod key_names;
 
-pub use builder::{EvictionPolicyCheck, RedisStoreBuilder};
+pub use self::builder::{EvictionPolicyCheck, RedisStoreBuilder};
+pub use self::key_names::KeyNames;
 
 use std::{
     sync::{Arc, LazyLock},
@@ -86,7 +92,7 @@ use super::{
 };
 use crate::{
     fingerprint::Fingerprint,
-    record::{CompletedRecord, CorruptRecord},
+    record::{CompletedRecord, CorruptRecord, codec::Compression},
 };
 
 static EXTEND: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("extend.lua")));
@@ -124,6 +130,8 @@ pub struct RedisStore {
 struct Inner {
     connection: Connection,
     prefix: String,
+    key_names: KeyNames,
+    compression: Compression,
     timeout: Duration,
     durable: Option<Durable>,
 }
@@ -145,10 +153,7 @@ impl RedisStore {
 
     /// The Redis key that holds a record.
     pub fn redis_key(&self, key: &StorageKey) -> String {
-        let mut k = String::with_capacity(self.inner.prefix.len() + key.as_str().len());
-        k.push_str(&self.inner.prefix);
-        k.push_str(key.as_str());
-        k
+        self.inner.key_names.name(&self.inner.prefix, key)
     }
 
     /// One script call on one connection, bounded by the command timeout.
@@ -185,6 +190,8 @@ impl std::fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisStore")
             .field("prefix", &self.inner.prefix)
+            .field("key_names", &self.inner.key_names)
+            .field("compression", &self.inner.compression)
             .field("timeout", &self.inner.timeout)
             .finish_non_exhaustive()
     }
@@ -210,6 +217,7 @@ impl Store for RedisStore {
             .arg(millis(lease, "lease")?)
             .arg("GET");
         let connection = self.inner.connection.clone();
+        let compression = self.inner.compression.clone();
         let fingerprint = *fingerprint;
         // Owned, so that it can outlive this call (see `late_claim`).
         let claim = async move {
@@ -218,7 +226,13 @@ impl Store for RedisStore {
                 Value::BulkString(bytes) => Some(bytes),
                 _ => return Err(CorruptRecord("claim reply is not a string").into()),
             };
-            Ok(blob::decode_claim(found, &fingerprint, token, lease)?)
+            Ok(blob::decode_claim(
+                found,
+                &fingerprint,
+                token,
+                lease,
+                &compression,
+            )?)
         };
         claim_within(self, key, Instant::now(), self.inner.timeout, lease, claim).await
     }
@@ -248,7 +262,7 @@ impl Store for RedisStore {
         let durable = self.inner.durable.as_ref();
         let on = durable.map_or(&self.inner.connection, |d| &d.connection);
         let retention_ms = millis(retention, "retention")?;
-        let completed = blob::completed(fingerprint, &record, retention);
+        let completed = blob::completed(fingerprint, &record, retention, &self.inner.compression);
         let args: [&[u8]; 3] = [&token.to_bytes(), &completed, retention_ms.as_bytes()];
         let stored = self.run_fenced(on, &COMPLETE, &redis_key, &args).await?;
         if let (true, Some(durable)) = (stored, durable) {
@@ -281,7 +295,7 @@ impl Store for RedisStore {
             Value::BulkString(bytes) => Some(bytes),
             _ => return Err(CorruptRecord("GET reply is not a string").into()),
         };
-        Ok(blob::inspect(found)?)
+        Ok(blob::inspect(found, &self.inner.compression)?)
     }
 
     async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {

@@ -18,9 +18,12 @@ use super::{
     Base, SqliteStore, SqliteTxStore,
     sql::{DEFAULT_TABLE, Sql},
 };
-use crate::store::{
-    StoreError,
-    sql::{EngineCheck, Plain, Transactional, self_test_key},
+use crate::{
+    record::codec::Compression,
+    store::{
+        StoreError,
+        sql::{EngineCheck, Plain, Transactional, self_test_key},
+    },
 };
 
 /// Configures and opens a [`SqliteStore`], or with
@@ -46,6 +49,7 @@ pub struct SqliteStoreBuilder<M = Plain> {
     timeout: Duration,
     max_connections: u32,
     engine_check: EngineCheck,
+    compression: Compression,
     mode: PhantomData<M>,
 }
 
@@ -64,6 +68,7 @@ impl SqliteStore {
             timeout: Duration::from_secs(5),
             max_connections: 8,
             engine_check: EngineCheck::Refuse,
+            compression: Compression::none(),
             mode: PhantomData,
         }
     }
@@ -137,6 +142,25 @@ impl<M> SqliteStoreBuilder<M> {
         self
     }
 
+    /// How stored bodies are written (default: as they are). With the
+    /// `compression` feature, [`Compression::zstd`] compresses large ones;
+    /// every store built with the feature reads them.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{SqliteStore, codec::Compression};
+    ///
+    /// # #[cfg(feature = "compression")]
+    /// let builder = SqliteStore::builder().compression(Compression::zstd(1));
+    /// # #[cfg(feature = "compression")]
+    /// # let _ = builder;
+    /// ```
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
     /// A pool on the file `url` names (`sqlite://payments.db`, created if
     /// missing), in WAL mode with `synchronous = FULL`: a committed record
     /// survives a crash of the process and of the machine.
@@ -158,6 +182,7 @@ impl<M> SqliteStoreBuilder<M> {
             timeout: self.timeout,
             sql: Sql::new(&self.table)?,
             engine_check: self.engine_check,
+            compression: self.compression.clone(),
             writer: Arc::default(),
         });
         base.check_engine(false).await?;
@@ -182,6 +207,7 @@ impl SqliteStoreBuilder<Plain> {
             timeout: self.timeout,
             max_connections: self.max_connections,
             engine_check: self.engine_check,
+            compression: self.compression.clone(),
             mode: PhantomData,
         }
     }

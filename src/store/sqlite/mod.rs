@@ -73,6 +73,7 @@ pub use self::{
 use sqlx::Row;
 
 use super::{Forgotten, KeyState, StorageKey, StoreError};
+use crate::record::codec::Compression;
 pub use crate::store::sql::{EngineCheck, Plain, Transactional};
 use crate::store::sql::{forgotten, key_state};
 
@@ -83,6 +84,7 @@ pub(super) struct Base {
     timeout: Duration,
     sql: Sql,
     engine_check: EngineCheck,
+    compression: Compression,
     /// SQLite lets one connection write at a time. Its busy handler makes a
     /// waiting writer sleep and retry, with no order among them: under
     /// contention some wait far longer than others (seconds at 32
@@ -111,7 +113,7 @@ impl Base {
         if ms_left <= 0 {
             return Ok(None);
         }
-        key_state(row.try_get("record")?, ms_left).map(Some)
+        key_state(row.try_get("record")?, ms_left, &self.compression).map(Some)
     }
 
     /// Deletes a live completed record (or, `force`, a plain claim in

@@ -92,7 +92,13 @@ impl Store for SqliteStore {
             let record: Option<Vec<u8>> = row.try_get("record")?;
             let ms_left = row.try_get::<i64, _>("expires_at")? - now_ms();
             if ms_left > 0 {
-                return decide(fingerprint, &stored, record.map(Bytes::from), ms_left);
+                return decide(
+                    fingerprint,
+                    &stored,
+                    record.map(Bytes::from),
+                    ms_left,
+                    &self.base.compression,
+                );
             }
         }
         Err(StoreError::Unavailable(
@@ -126,7 +132,7 @@ impl Store for SqliteStore {
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let record = codec::encode(fingerprint, &record);
+        let record = codec::encode_with(fingerprint, &record, &self.base.compression);
         let _turn = self.base.write_turn().await?;
         let now = now_ms();
         let updated = sqlx::query(&self.base.sql.complete)

@@ -136,7 +136,14 @@ impl SqliteTxStore {
         }
         let stored: Vec<u8> = row.try_get("fingerprint")?;
         let record: Option<Vec<u8>> = row.try_get("record")?;
-        decide(fingerprint, &stored, record.map(Bytes::from), ms_left).map(Some)
+        decide(
+            fingerprint,
+            &stored,
+            record.map(Bytes::from),
+            ms_left,
+            &self.base.compression,
+        )
+        .map(Some)
     }
 
     async fn claim_in_transaction(
@@ -234,7 +241,7 @@ impl Store for SqliteTxStore {
         let Some(mut tx) = granted.tx.take() else {
             return Ok(false);
         };
-        let record = codec::encode(fingerprint, &record);
+        let record = codec::encode_with(fingerprint, &record, &self.base.compression);
         // Retention counts from now, the end of the handler.
         let expires_at = now_ms().saturating_add(millis(retention, "retention")?);
         let written = sqlx::query(&self.base.sql.tx_complete)
