@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use tower_idempotency::{
     IdempotencyLayer, IdempotentTx, MemoryStore, PostgresStore, RedisStore, SqliteStore,
     SqliteTxStore,
+    codec::Compression,
     sqlx::{self, PgConnection, PgPool, SqliteConnection, SqlitePool, postgres::PgPoolOptions},
     store::{CachedStore, Store},
 };
@@ -373,6 +374,15 @@ async fn start_variants(redis_url: &str, pool: PgPool, sqlite: SqliteTxStore) ->
             .await
             .expect("connect to the benchmark's redis-server")
     };
+    // Bodies of 1 KiB and more compressed: the charge is smaller, so this
+    // is what compression costs a small response (the size check).
+    let redis_zstd = || async {
+        RedisStore::builder()
+            .compression(Compression::zstd(1))
+            .connect(redis_url)
+            .await
+            .expect("connect to the benchmark's redis-server")
+    };
     let client = redis::Client::open(redis_url).unwrap();
     let manager = redis::aio::ConnectionManager::new(client).await.unwrap();
     let floor_app = {
@@ -421,6 +431,18 @@ async fn start_variants(redis_url: &str, pool: PgPool, sqlite: SqliteTxStore) ->
             layered(redis().await),
         ),
         ("redis-replay-cached", Keys::Replay, "bare", layered(cached)),
+        (
+            "redis-zstd",
+            Keys::Unique,
+            "redis",
+            layered(redis_zstd().await),
+        ),
+        (
+            "redis-zstd-replay",
+            Keys::Replay,
+            "redis-replay",
+            layered(redis_zstd().await),
+        ),
         ("pg-floor", Keys::Unique, "pg-floor", committed()),
         (
             "pg-floor-record",
@@ -506,6 +528,8 @@ async fn start_variants(redis_url: &str, pool: PgPool, sqlite: SqliteTxStore) ->
             [
                 ("redis", "redis-floor"),
                 ("redis-replay", "redis-replay-floor"),
+                ("redis-zstd", "redis"),
+                ("redis-zstd-replay", "redis-replay"),
                 ("pg-tx", "pg-floor"),
                 ("pg-tx", "pg-floor-record"),
                 ("pg-tx-replay", "pg-floor"),

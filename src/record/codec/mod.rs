@@ -161,8 +161,9 @@ pub fn fingerprint(bytes: &[u8]) -> Option<Fingerprint> {
 }
 
 /// Decodes a record written by [`encode`]. The body is a slice of `bytes`,
-/// not a copy. A compressed body is an error: read those with
-/// [`decode_with`].
+/// not a copy. A body compressed with a dictionary needs [`decode_with`];
+/// without the `compression` feature, every compressed body is an error
+/// that names the feature.
 pub fn decode(bytes: impl Into<Bytes>) -> Result<(Fingerprint, CompletedRecord), CorruptRecord> {
     decode_with(bytes, &Compression::none())
 }

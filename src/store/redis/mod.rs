@@ -22,8 +22,7 @@
 //! completed record is `C`, its expiry, then the crate's record
 //! [`codec`](crate::record::codec) (status, created-at, common headers as
 //! one-byte codes, the body — compressed if the store was given a
-//! [`Compression`](crate::codec::Compression)) — no JSON or base64
-//! anywhere. The deadline and the expiry (Unix milliseconds, by the writing
+//! [`Compression`]): binary, no JSON or base64 in the value. The deadline and the expiry (Unix milliseconds, by the writing
 //! server's clock) give `Retry-After` and how long a
 //! [`CachedStore`](crate::CachedStore) may keep the record, less a 5 s
 //! margin for clocks that disagree; they never decide anything. `SET NX
