@@ -50,7 +50,7 @@ pub enum KeyNames {
 impl KeyNames {
     /// The Redis key of `key` under `prefix`.
     pub(super) fn name(self, prefix: &str, key: &StorageKey) -> String {
-        let mut name = String::with_capacity(prefix.len() + 22);
+        let mut name = String::with_capacity(prefix.len() + key.as_str().len().max(22));
         name.push_str(prefix);
         match self {
             Self::Compact => {
