@@ -129,7 +129,7 @@ pub(super) async fn check(
 /// Whether a sample of the keys under `prefix` holds one named as 0.1 named
 /// them: the prefix, 64 hexadecimal digits and a colon.
 async fn holds_readable(connection: &Connection, prefix: &str) -> Result<bool, StoreError> {
-    let mut pattern = String::with_capacity(prefix.len() + 64 * 13 + 2);
+    let mut pattern = String::with_capacity(2 * prefix.len() + 64 * "[0-9a-f]".len() + 2);
     for c in prefix.chars() {
         if matches!(c, '*' | '?' | '[' | ']' | '\\') {
             pattern.push('\\');
