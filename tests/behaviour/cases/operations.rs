@@ -13,7 +13,7 @@ use tower_idempotency::{
 use super::{CHARGE, app_with, scoped};
 use crate::support::{
     backend::Backend,
-    http::{Server, oneshot, post},
+    http::{Reply, Server, oneshot, post},
 };
 
 /// The address an operator builds from the raw account and key.
@@ -29,6 +29,30 @@ fn with_account(
         .headers_mut()
         .insert("x-account", account.parse().unwrap());
     request
+}
+
+/// `POST /slow?ms=…` for `acct_alice` with key `slow-1`, sent to `server`.
+fn slow_request(server: &Server, ms: u64) -> http::Request<axum::body::Body> {
+    let path = format!("/slow?ms={ms}");
+    let mut request = with_account(post(&path, "slow-1", CHARGE), "acct_alice");
+    *request.uri_mut() = server.url(&path).parse().unwrap();
+    request
+}
+
+/// Sends [`slow_request`] on a task of its own.
+fn spawn_slow(server: &Server, ms: u64) -> tokio::task::JoinHandle<Reply> {
+    let request = slow_request(server, ms);
+    let client = server.client.clone();
+    tokio::spawn(async move { client.send(request).await })
+}
+
+/// Waits (up to 5 s) until `key`'s claim is in flight.
+async fn wait_in_flight<St: Store>(store: &St, key: &StorageKey) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !matches!(store.inspect(key).await.unwrap(), KeyState::InFlight { .. }) {
+        assert!(std::time::Instant::now() < deadline, "never in flight");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 pub async fn a_completed_key_is_inspected_and_forgotten<B: Backend>(b: &B) {
@@ -84,20 +108,8 @@ pub async fn a_key_in_flight_is_not_forgotten_without_force<B: Backend>(b: &B) {
     let (app, runs) = app_with(scoped(store.clone()));
     let server = Server::start(app).await;
     let key = address("acct_alice", "slow-1");
-    let slow = {
-        let mut request = with_account(post("/slow?ms=1500", "slow-1", CHARGE), "acct_alice");
-        *request.uri_mut() = server.url("/slow?ms=1500").parse().unwrap();
-        let client = server.client.clone();
-        tokio::spawn(async move { client.send(request).await })
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while !matches!(
-        store.inspect(&key).await.unwrap(),
-        KeyState::InFlight { .. }
-    ) {
-        assert!(std::time::Instant::now() < deadline, "never in flight");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let slow = spawn_slow(&server, 1500);
+    wait_in_flight(&store, &key).await;
     assert_eq!(
         store.forget(&key, false).await.unwrap(),
         Forgotten::InFlight
@@ -121,40 +133,20 @@ where
     let (app, runs) = app_with(scoped(store.clone()));
     let server = Server::start(app).await;
     let key = address("acct_alice", "slow-1");
-    let send = || {
-        let mut request = with_account(post("/slow?ms=800", "slow-1", CHARGE), "acct_alice");
-        *request.uri_mut() = server.url("/slow?ms=800").parse().unwrap();
-        let client = server.client.clone();
-        tokio::spawn(async move { client.send(request).await })
-    };
-    let first = send();
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while !matches!(
-        store.inspect(&key).await.unwrap(),
-        KeyState::InFlight { .. }
-    ) {
-        assert!(std::time::Instant::now() < deadline, "never in flight");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let first = spawn_slow(&server, 800);
+    wait_in_flight(&store, &key).await;
     assert_eq!(
         store.forget(&key, true).await.unwrap(),
         Forgotten::ForcedInFlight
     );
-    let second = send();
+    let second = spawn_slow(&server, 800);
     let (first, second) = (first.await.unwrap(), second.await.unwrap());
     assert_eq!(
         (first.status, second.status),
         (StatusCode::CREATED, StatusCode::CREATED)
     );
     assert_eq!(runs.get(), 2, "forced: the work ran twice");
-    let replay = server
-        .client
-        .send({
-            let mut request = with_account(post("/slow?ms=800", "slow-1", CHARGE), "acct_alice");
-            *request.uri_mut() = server.url("/slow?ms=800").parse().unwrap();
-            request
-        })
-        .await;
+    let replay = server.client.send(slow_request(&server, 800)).await;
     assert!(replay.is_replay());
     assert_eq!(
         replay.body, second.body,
@@ -169,20 +161,8 @@ pub async fn a_transaction_in_flight_cannot_be_forced<B: Backend>(b: &B) {
     let (app, _) = app_with(scoped(store.clone()));
     let server = Server::start(app).await;
     let key = address("acct_alice", "slow-1");
-    let slow = {
-        let mut request = with_account(post("/slow?ms=1000", "slow-1", CHARGE), "acct_alice");
-        *request.uri_mut() = server.url("/slow?ms=1000").parse().unwrap();
-        let client = server.client.clone();
-        tokio::spawn(async move { client.send(request).await })
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while !matches!(
-        store.inspect(&key).await.unwrap(),
-        KeyState::InFlight { .. }
-    ) {
-        assert!(std::time::Instant::now() < deadline, "never in flight");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let slow = spawn_slow(&server, 1000);
+    wait_in_flight(&store, &key).await;
     assert!(matches!(
         store.forget(&key, true).await,
         Err(StoreError::Unsupported(_))
