@@ -92,6 +92,19 @@
 //! keyed by a business identifier, with the same stores; on a transactional
 //! store the message's record commits in the work's transaction.
 //!
+//! # gRPC
+//!
+//! On a tonic server (`Server::builder().layer(…)`), the same layer guards
+//! unary calls: the key is the `idempotency-key` metadata, the reply is
+//! stored and replayed with its trailers (`grpc-status`, `grpc-message`,
+//! trailing metadata), the layer's own answers are gRPC statuses
+//! ([`Rejection::grpc_code`]), and the store policy reads the status
+//! ([`StorePolicy::should_store_grpc`]: `UNAVAILABLE`,
+//! `RESOURCE_EXHAUSTED`, `ABORTED` and `DEADLINE_EXCEEDED` release the key).
+//! A method behind a transactional store takes its transaction with
+//! [`IdempotentTx::from_extensions`]. Streaming methods are not guarded:
+//! list them in [`IdempotencyLayer::unguarded_paths`].
+//!
 //! # Feature flags
 //!
 //! | Feature | Default | Adds |
@@ -103,6 +116,7 @@
 //! | `postgres` | | [`PostgresStore`], [`PostgresTxStore`] (re-exports `sqlx`) |
 //! | `cache` | | [`CachedStore`] |
 //! | `metrics` | | counters and histograms through the `metrics` facade |
+//! | `compression` | | zstd for stored bodies ([`codec::Compression`], opt-in per store) |
 //!
 //! [tower]: https://docs.rs/tower
 //! [axum]: https://docs.rs/axum
@@ -135,6 +149,7 @@ pub use fingerprint::{
     RawBodyFingerprint,
 };
 pub use http::future::ResponseFuture;
+pub use http::grpc::GrpcCode;
 pub use http::layer::IdempotencyLayer;
 pub use http::outcome::{BypassReason, Completion, IdempotencyOutcome};
 pub use http::problem::Problem;

@@ -13,7 +13,7 @@ use std::{
 use axum_core::body::Body;
 use bytes::Bytes;
 use futures_util::{FutureExt, StreamExt, stream};
-use http::{Request, Response, response::Parts};
+use http::{HeaderMap, Request, Response, response::Parts};
 use http_body_util::{BodyStream, StreamBody};
 use tracing::Instrument;
 
@@ -21,6 +21,7 @@ use crate::{
     http::{
         Inner,
         buffer::{self, Buffered},
+        grpc::{self, GrpcCode, Wire},
         outcome::{Answered, Completion, IdempotencyOutcome},
         rejection::RejectionKind,
         shared::Shared,
@@ -39,8 +40,8 @@ enum Handled<E> {
     BodyFailed,
     /// Not final per the store policy.
     NotFinal(Response<Body>),
-    /// Final, with its whole body.
-    Final(Parts, Bytes),
+    /// Final, with its whole body and its trailers.
+    Final(Parts, Bytes, Option<HeaderMap>),
     /// Final, but the body outgrew the storable limit: what was read, and the rest.
     TooLarge(Parts, Vec<Bytes>, Body),
 }
@@ -56,6 +57,7 @@ pub(crate) fn detached<S, St, Sc, P, F>(
     inner: S,
     request: Request<Body>,
     mut hold: Hold<St>,
+    wire: Wire,
 ) -> impl Future<Output = Result<Answered, S::Error>> + Send
 where
     S: Inner,
@@ -84,7 +86,7 @@ where
         if let Some(tx) = lent.and_then(|slot| slot.take()) {
             hold.give_back(tx);
         }
-        settle(&shared, hold, handled).await
+        settle(&shared, hold, handled, wire).await
     })
 }
 
@@ -161,8 +163,28 @@ async fn run<S: Inner, P: StorePolicy>(
         if !policy.should_store(response.status(), response.headers()) {
             return Handled::NotFinal(response);
         }
+        if Wire::of(response.headers()) == Wire::Http {
+            let (parts, body) = response.into_parts();
+            return read_up_to(parts, body, limit).await;
+        }
+        // A gRPC call's outcome: in its trailers, or in its headers when
+        // it was answered without a body.
+        if let Some(code) = grpc::code_in(response.headers())
+            && !policy.should_store_grpc(code, response.headers())
+        {
+            return Handled::NotFinal(response);
+        }
         let (parts, body) = response.into_parts();
-        read_up_to(parts, body, limit).await
+        match read_up_to(parts, body, limit).await {
+            Handled::Final(parts, body, Some(trailers))
+                if grpc::code_in(&trailers)
+                    .is_some_and(|code| !policy.should_store_grpc(code, &trailers)) =>
+            {
+                let body = buffer::body(body, Some(trailers));
+                Handled::NotFinal(Response::from_parts(parts, body))
+            }
+            handled => handled,
+        }
     };
     AssertUnwindSafe(work)
         .catch_unwind()
@@ -172,7 +194,7 @@ async fn run<S: Inner, P: StorePolicy>(
 
 async fn read_up_to<E>(parts: Parts, body: Body, limit: usize) -> Handled<E> {
     match buffer::buffer(body, limit).await {
-        Buffered::Complete(body) => Handled::Final(parts, body),
+        Buffered::Complete(body, trailers) => Handled::Final(parts, body, trailers),
         Buffered::TooLarge(read, rest) => Handled::TooLarge(parts, read, rest),
         Buffered::Failed => Handled::BodyFailed,
     }
@@ -185,15 +207,16 @@ async fn settle<St, Sc, P, F, E>(
     shared: &Shared<St, Sc, P, F>,
     hold: Hold<St>,
     handled: Handled<E>,
+    wire: Wire,
 ) -> Result<Answered, E>
 where
     St: Store,
 {
-    let (record, response, completion) = match handled {
+    let (record, response, completion, success) = match handled {
         Handled::Panicked => {
             tracing::error!(key = %hold.key(), "idempotency: handler panicked; key released");
             hold.release().await;
-            return Ok(shared.rejection(RejectionKind::HandlerPanicked));
+            return Ok(shared.rejection(RejectionKind::HandlerPanicked, wire));
         }
         Handled::Failed(error) => {
             tracing::warn!(key = %hold.key(), "idempotency: handler failed; key released");
@@ -203,20 +226,25 @@ where
         Handled::BodyFailed => {
             tracing::warn!(key = %hold.key(), "idempotency: response body failed; key released");
             hold.release().await;
-            return Ok(shared.rejection(RejectionKind::ResponseBodyFailed));
+            return Ok(shared.rejection(RejectionKind::ResponseBodyFailed, wire));
         }
         Handled::NotFinal(response) => {
             tracing::debug!(key = %hold.key(), status = %response.status(), "idempotency: response not final; key released");
             hold.release().await;
             return Ok(executed(response, Completion::Released));
         }
-        Handled::Final(parts, body) => {
-            let stored = StoredResponse::capture(parts.status, &parts.headers, body.clone());
-            let response = Response::from_parts(parts, Body::from(body));
+        Handled::Final(parts, body, trailers) => {
+            let success = claims_success(&parts, trailers.as_ref());
+            let mut stored = StoredResponse::capture(parts.status, &parts.headers, body.clone());
+            if let Some(trailers) = &trailers {
+                stored = stored.with_trailers(trailers);
+            }
+            let response = Response::from_parts(parts, buffer::body(body, trailers));
             (
                 CompletedRecord::Response(stored),
                 response,
                 Completion::Stored,
+                success,
             )
         }
         Handled::TooLarge(parts, read, rest) => {
@@ -229,10 +257,13 @@ where
                 .map(|data| Ok::<_, axum_core::Error>(http_body::Frame::data(data)));
             let rest = BodyStream::new(rest);
             let body = Body::new(StreamBody::new(read.chain(rest)));
+            // A gRPC call's status is still to come, in the trailers.
+            let success = claims_success(&parts, None);
             (
                 record,
                 Response::from_parts(parts, body),
                 Completion::StoredUnreplayable,
+                success,
             )
         }
     };
@@ -249,9 +280,9 @@ where
             // statement failed): nothing committed, and the handler's answer
             // is the truth about its request — unless it claims a success.
             Finished::NotCommitted(StoreError::Refused(error)) => {
-                if response.status().is_success() {
+                if success {
                     tracing::warn!(%key, %error, "idempotency: the handler answered a success, but its transaction was refused; withheld");
-                    shared.rejection(RejectionKind::TransactionRefused)
+                    shared.rejection(RejectionKind::TransactionRefused, wire)
                 } else {
                     tracing::debug!(%key, %error, "idempotency: the handler's transaction was refused; its answer is sent, not stored");
                     executed(response, Completion::Released)
@@ -260,9 +291,25 @@ where
             // The handler's writes committed with the record, or not at all:
             // its response must not go out, since it may describe an effect that
             // was rolled back. The retry replays or executes, both right.
-            Finished::NotCommitted(error) => withheld(shared, &key, error),
+            Finished::NotCommitted(error) => withheld(shared, &key, error, wire),
         },
     )
+}
+
+/// Whether the handler's answer may claim a success: a `2xx`, and for a
+/// gRPC call a status that is `OK` — or not known, which is taken for one,
+/// so that an answer that might describe a rolled-back effect is withheld.
+fn claims_success(parts: &Parts, trailers: Option<&HeaderMap>) -> bool {
+    if !parts.status.is_success() {
+        return false;
+    }
+    match Wire::of(&parts.headers) {
+        Wire::Http => true,
+        Wire::Grpc => trailers
+            .and_then(grpc::code_in)
+            .or_else(|| grpc::code_in(&parts.headers))
+            .is_none_or(|code| code == GrpcCode::OK),
+    }
 }
 
 /// The answer when a transactional store could not commit the handler's
@@ -271,17 +318,18 @@ fn withheld<St, Sc, P, F>(
     shared: &Shared<St, Sc, P, F>,
     key: &StorageKey,
     error: StoreError,
+    wire: Wire,
 ) -> Answered {
     if let StoreError::TransactionHeld = error {
         tracing::error!(
             %key,
             "idempotency: the handler's transaction is still held elsewhere (an IdempotentTx kept past the handler); rolled back"
         );
-        return shared.rejection(RejectionKind::TransactionHeld);
+        return shared.rejection(RejectionKind::TransactionHeld, wire);
     }
     tracing::warn!(%key, %error, "idempotency: the transaction did not commit (or its outcome is unknown); response withheld");
     let retry_after = shared.config.unavailable_retry_after;
-    shared.rejection(RejectionKind::StoreUnavailable { retry_after })
+    shared.rejection(RejectionKind::StoreUnavailable { retry_after }, wire)
 }
 
 fn executed(response: Response<Body>, completion: Completion) -> Answered {

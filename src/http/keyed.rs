@@ -13,6 +13,7 @@ use crate::{
     http::{
         Inner,
         buffer::{self, Buffered},
+        grpc::Wire,
         handler,
         observe::Throttle,
         outcome::Answered,
@@ -33,6 +34,7 @@ pub(crate) struct KeyedRequest<B> {
     pub(crate) body: B,
     pub(crate) key: IdempotencyKey,
     pub(crate) scope: String,
+    pub(crate) wire: Wire,
 }
 
 /// How often a waiting duplicate polls the store, at most.
@@ -59,11 +61,12 @@ where
         body,
         key,
         scope,
+        wire,
     } = request;
     let config = &shared.config;
     let body = match read_body(body, config.max_request_body).await {
         Ok(body) => body,
-        Err(kind) => return Ok(shared.rejection(kind)),
+        Err(kind) => return Ok(shared.rejection(kind, wire)),
     };
     let fingerprint = shared.fingerprint.fingerprint(&parts, &body);
     let storage_key = StorageKey::new(&scope, &key);
@@ -82,16 +85,16 @@ where
         match protocol::claim(&shared.store, key.clone(), fingerprint, config.lease).await {
             Claimed::Granted(hold) => {
                 let request = Request::from_parts(parts, Body::from(body));
-                return handler::detached(shared, inner, request, hold).await;
+                return handler::detached(shared, inner, request, hold, wire).await;
             }
-            Claimed::Completed(record) => return Ok(replay::answer(&shared, &key, &record)),
-            Claimed::Mismatch => return Ok(shared.rejection(RejectionKind::Mismatch)),
+            Claimed::Completed(record) => return Ok(replay::answer(&shared, &key, &record, wire)),
+            Claimed::Mismatch => return Ok(shared.rejection(RejectionKind::Mismatch, wire)),
             Claimed::InFlight { retry_after } => match wait_until {
                 Some(deadline) if Instant::now() + poll_every <= deadline => {
                     tokio::time::sleep(poll_every).await;
                     poll_every = (poll_every * 2).min(MAX_WAIT_POLL);
                 }
-                _ => return Ok(shared.rejection(RejectionKind::InFlight { retry_after })),
+                _ => return Ok(shared.rejection(RejectionKind::InFlight { retry_after }, wire)),
             },
             Claimed::Unavailable(error) => {
                 log_outage(&shared.outage_log, &key, &error, config.fail_open);
@@ -100,7 +103,7 @@ where
                     return handler::unprotected(inner, request).await;
                 }
                 let retry_after = config.unavailable_retry_after;
-                return Ok(shared.rejection(RejectionKind::StoreUnavailable { retry_after }));
+                return Ok(shared.rejection(RejectionKind::StoreUnavailable { retry_after }, wire));
             }
         }
     }
@@ -134,7 +137,7 @@ where
         return Err(RejectionKind::BodyTooLarge { limit });
     }
     match buffer::buffer(std::pin::pin!(body), limit).await {
-        Buffered::Complete(bytes) => Ok(bytes),
+        Buffered::Complete(bytes, _trailers) => Ok(bytes),
         Buffered::TooLarge(..) => Err(RejectionKind::BodyTooLarge { limit }),
         Buffered::Failed => Err(RejectionKind::BodyUnreadable),
     }

@@ -77,6 +77,7 @@ impl<St: Store> IdempotencyLayer<St> {
             fingerprint: DefaultFingerprint::new(),
             config: Config {
                 methods: vec![Method::POST, Method::PATCH],
+                unguarded_paths: Vec::new(),
                 header: IDEMPOTENCY_KEY,
                 require_key: false,
                 retention: Duration::from_secs(24 * 60 * 60),
@@ -139,7 +140,35 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
         self
     }
 
-    /// The request header that carries the key (default `Idempotency-Key`).
+    /// Paths whose requests pass through untouched, whatever their method
+    /// and key: a gRPC service's streaming methods
+    /// (`/package.Service/Method`), which this layer does not guard. A
+    /// guarded call is buffered whole, request and response, before anything
+    /// is sent on; a long-lived stream must not be. Without a key, a
+    /// streaming call passes through anyway, unless the key is
+    /// [required](Self::require_key).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .require_key(true)
+    ///     .unguarded_paths(["/payments.v1.Payments/WatchCharges"]);
+    /// # let _ = layer;
+    /// ```
+    pub fn unguarded_paths<I>(mut self, paths: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: Into<String>,
+    {
+        self.config().unguarded_paths = paths.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The request header that carries the key (default `Idempotency-Key`),
+    /// and the metadata entry of a gRPC call (`idempotency-key`).
     ///
     /// # Examples
     ///
@@ -353,8 +382,9 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
         self
     }
 
-    /// Renders the layer's own rejections (default
-    /// [`Rejection::into_problem_response`]).
+    /// Renders the layer's own rejections to HTTP callers (default
+    /// [`Rejection::into_problem_response`]). gRPC callers always get
+    /// [`Rejection::into_grpc_response`]: a status is all they can read.
     ///
     /// # Examples
     ///

@@ -3,6 +3,7 @@
 
 pub(crate) mod buffer;
 pub(crate) mod future;
+pub(crate) mod grpc;
 pub(crate) mod handler;
 pub(crate) mod keyed;
 pub(crate) mod layer;

@@ -57,8 +57,8 @@ pub enum IdempotencyOutcome {
     /// The layer answered itself; the handler did not run (except for
     /// [`RejectionKind::HandlerPanicked`] and [`RejectionKind::ResponseBodyFailed`]).
     Rejected(RejectionKind),
-    /// The layer did not apply: unguarded method, no key (and none required),
-    /// or no scope.
+    /// The layer did not apply: unguarded method or path, no key (and none
+    /// required), or no scope.
     Bypassed(BypassReason),
     /// The store was unreachable and the layer is configured to fail open: the
     /// handler ran without protection.
@@ -100,6 +100,7 @@ impl IdempotencyOutcome {
                 RejectionKind::TransactionRefused => "rejected_transaction_refused",
             },
             Self::Bypassed(BypassReason::UnguardedMethod) => "bypassed_method",
+            Self::Bypassed(BypassReason::UnguardedPath) => "bypassed_path",
             Self::Bypassed(BypassReason::NoKey) => "bypassed_no_key",
             Self::Bypassed(BypassReason::NoScope) => "bypassed_no_scope",
             Self::Unprotected => "unprotected",
@@ -131,6 +132,10 @@ pub enum Completion {
 pub enum BypassReason {
     /// The method is not guarded (e.g. `GET`).
     UnguardedMethod,
+    /// The path is one of the layer's
+    /// [`unguarded_paths`](crate::IdempotencyLayer::unguarded_paths), e.g. a
+    /// gRPC streaming method.
+    UnguardedPath,
     /// No `Idempotency-Key` and the key is not required.
     NoKey,
     /// The scope extractor returned `None`.

@@ -5,7 +5,11 @@ use std::{fmt, sync::Arc, time::Duration};
 use axum_core::{body::Body, response::IntoResponse};
 use http::{HeaderValue, Response, StatusCode, header, header::InvalidHeaderValue};
 
-use crate::{http::problem::Problem, key::InvalidKey};
+use crate::{
+    http::grpc::{self, GrpcCode},
+    http::problem::Problem,
+    key::InvalidKey,
+};
 
 /// Why the layer answered instead of the handler.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,7 +53,8 @@ pub enum RejectionKind {
     /// The handler kept its transaction past its own end (e.g. moved it into
     /// a spawned task), so nothing was committed (`500`).
     TransactionHeld,
-    /// The handler answered with a success, but the database refused its
+    /// The handler answered with a success (a `2xx`; for a gRPC call, the
+    /// status `OK`), but the database refused its
     /// transaction — one of the handler's statements failed, which aborts a
     /// PostgreSQL transaction, or the commit broke a constraint — so nothing
     /// was committed and the success is withheld (`500`). The key was
@@ -134,6 +139,44 @@ impl Rejection {
             | RejectionKind::TransactionHeld
             | RejectionKind::TransactionRefused => StatusCode::INTERNAL_SERVER_ERROR,
             RejectionKind::ResponseBodyFailed => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// The gRPC status a gRPC caller receives instead of
+    /// [`status`](Self::status), chosen by gRPC's own guidance on status
+    /// codes: the request's own fault is `INVALID_ARGUMENT` (or
+    /// `RESOURCE_EXHAUSTED` for a message over the limit); a key already
+    /// used with other parameters, or whose response cannot be replayed, is
+    /// `FAILED_PRECONDITION` (retrying the same call will not help); a
+    /// duplicate of a call still running is `ABORTED` and an unreachable
+    /// store `UNAVAILABLE` (retry after the pushback); a failure of the
+    /// handler's is `INTERNAL`, or `UNAVAILABLE` when its response broke
+    /// off (as gRPC maps HTTP's `502`).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{GrpcCode, Rejection, RejectionKind};
+    ///
+    /// let r = Rejection::new(RejectionKind::Mismatch);
+    /// assert_eq!(r.grpc_code(), GrpcCode::FAILED_PRECONDITION);
+    /// ```
+    pub fn grpc_code(&self) -> GrpcCode {
+        match self.kind {
+            RejectionKind::MissingKey
+            | RejectionKind::InvalidKey(_)
+            | RejectionKind::BodyUnreadable => GrpcCode::INVALID_ARGUMENT,
+            RejectionKind::BodyTooLarge { .. } => GrpcCode::RESOURCE_EXHAUSTED,
+            RejectionKind::Mismatch | RejectionKind::Unreplayable { .. } => {
+                GrpcCode::FAILED_PRECONDITION
+            }
+            RejectionKind::InFlight { .. } => GrpcCode::ABORTED,
+            RejectionKind::StoreUnavailable { .. } | RejectionKind::ResponseBodyFailed => {
+                GrpcCode::UNAVAILABLE
+            }
+            RejectionKind::HandlerPanicked
+            | RejectionKind::TransactionHeld
+            | RejectionKind::TransactionRefused => GrpcCode::INTERNAL,
         }
     }
 
@@ -256,6 +299,44 @@ impl Rejection {
             .and_then(|url| described_by(url).ok())
         {
             headers.insert(header::LINK, link);
+        }
+        response
+    }
+}
+
+impl Rejection {
+    /// Renders the rejection for a gRPC caller: a trailers-only response
+    /// (HTTP `200`, no body) whose `grpc-status` is
+    /// [`grpc_code`](Self::grpc_code) and whose `grpc-message` is the title
+    /// and the detail; with `grpc-retry-pushback-ms`, gRPC's own retry
+    /// delay, where there is one. The layer answers every gRPC request
+    /// (`content-type: application/grpc…`) this way.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{Rejection, RejectionKind};
+    ///
+    /// let retry_after = Duration::from_millis(1500);
+    /// let response = Rejection::new(RejectionKind::InFlight { retry_after }).into_grpc_response();
+    /// assert_eq!(response.status(), 200);
+    /// assert_eq!(response.headers()["grpc-status"], "10"); // ABORTED
+    /// assert_eq!(response.headers()["grpc-retry-pushback-ms"], "1500");
+    /// ```
+    pub fn into_grpc_response(self) -> Response<Body> {
+        let mut response = Response::new(Body::empty());
+        let headers = response.headers_mut();
+        headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/grpc"),
+        );
+        headers.insert(grpc::GRPC_STATUS, self.grpc_code().as_i32().into());
+        let message = format!("{}: {}", self.title(), self.detail());
+        headers.insert(grpc::GRPC_MESSAGE, grpc::encode_message(&message));
+        if let Some(after) = self.retry_after() {
+            let millis = u64::try_from(after.as_millis()).unwrap_or(u64::MAX).max(1);
+            headers.insert(grpc::GRPC_RETRY_PUSHBACK_MS, millis.into());
         }
         response
     }

@@ -2,10 +2,12 @@
 //! the rejection that says it cannot be.
 
 use axum_core::body::Body;
-use http::{HeaderName, HeaderValue, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, Response};
 
 use crate::{
     http::{
+        buffer,
+        grpc::Wire,
         outcome::{Answered, IdempotencyOutcome},
         rejection::RejectionKind,
         shared::Shared,
@@ -22,6 +24,7 @@ pub(crate) fn answer<St, Sc, P, F>(
     shared: &Shared<St, Sc, P, F>,
     key: &StorageKey,
     record: &CompletedRecord,
+    wire: Wire,
 ) -> Answered {
     match record {
         CompletedRecord::Response(stored) => {
@@ -30,23 +33,33 @@ pub(crate) fn answer<St, Sc, P, F>(
         }
         CompletedRecord::Unreplayable { status, .. } => {
             tracing::info!(%key, "idempotency: completed but unreplayable");
-            shared.rejection(RejectionKind::Unreplayable { status: *status })
+            shared.rejection(RejectionKind::Unreplayable { status: *status }, wire)
         }
         // A message's record under an HTTP key: the same store and scope
         // serve both doors. It cannot be replayed as a response.
         CompletedRecord::Message { .. } => {
             tracing::warn!(%key, "idempotency: the key holds a processed message, not a response");
-            shared.rejection(RejectionKind::Unreplayable {
-                status: http::StatusCode::OK,
-            })
+            shared.rejection(
+                RejectionKind::Unreplayable {
+                    status: http::StatusCode::OK,
+                },
+                wire,
+            )
         }
     }
 }
 
-/// The response a retry receives: the stored status, headers (in order)
-/// and body, plus `Idempotent-Replayed: true`.
+/// The response a retry receives: the stored status, headers (in order),
+/// body and trailers, plus `Idempotent-Replayed: true`.
 fn replay(stored: &StoredResponse) -> Response<Body> {
-    let mut response = Response::new(Body::from(stored.body().clone()));
+    let trailers = (!stored.trailers().is_empty()).then(|| {
+        let mut trailers = HeaderMap::with_capacity(stored.trailers().len());
+        for (name, value) in stored.trailers() {
+            trailers.append(name.clone(), value.clone());
+        }
+        trailers
+    });
+    let mut response = Response::new(buffer::body(stored.body().clone(), trailers));
     *response.status_mut() = stored.status();
     let headers = response.headers_mut();
     headers.reserve(stored.headers().len() + 1);

@@ -15,6 +15,7 @@ use tower_service::Service;
 use crate::{
     fingerprint::FingerprintStrategy,
     http::future::ResponseFuture,
+    http::grpc::Wire,
     http::keyed::{self, KeyedRequest},
     http::observe,
     http::outcome::BypassReason,
@@ -89,16 +90,22 @@ where
         if !config.methods.contains(req.method()) {
             return self.bypass(req, BypassReason::UnguardedMethod);
         }
+        if config.unguarded_paths.iter().any(|p| p == req.uri().path()) {
+            return self.bypass(req, BypassReason::UnguardedPath);
+        }
+        let wire = Wire::of(req.headers());
         let mut values = req.headers().get_all(&config.header).iter();
         let key = match (values.next(), values.next()) {
-            (None, _) if config.require_key => return self.reject(RejectionKind::MissingKey),
+            (None, _) if config.require_key => {
+                return self.reject(RejectionKind::MissingKey, wire);
+            }
             (None, _) => return self.bypass(req, BypassReason::NoKey),
             (Some(_), Some(_)) => {
-                return self.reject(RejectionKind::InvalidKey(InvalidKey::Repeated));
+                return self.reject(RejectionKind::InvalidKey(InvalidKey::Repeated), wire);
             }
             (Some(value), None) => match IdempotencyKey::from_header(value) {
                 Ok(key) => key,
-                Err(why) => return self.reject(RejectionKind::InvalidKey(why)),
+                Err(why) => return self.reject(RejectionKind::InvalidKey(why), wire),
             },
         };
         let (parts, body) = req.into_parts();
@@ -115,6 +122,7 @@ where
             body,
             key,
             scope,
+            wire,
         };
         let span = observe::request_span(request.key.as_str());
         let handled = keyed::handle(self.shared.clone(), inner, request);
@@ -137,8 +145,8 @@ impl<S, St, Sc, P, F> IdempotencyService<S, St, Sc, P, F> {
         ResponseFuture::bypass(self.inner.call(req.map(Body::new)), reason)
     }
 
-    fn reject<E, Fut>(&self, kind: RejectionKind) -> ResponseFuture<Fut, E> {
+    fn reject<E, Fut>(&self, kind: RejectionKind, wire: Wire) -> ResponseFuture<Fut, E> {
         tracing::debug!(?kind, "idempotency: rejected");
-        ResponseFuture::ready(self.shared.rejection(kind).stamped())
+        ResponseFuture::ready(self.shared.rejection(kind, wire).stamped())
     }
 }

@@ -6,6 +6,7 @@ use std::{sync::Arc, time::Duration};
 use http::{HeaderName, Method};
 
 use crate::{
+    http::grpc::Wire,
     http::observe::Throttle,
     http::outcome::{Answered, IdempotencyOutcome},
     http::rejection::{Rejection, RejectionKind, RenderRejection},
@@ -15,6 +16,8 @@ use crate::{
 #[derive(Clone, Debug)]
 pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
+    /// Paths that pass through whatever their method, e.g. gRPC streams.
+    pub(crate) unguarded_paths: Vec<String>,
     /// The request header that carries the key.
     pub(crate) header: HeaderName,
     pub(crate) require_key: bool,
@@ -44,13 +47,17 @@ pub(crate) struct Shared<St, Sc, P, F> {
 }
 
 impl<St, Sc, P, F> Shared<St, Sc, P, F> {
-    /// The rendered rejection, with its outcome.
-    pub(crate) fn rejection(&self, kind: RejectionKind) -> Answered {
+    /// The rendered rejection, with its outcome: problem+json (or what the
+    /// application renders) for an HTTP caller, a status for a gRPC one.
+    pub(crate) fn rejection(&self, kind: RejectionKind, wire: Wire) -> Answered {
         let mut rejection = Rejection::new(kind.clone());
         if let Some(url) = &self.config.documentation {
             rejection = rejection.documented_at(url.clone());
         }
-        let response = (self.render)(rejection);
+        let response = match wire {
+            Wire::Http => (self.render)(rejection),
+            Wire::Grpc => rejection.into_grpc_response(),
+        };
         Answered::new(response, IdempotencyOutcome::Rejected(kind))
     }
 }

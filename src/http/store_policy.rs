@@ -2,12 +2,19 @@
 //!
 //! A stored response is replayed to every retry for the retention period; a
 //! response that is not stored *releases* the key, so the client may retry it.
+//! A gRPC call's outcome is its `grpc-status`, read once the body is done.
 
 use http::{HeaderMap, StatusCode};
 
+use crate::http::grpc::GrpcCode;
+
 /// Decides from a response whether it is final and should be stored.
 ///
-/// Implemented for closures `Fn(StatusCode, &HeaderMap) -> bool`.
+/// Implemented for closures `Fn(StatusCode, &HeaderMap) -> bool`. A gRPC
+/// response must pass both methods: [`should_store`](Self::should_store)
+/// with its HTTP status (`200` for every call that reached the server) and
+/// headers, then [`should_store_grpc`](Self::should_store_grpc) with its
+/// `grpc-status`.
 ///
 /// # Examples
 ///
@@ -26,6 +33,42 @@ pub trait StorePolicy: Clone + Send + Sync + 'static {
     /// `true` when the response is final and must be replayed to retries.
     fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool;
 
+    /// `true` when a gRPC call that ended with `code` is final. `metadata`
+    /// holds its trailers (or, for a call answered without a body, its
+    /// headers). By default, the codes that say "nothing was done, try
+    /// again" are not final — `UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `ABORTED`
+    /// and `DEADLINE_EXCEEDED` (see [`GrpcCode::invites_retry`]) — and
+    /// every other code is.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use http::{HeaderMap, StatusCode};
+    /// use tower_idempotency::{DefaultStorePolicy, GrpcCode, StorePolicy};
+    ///
+    /// /// The default, but an `INTERNAL` error releases the key too.
+    /// #[derive(Clone)]
+    /// struct RetryInternal;
+    ///
+    /// impl StorePolicy for RetryInternal {
+    ///     fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool {
+    ///         DefaultStorePolicy.should_store(status, headers)
+    ///     }
+    ///     fn should_store_grpc(&self, code: GrpcCode, metadata: &HeaderMap) -> bool {
+    ///         code != GrpcCode::INTERNAL && DefaultStorePolicy.should_store_grpc(code, metadata)
+    ///     }
+    /// }
+    ///
+    /// let metadata = HeaderMap::new();
+    /// assert!(RetryInternal.should_store_grpc(GrpcCode::OK, &metadata));
+    /// assert!(!RetryInternal.should_store_grpc(GrpcCode::INTERNAL, &metadata));
+    /// assert!(!RetryInternal.should_store_grpc(GrpcCode::UNAVAILABLE, &metadata));
+    /// ```
+    fn should_store_grpc(&self, code: GrpcCode, metadata: &HeaderMap) -> bool {
+        let _ = metadata;
+        !code.invites_retry()
+    }
+
     /// Stores only what both policies store.
     fn and<Other: StorePolicy>(self, other: Other) -> And<Self, Other> {
         And(self, other)
@@ -42,7 +85,9 @@ where
 }
 
 /// The default policy: store every response except those that say "nothing
-/// was done, try again": `408`, `425`, `429`, `502`, `503`, `504`.
+/// was done, try again": `408`, `425`, `429`, `502`, `503`, `504`, and for
+/// gRPC calls `UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `ABORTED` and
+/// `DEADLINE_EXCEEDED`.
 ///
 /// Other client errors (`400`, `401`, `404`, `409`, `422`, …) **are** stored,
 /// as Stripe does: they are the answer to these parameters, and a retry with
@@ -80,7 +125,8 @@ impl StorePolicy for DefaultStorePolicy {
     }
 }
 
-/// Stripe's behaviour: store every response, whatever its status.
+/// Stripe's behaviour: store every response, whatever its status (gRPC's
+/// included).
 ///
 /// # Examples
 ///
@@ -97,6 +143,10 @@ impl StorePolicy for StoreAllPolicy {
     fn should_store(&self, _status: StatusCode, _headers: &HeaderMap) -> bool {
         true
     }
+
+    fn should_store_grpc(&self, _code: GrpcCode, _metadata: &HeaderMap) -> bool {
+        true
+    }
 }
 
 /// Two policies that must both agree; see [`StorePolicy::and`].
@@ -106,5 +156,9 @@ pub struct And<A, B>(A, B);
 impl<A: StorePolicy, B: StorePolicy> StorePolicy for And<A, B> {
     fn should_store(&self, status: StatusCode, headers: &HeaderMap) -> bool {
         self.0.should_store(status, headers) && self.1.should_store(status, headers)
+    }
+
+    fn should_store_grpc(&self, code: GrpcCode, metadata: &HeaderMap) -> bool {
+        self.0.should_store_grpc(code, metadata) && self.1.should_store_grpc(code, metadata)
     }
 }

@@ -110,6 +110,40 @@ impl<T: DerefMut> DerefMut for IdempotentTx<T> {
     }
 }
 
+impl<T: Send + Sync + 'static> IdempotentTx<T> {
+    /// The request's transaction, taken from its extensions, for handlers
+    /// that are not axum handlers — a tonic service's method reads it from
+    /// its request's extensions. `None` outside a transactional claim, or
+    /// when it was taken already.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "sqlite")] mod demo {
+    /// use tower_idempotency::{IdempotentTx, SqliteTx};
+    ///
+    /// async fn charge(extensions: &http::Extensions, amount: i64) -> Result<(), &'static str> {
+    ///     let mut tx = IdempotentTx::<SqliteTx>::from_extensions(extensions)
+    ///         .ok_or("no idempotent transaction: is the layer over a SqliteTxStore?")?;
+    ///     sqlx::query("INSERT INTO charges (amount) VALUES ($1)")
+    ///         .bind(amount)
+    ///         .execute(&mut *tx)
+    ///         .await
+    ///         .map_err(|_| "insert failed")?;
+    ///     Ok(())
+    /// }
+    /// # }
+    /// ```
+    pub fn from_extensions(extensions: &Extensions) -> Option<Self> {
+        let TxHandle(slot) = extensions.get::<TxHandle<T>>()?;
+        let tx = slot.take()?;
+        Some(Self {
+            slot: slot.clone(),
+            tx: Some(tx),
+        })
+    }
+}
+
 impl<T> Drop for IdempotentTx<T> {
     fn drop(&mut self) {
         if let Some(tx) = self.tx.take() {

@@ -10,11 +10,13 @@ use std::time::SystemTime;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
-/// A response stored for replay: status, headers and body.
+/// A response stored for replay: status, headers, body and trailers.
 ///
 /// Headers that must not be replayed — hop-by-hop headers, `Set-Cookie`,
 /// `Content-Length` (recomputed) and `Date` — are dropped when the response is
-/// captured; the rest keep their order, repeated names included.
+/// captured; the rest keep their order, repeated names included. Trailers
+/// — a gRPC response's `grpc-status`, `grpc-message` and trailing metadata —
+/// are kept whole, and replayed after the body.
 ///
 /// # Examples
 ///
@@ -34,6 +36,7 @@ pub struct StoredResponse {
     status: StatusCode,
     headers: Vec<(HeaderName, HeaderValue)>,
     body: Bytes,
+    trailers: Vec<(HeaderName, HeaderValue)>,
     created_at: SystemTime,
 }
 
@@ -49,8 +52,32 @@ impl StoredResponse {
             status,
             headers,
             body,
+            trailers: Vec::new(),
             created_at: SystemTime::now(),
         }
+    }
+
+    /// The same response, with the trailers that followed its body (in
+    /// their order), replayed after it.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use http::{HeaderMap, StatusCode};
+    /// use tower_idempotency::StoredResponse;
+    ///
+    /// let mut trailers = HeaderMap::new();
+    /// trailers.insert("grpc-status", "0".parse().unwrap());
+    /// let stored = StoredResponse::capture(StatusCode::OK, &HeaderMap::new(), "\0\0\0\0\0".into())
+    ///     .with_trailers(&trailers);
+    /// assert_eq!(stored.trailers()[0].1, "0");
+    /// ```
+    pub fn with_trailers(mut self, trailers: &HeaderMap) -> Self {
+        self.trailers = trailers
+            .iter()
+            .map(|(n, v)| (n.clone(), v.clone()))
+            .collect();
+        self
     }
 
     /// Rebuilds a stored response, e.g. when a store decodes one.
@@ -64,6 +91,7 @@ impl StoredResponse {
             status,
             headers,
             body,
+            trailers: Vec::new(),
             created_at,
         }
     }
@@ -81,6 +109,13 @@ impl StoredResponse {
     /// The body bytes.
     pub fn body(&self) -> &Bytes {
         &self.body
+    }
+
+    /// The trailers that followed the body, in their original order: empty
+    /// for most HTTP responses; `grpc-status` and the trailing metadata of a
+    /// gRPC one.
+    pub fn trailers(&self) -> &[(HeaderName, HeaderValue)] {
+        &self.trailers
     }
 
     /// When the original response was produced.

@@ -13,7 +13,7 @@ use crate::record::CorruptRecord;
 
 const LITERAL: u8 = 0;
 
-static NAMES: [HeaderName; 16] = [
+static NAMES: [HeaderName; 18] = [
     header::CONTENT_TYPE,
     header::LOCATION,
     header::CACHE_CONTROL,
@@ -30,6 +30,8 @@ static NAMES: [HeaderName; 16] = [
     header::PRAGMA,
     HeaderName::from_static("x-request-id"),
     HeaderName::from_static("request-id"),
+    HeaderName::from_static("grpc-status"),
+    HeaderName::from_static("grpc-message"),
 ];
 
 static VALUES: [HeaderValue; 12] = [

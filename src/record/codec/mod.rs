@@ -4,12 +4,14 @@
 //!
 //! ```text
 //! response:      'R' | fingerprint (32) | status (u16) | created at, Unix ms (u48) | flags (u8)
-//!                    | header count (varint) | headers | body
+//!                    | header count (varint) | headers
+//!                    | [trailer count (varint) | trailers, as headers] | body
 //! unreplayable:  'U' | fingerprint (32) | status (u16) | created at (u48)
 //! message:       'M' | fingerprint (32) | created at (u48) | flags (u8) | result
 //! header:        name: code (u8), or 0 | length (varint) | name
 //!                value: code (u8), or 0 | length (varint) | value
-//! flags:         bit 0: the body (the result) is a zstd frame; bit 1: a message has a result
+//! flags:         bit 0: the body (the result) is a zstd frame; bit 1: a message has a result;
+//!                bit 2: a response has trailers (a gRPC response's `grpc-status` and trailing metadata)
 //! ```
 //!
 //! Fixed-width integers are big-endian, lengths LEB128 varints; times are
@@ -56,7 +58,7 @@ pub(crate) mod legacy;
 mod wire;
 
 use bytes::Bytes;
-use http::StatusCode;
+use http::{HeaderName, HeaderValue, StatusCode};
 
 pub use self::compression::Compression;
 use self::wire::{Reader, from_unix_millis, put_u48, put_varint, unix_millis, varint_len};
@@ -73,7 +75,11 @@ const HEAD: usize = 1 + 32;
 
 const COMPRESSED: u8 = 1 << 0;
 const HAS_RESULT: u8 = 1 << 1;
-const KNOWN_FLAGS: u8 = COMPRESSED | HAS_RESULT;
+/// Only responses with trailers set it, so a record without them is
+/// byte for byte what the version before trailers wrote, and still reads
+/// there.
+const HAS_TRAILERS: u8 = 1 << 2;
+const KNOWN_FLAGS: u8 = COMPRESSED | HAS_RESULT | HAS_TRAILERS;
 
 /// Encodes `record`, the answer to requests with `fingerprint`, with its
 /// body as it is.
@@ -97,12 +103,19 @@ pub fn encode_with(
 pub(crate) fn encoded_len(record: &CompletedRecord) -> usize {
     HEAD + match record {
         CompletedRecord::Response(r) => {
-            let headers: usize = r
-                .headers()
-                .iter()
-                .map(|(n, v)| header_codes::len(n, v))
-                .sum();
-            2 + 6 + 1 + varint_len(r.headers().len() as u64) + headers + r.body().len()
+            let fields = |list: &[(HeaderName, HeaderValue)]| -> usize {
+                varint_len(list.len() as u64)
+                    + list
+                        .iter()
+                        .map(|(n, v)| header_codes::len(n, v))
+                        .sum::<usize>()
+            };
+            let trailers = if r.trailers().is_empty() {
+                0
+            } else {
+                fields(r.trailers())
+            };
+            2 + 6 + 1 + fields(r.headers()) + trailers + r.body().len()
         }
         CompletedRecord::Unreplayable { .. } => 2 + 6,
         CompletedRecord::Message { result, .. } => 6 + 1 + result.as_ref().map_or(0, Bytes::len),
@@ -129,10 +142,14 @@ pub(crate) fn encode_into(
             bytes.extend_from_slice(&response.status().as_u16().to_be_bytes());
             put_u48(bytes, unix_millis(response.created_at()));
             let packed = compression.compress(response.body());
-            bytes.push(if packed.is_some() { COMPRESSED } else { 0 });
-            put_varint(bytes, response.headers().len() as u64);
-            for (name, value) in response.headers() {
-                header_codes::put(bytes, name, value);
+            let mut flags = if packed.is_some() { COMPRESSED } else { 0 };
+            if !response.trailers().is_empty() {
+                flags |= HAS_TRAILERS;
+            }
+            bytes.push(flags);
+            put_fields(bytes, response.headers());
+            if flags & HAS_TRAILERS != 0 {
+                put_fields(bytes, response.trailers());
             }
             bytes.extend_from_slice(packed.as_deref().unwrap_or(response.body()));
         }
@@ -182,14 +199,16 @@ pub fn decode_with(
             let status = status(reader.u16()?)?;
             let created_at = from_unix_millis(reader.u48()?);
             let flags = flags(reader.u8()?)?;
-            let count = reader.varint()?;
-            let headers = (0..count)
-                .map(|_| header_codes::take(&mut reader))
-                .collect::<Result<_, _>>()?;
+            let headers = take_fields(&mut reader)?;
+            let trailers = if flags & HAS_TRAILERS != 0 {
+                take_fields(&mut reader)?
+            } else {
+                Vec::new()
+            };
             let body = body(&bytes, reader.at, flags, compression)?;
-            CompletedRecord::Response(StoredResponse::from_parts(
-                status, headers, body, created_at,
-            ))
+            let mut response = StoredResponse::from_parts(status, headers, body, created_at);
+            response.trailers = trailers;
+            CompletedRecord::Response(response)
         }
         UNREPLAYABLE => CompletedRecord::Unreplayable {
             status: status(reader.u16()?)?,
@@ -206,6 +225,19 @@ pub fn decode_with(
         tag => legacy::decode(&bytes, tag)?,
     };
     Ok((fingerprint, record))
+}
+
+/// A count, then that many headers (or trailers).
+fn put_fields(bytes: &mut Vec<u8>, fields: &[(HeaderName, HeaderValue)]) {
+    put_varint(bytes, fields.len() as u64);
+    for (name, value) in fields {
+        header_codes::put(bytes, name, value);
+    }
+}
+
+fn take_fields(reader: &mut Reader<'_>) -> Result<Vec<(HeaderName, HeaderValue)>, CorruptRecord> {
+    let count = reader.varint()?;
+    (0..count).map(|_| header_codes::take(reader)).collect()
 }
 
 fn status(code: u16) -> Result<StatusCode, CorruptRecord> {
@@ -258,7 +290,22 @@ mod tests {
             Bytes::from_static(b"{\"ok\":true}"),
             UNIX_EPOCH + Duration::from_millis(1_700_000_000_123),
         );
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        trailers.append("x-ledger", HeaderValue::from_static("a"));
+        trailers.append("x-ledger", HeaderValue::from_static("b"));
+        let grpc = StoredResponse::from_parts(
+            StatusCode::OK,
+            vec![(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/grpc"),
+            )],
+            Bytes::from_static(b"\0\0\0\0\x02\x08\x01"),
+            UNIX_EPOCH + Duration::from_millis(1_700_000_000_123),
+        )
+        .with_trailers(&trailers);
         for record in [
+            CompletedRecord::Response(grpc),
             CompletedRecord::Response(response),
             CompletedRecord::Unreplayable {
                 status: StatusCode::OK,
