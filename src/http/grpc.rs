@@ -166,10 +166,17 @@ impl std::fmt::Display for GrpcCode {
     }
 }
 
-/// The status in `fields` (a response's trailers, or the headers of a
-/// trailers-only response), if it has one.
-pub(crate) fn code_in(fields: &HeaderMap) -> Option<GrpcCode> {
-    fields.get(GRPC_STATUS).map(GrpcCode::from_header)
+/// A gRPC response's status, with the metadata that carries it: its
+/// trailers, or its headers when it was answered without a body (a
+/// "trailers-only" response). `None` if it has none.
+pub(crate) fn status<'a>(
+    headers: &'a HeaderMap,
+    trailers: Option<&'a HeaderMap>,
+) -> Option<(GrpcCode, &'a HeaderMap)> {
+    [trailers, Some(headers)]
+        .into_iter()
+        .flatten()
+        .find_map(|fields| Some((GrpcCode::from_header(fields.get(GRPC_STATUS)?), fields)))
 }
 
 /// `grpc-message` is percent-encoded: every byte outside printable ASCII,

@@ -163,24 +163,16 @@ async fn run<S: Inner, P: StorePolicy>(
         if !policy.should_store(response.status(), response.headers()) {
             return Handled::NotFinal(response);
         }
-        if Wire::of(response.headers()) == Wire::Http {
-            let (parts, body) = response.into_parts();
-            return read_up_to(parts, body, limit).await;
-        }
-        // A gRPC call's outcome: in its trailers, or in its headers when
-        // it was answered without a body.
-        if let Some(code) = grpc::code_in(response.headers())
-            && !policy.should_store_grpc(code, response.headers())
-        {
-            return Handled::NotFinal(response);
-        }
         let (parts, body) = response.into_parts();
         match read_up_to(parts, body, limit).await {
-            Handled::Final(parts, body, Some(trailers))
-                if grpc::code_in(&trailers)
-                    .is_some_and(|code| !policy.should_store_grpc(code, &trailers)) =>
+            // A gRPC call's outcome is its status, known once the body is done.
+            Handled::Final(parts, body, trailers)
+                if Wire::of(&parts.headers) == Wire::Grpc
+                    && grpc::status(&parts.headers, trailers.as_ref()).is_some_and(
+                        |(code, metadata)| !policy.should_store_grpc(code, metadata),
+                    ) =>
             {
-                let body = buffer::body(body, Some(trailers));
+                let body = buffer::body(body, trailers);
                 Handled::NotFinal(Response::from_parts(parts, body))
             }
             handled => handled,
@@ -305,10 +297,9 @@ fn claims_success(parts: &Parts, trailers: Option<&HeaderMap>) -> bool {
     }
     match Wire::of(&parts.headers) {
         Wire::Http => true,
-        Wire::Grpc => trailers
-            .and_then(grpc::code_in)
-            .or_else(|| grpc::code_in(&parts.headers))
-            .is_none_or(|code| code == GrpcCode::OK),
+        Wire::Grpc => {
+            grpc::status(&parts.headers, trailers).is_none_or(|(code, _)| code == GrpcCode::OK)
+        }
     }
 }
 
