@@ -279,7 +279,8 @@ pub fn idempotency<St: Store>(
 }
 
 /// Serves the payments service on `listener` until the process ends:
-/// authentication, then the idempotency layer, then the service.
+/// authentication, then the idempotency layer, then the service. Says
+/// `listening on ADDR` on stdout once the store is ready.
 pub async fn serve<St: Store>(
     listener: TcpListener,
     store: St,
@@ -290,6 +291,9 @@ pub async fn serve<St: Store>(
         ledger,
         processor_latency: settings.processor_latency,
     };
+    if let Ok(addr) = listener.local_addr() {
+        println!("listening on {addr}");
+    }
     let layers = ServiceBuilder::new()
         .layer(MapRequestLayer::new(authenticate))
         .layer(idempotency(store, settings))

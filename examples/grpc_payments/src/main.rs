@@ -41,10 +41,12 @@
 //!   127.0.0.1:50051 payments.v1.Payments/Charge
 //! ```
 
-use std::{env, time::Duration};
+use std::{env, error::Error, time::Duration};
 
 use grpc_payments::{Ledger, Settings, serve};
-use tower_idempotency::{MemoryStore, PostgresStore, RedisStore, SqliteStore};
+use tower_idempotency::{
+    MemoryStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore, SqliteTxStore,
+};
 
 #[tokio::main]
 async fn main() {
@@ -59,7 +61,6 @@ async fn main() {
     let listener = tokio::net::TcpListener::bind(&bind)
         .await
         .unwrap_or_else(|e| exit_with(&format!("BIND_ADDR: cannot bind {bind}: {e}")));
-    println!("listening on {}", listener.local_addr().unwrap());
     // The URLs may carry a password: they are never logged.
     let served = if env::var("IDEMPOTENCY_STORE").is_ok_and(|s| s == "memory") {
         tracing::info!("store: in-memory (IDEMPOTENCY_STORE=memory): nothing persisted");
@@ -84,28 +85,20 @@ async fn main() {
         )
         .await
     } else {
-        match env::var("DATABASE_URL").as_deref() {
-            Err(_) => sqlite(listener, "sqlite://grpc_payments.db", &settings).await,
-            Ok(url) if url.starts_with("sqlite:") => sqlite(listener, url, &settings).await,
-            Ok(url) if url.starts_with("postgres:") || url.starts_with("postgresql:") => {
-                let store = PostgresStore::builder()
-                    .transactional()
-                    .connect(url)
-                    .await
-                    .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
-                let ledger = Ledger::postgres(store.pool())
-                    .await
-                    .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
-                store
-                    .migrate()
-                    .await
-                    .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
-                tracing::info!("store: PostgreSQL, one transaction per charge (DATABASE_URL)");
-                serve(listener, store, ledger, &settings).await
-            }
-            Ok(_) => exit_with(
+        let url = env::var("DATABASE_URL");
+        let url = url.as_deref().unwrap_or("sqlite://grpc_payments.db");
+        if url.starts_with("sqlite:") {
+            let (store, ledger) = sqlite(url).await.unwrap_or_else(|e| database(&*e));
+            tracing::info!("store: SQLite, one transaction per charge ({url})");
+            serve(listener, store, ledger, &settings).await
+        } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            let (store, ledger) = postgres(url).await.unwrap_or_else(|e| database(&*e));
+            tracing::info!("store: PostgreSQL, one transaction per charge (DATABASE_URL)");
+            serve(listener, store, ledger, &settings).await
+        } else {
+            exit_with(
                 "DATABASE_URL must be sqlite://PATH or postgres://… (or unset: grpc_payments.db)",
-            ),
+            )
         }
     };
     if let Err(error) = served {
@@ -113,30 +106,34 @@ async fn main() {
     }
 }
 
-async fn sqlite(
-    listener: tokio::net::TcpListener,
-    url: &str,
-    settings: &Settings,
-) -> Result<(), tonic::transport::Error> {
+/// The database in `DATABASE_URL` cannot serve: say why and stop.
+fn database(error: &dyn Error) -> ! {
+    exit_with(&format!("DATABASE_URL: {error}"))
+}
+
+/// Charges and records in one SQLite file (created if missing), one
+/// transaction per charge.
+async fn sqlite(url: &str) -> Result<(SqliteTxStore, Ledger), Box<dyn Error>> {
     let url = if url.contains('?') {
         url.to_owned()
     } else {
         format!("{url}?mode=rwc")
     };
-    let store = SqliteStore::builder()
+    let store = SqliteStore::builder().transactional().connect(&url).await?;
+    let ledger = Ledger::sqlite(store.pool()).await?;
+    store.migrate().await?;
+    Ok((store, ledger))
+}
+
+/// Charges and records in PostgreSQL, one transaction per charge.
+async fn postgres(url: &str) -> Result<(PostgresTxStore, Ledger), Box<dyn Error>> {
+    let store = PostgresStore::builder()
         .transactional()
-        .connect(&url)
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
-    let ledger = Ledger::sqlite(store.pool())
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
-    store
-        .migrate()
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
-    tracing::info!("store: SQLite, one transaction per charge ({url})");
-    serve(listener, store, ledger, settings).await
+        .connect(url)
+        .await?;
+    let ledger = Ledger::postgres(store.pool()).await?;
+    store.migrate().await?;
+    Ok((store, ledger))
 }
 
 fn settings() -> Result<Settings, String> {

@@ -160,15 +160,21 @@ where
     (parts.headers, collected.to_bytes(), trailers)
 }
 
-#[tokio::test]
-async fn the_charge_runs_once_under_concurrent_duplicates() {
+/// The example on the memory store, with a card processor that takes
+/// `latency`.
+async fn serve_slow(latency: Duration) -> (Ledger, PaymentsClient<Channel>) {
     let ledger = memory();
     let settings = Settings {
-        processor_latency: Duration::from_millis(400),
+        processor_latency: latency,
         ..Settings::default()
     };
     let addr = serve(MemoryStore::new(), ledger.clone(), settings).await;
-    let client = client(addr).await;
+    (ledger, client(addr).await)
+}
+
+#[tokio::test]
+async fn the_charge_runs_once_under_concurrent_duplicates() {
+    let (ledger, client) = serve_slow(Duration::from_millis(400)).await;
     let calls: Vec<_> = (0..16)
         .map(|_| {
             let mut client = client.clone();
@@ -198,13 +204,7 @@ async fn the_charge_runs_once_under_concurrent_duplicates() {
 
 #[tokio::test]
 async fn a_client_whose_deadline_passes_gets_the_charge_on_its_retry() {
-    let ledger = memory();
-    let settings = Settings {
-        processor_latency: Duration::from_millis(600),
-        ..Settings::default()
-    };
-    let addr = serve(MemoryStore::new(), ledger.clone(), settings).await;
-    let mut client = client(addr).await;
+    let (ledger, mut client) = serve_slow(Duration::from_millis(600)).await;
     let mut hurried = charge(Some("order-9"), 900);
     hurried.set_timeout(Duration::from_millis(100));
     let gone = client.charge(hurried).await.unwrap_err();
