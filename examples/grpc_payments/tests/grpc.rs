@@ -349,7 +349,10 @@ async fn an_unreachable_store_is_unavailable_and_the_handler_does_not_run() {
         in_transaction: false,
     };
     let mut client = serve_flaky(store, flaky).await;
-    client.charge(charge(Some("before"), 1)).await.unwrap();
+    let first = client.charge(charge(Some("before"), 1)).await.unwrap();
+    let retry = client.charge(charge(Some("before"), 1)).await.unwrap();
+    assert!(replayed(&retry), "replayed from Redis, trailers and all");
+    assert_eq!(retry.into_inner(), first.into_inner());
     redis.kill();
     let refused = client.charge(charge(Some("during"), 1)).await.unwrap_err();
     assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
@@ -510,4 +513,72 @@ async fn a_refused_transaction_sends_the_handlers_error_and_withholds_its_ok() {
         );
     }
     assert_eq!(database.count("SELECT count(*) FROM charges").await, 1);
+}
+
+/// The example's binary, killed (SIGKILL) when dropped.
+struct Example(std::process::Child);
+
+impl Example {
+    fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Example {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The example's binary on `file`, serving on `port`, its card processor
+/// taking `latency_ms`; returned once it says it listens.
+fn start_example(file: &TestFile, port: u16, latency_ms: u64) -> Example {
+    use std::io::{BufRead, BufReader};
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_grpc-payments"))
+        .env("DATABASE_URL", file.url())
+        .env("BIND_ADDR", format!("127.0.0.1:{port}"))
+        .env("PROCESSOR_LATENCY_MS", latency_ms.to_string())
+        .env("RUST_LOG", "off")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the grpc-payments binary");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.starts_with("listening on"), "{line:?}");
+    Example(child)
+}
+
+#[tokio::test]
+async fn killed_mid_charge_the_example_leaves_nothing_and_the_retry_charges_once() {
+    let file = TestFile::create();
+    let port = tower_idempotency_harness::redis_server::free_port();
+    let mut server = start_example(&file, port, 3_000);
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut hurt = client(addr).await;
+    let call = tokio::spawn(async move { hurt.charge(charge(Some("crash-1"), 4200)).await });
+    // The charge is in its transaction, waiting on the card processor.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    server.kill();
+    assert!(
+        call.await.unwrap().is_err(),
+        "the call died with the server"
+    );
+
+    // Nothing committed: neither the charge nor its key.
+    let _server = start_example(&file, port, 0);
+    assert_eq!(file.count("SELECT count(*) FROM charges").await, 0);
+    let mut client = client(addr).await;
+    let retry = client.charge(charge(Some("crash-1"), 4200)).await.unwrap();
+    assert!(!replayed(&retry), "the retry executes");
+    let again = client.charge(charge(Some("crash-1"), 4200)).await.unwrap();
+    assert!(replayed(&again));
+    assert_eq!(again.into_inner(), retry.into_inner());
+    assert_eq!(
+        file.count("SELECT count(*) FROM charges").await,
+        1,
+        "charged once"
+    );
 }
