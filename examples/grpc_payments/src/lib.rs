@@ -49,6 +49,11 @@ impl Default for Settings {
     }
 }
 
+/// The charges table, in SQL both SQLite and PostgreSQL read.
+const CHARGES: &str = "CREATE TABLE IF NOT EXISTS charges (
+    id TEXT PRIMARY KEY, account TEXT NOT NULL, amount BIGINT NOT NULL,
+    currency TEXT NOT NULL, description TEXT NOT NULL)";
+
 /// Where charges are written. With a transactional store (SQLite,
 /// PostgreSQL) a charge is written in the call's own transaction, which
 /// commits with the stored reply; otherwise on its own.
@@ -65,25 +70,13 @@ pub enum Ledger {
 impl Ledger {
     /// A ledger in SQLite, its table created if missing.
     pub async fn sqlite(pool: &sqlx::SqlitePool) -> Result<Self, sqlx::Error> {
-        sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS charges (
-                id TEXT PRIMARY KEY, account TEXT NOT NULL, amount INTEGER NOT NULL,
-                currency TEXT NOT NULL, description TEXT NOT NULL)",
-        )
-        .execute(pool)
-        .await?;
+        sqlx::raw_sql(CHARGES).execute(pool).await?;
         Ok(Self::Sqlite(pool.clone()))
     }
 
     /// A ledger in PostgreSQL, its table created if missing.
     pub async fn postgres(pool: &sqlx::PgPool) -> Result<Self, sqlx::Error> {
-        sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS charges (
-                id text PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
-                currency text NOT NULL, description text NOT NULL)",
-        )
-        .execute(pool)
-        .await?;
+        sqlx::raw_sql(CHARGES).execute(pool).await?;
         Ok(Self::Postgres(pool.clone()))
     }
 
