@@ -302,9 +302,7 @@ impl Rejection {
         }
         response
     }
-}
 
-impl Rejection {
     /// Renders the rejection for a gRPC caller: a trailers-only response
     /// (HTTP `200`, no body) whose `grpc-status` is
     /// [`grpc_code`](Self::grpc_code) and whose `grpc-message` is the title
