@@ -22,7 +22,7 @@ use tonic::{Code, Status, transport::Channel};
 use tower::{Layer, ServiceExt};
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore, PostgresStore, PostgresTx,
-    RedisStore, SqliteStore, SqliteTx, sqlx,
+    PostgresTxStore, RedisStore, SqliteStore, SqliteTx, sqlx,
     store::{KeyState, StorageKey, Store},
 };
 use tower_idempotency_harness::{
@@ -304,16 +304,31 @@ impl Payments for Flaky {
     }
 }
 
-async fn serve_flaky<St: Store>(store: St, flaky: Flaky) -> PaymentsClient<Channel> {
+/// Serves `service` behind the layer over `store` (one scope for all
+/// callers), on a free loopback port.
+async fn serve_with<St: Store, P: Payments>(store: St, service: P) -> PaymentsClient<Channel> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()
             .layer(IdempotencyLayer::new(store))
-            .add_service(PaymentsServer::new(flaky))
+            .add_service(PaymentsServer::new(service))
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );
     client(addr).await
+}
+
+/// A transactional store and the example's ledger in a throwaway
+/// PostgreSQL database.
+async fn postgres(database: &TestDatabase) -> (PostgresTxStore, Ledger) {
+    let store = PostgresStore::builder()
+        .transactional()
+        .connect(database.url())
+        .await
+        .unwrap();
+    let ledger = Ledger::postgres(store.pool()).await.unwrap();
+    store.migrate().await.unwrap();
+    (store, ledger)
 }
 
 #[tokio::test]
@@ -324,7 +339,7 @@ async fn unavailable_releases_the_key_and_the_retry_executes() {
         failures: 1,
         in_transaction: false,
     };
-    let mut client = serve_flaky(MemoryStore::new(), flaky).await;
+    let mut client = serve_with(MemoryStore::new(), flaky).await;
 
     let down = client.charge(charge(Some("k"), 1)).await.unwrap_err();
     assert_eq!(down.code(), Code::Unavailable);
@@ -348,7 +363,7 @@ async fn an_unreachable_store_is_unavailable_and_the_handler_does_not_run() {
         failures: 0,
         in_transaction: false,
     };
-    let mut client = serve_flaky(store, flaky).await;
+    let mut client = serve_with(store, flaky).await;
     let first = client.charge(charge(Some("before"), 1)).await.unwrap();
     let retry = client.charge(charge(Some("before"), 1)).await.unwrap();
     assert!(replayed(&retry), "replayed from Redis, trailers and all");
@@ -376,7 +391,7 @@ async fn a_sqlite_transaction_commits_the_charge_with_its_reply_or_nothing() {
         failures: 1,
         in_transaction: true,
     };
-    let mut client = serve_flaky(store.clone(), flaky).await;
+    let mut client = serve_with(store.clone(), flaky).await;
 
     // UNAVAILABLE: the key is released and the charge rolled back.
     let down = client.charge(charge(Some("tx-1"), 1)).await.unwrap_err();
@@ -410,13 +425,7 @@ async fn a_sqlite_transaction_commits_the_charge_with_its_reply_or_nothing() {
 #[tokio::test]
 async fn the_example_on_postgres_commits_one_charge_per_key() {
     let database = TestDatabase::create();
-    let store = PostgresStore::builder()
-        .transactional()
-        .connect(database.url())
-        .await
-        .unwrap();
-    let ledger = Ledger::postgres(store.pool()).await.unwrap();
-    store.migrate().await.unwrap();
+    let (store, ledger) = postgres(&database).await;
     let addr = serve(store, ledger.clone(), Settings::default()).await;
     let mut client = client(addr).await;
     let first = client.charge(charge(Some("pg-1"), 1200)).await.unwrap();
@@ -467,13 +476,7 @@ impl Payments for Conflicting {
 #[tokio::test]
 async fn a_refused_transaction_sends_the_handlers_error_and_withholds_its_ok() {
     let database = TestDatabase::create();
-    let store = PostgresStore::builder()
-        .transactional()
-        .connect(database.url())
-        .await
-        .unwrap();
-    Ledger::postgres(store.pool()).await.unwrap();
-    store.migrate().await.unwrap();
+    let (store, _) = postgres(&database).await;
     sqlx::query("INSERT INTO charges VALUES ('ch_taken', 'acct_other', 5, 'eur', '')")
         .execute(store.pool())
         .await
@@ -484,15 +487,7 @@ async fn a_refused_transaction_sends_the_handlers_error_and_withholds_its_ok() {
             executions: executions.clone(),
             claims_success,
         };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .layer(IdempotencyLayer::new(store.clone()))
-                .add_service(PaymentsServer::new(conflicting))
-                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
-        );
-        let mut client = client(addr).await;
+        let mut client = serve_with(store.clone(), conflicting).await;
         let key = format!("dup-{claims_success}");
         for _ in 0..2 {
             let status = client.charge(charge(Some(&key), 1)).await.unwrap_err();
