@@ -54,18 +54,21 @@ pub(crate) fn answer<St, Sc, P, F>(
 fn replay(stored: &StoredResponse) -> Response<Body> {
     let trailers = (!stored.trailers().is_empty()).then(|| {
         let mut trailers = HeaderMap::with_capacity(stored.trailers().len());
-        for (name, value) in stored.trailers() {
-            trailers.append(name.clone(), value.clone());
-        }
+        append(&mut trailers, stored.trailers());
         trailers
     });
     let mut response = Response::new(buffer::body(stored.body().clone(), trailers));
     *response.status_mut() = stored.status();
     let headers = response.headers_mut();
     headers.reserve(stored.headers().len() + 1);
-    for (name, value) in stored.headers() {
-        headers.append(name.clone(), value.clone());
-    }
+    append(headers, stored.headers());
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response
+}
+
+/// Appends stored headers (or trailers) in their order, repeated names kept.
+fn append(map: &mut HeaderMap, fields: &[(HeaderName, HeaderValue)]) {
+    for (name, value) in fields {
+        map.append(name.clone(), value.clone());
+    }
 }
