@@ -45,24 +45,25 @@ pub async fn heartbeat_keeps_a_slow_handler_claimed<B: Backend>(b: &B)
 where
     B::Store: Store<Granted = LeaseToken>,
 {
-    // A 1.5 s handler under a 300 ms lease: five lease periods.
-    let layer = IdempotencyLayer::new(b.store().await).lease(Duration::from_millis(300));
+    // A 3 s handler under a 600 ms lease: five lease periods. (With 300 ms,
+    // a heartbeat delayed past 200 ms by a loaded CI machine lost the claim.)
+    let layer = IdempotencyLayer::new(b.store().await).lease(Duration::from_millis(600));
     let (app, runs) = app_with(layer);
     let server = Server::start(app).await;
-    let first = server.post("/slow?ms=1500", "k", CHARGE);
+    let first = server.post("/slow?ms=3000", "k", CHARGE);
     let probes = async {
         // Probe well past several lease periods: the heartbeat must keep the claim.
-        for wait_ms in [500, 400, 400] {
+        for wait_ms in [1000, 800, 800] {
             tokio::time::sleep(Duration::from_millis(wait_ms)).await;
             server
-                .post("/slow?ms=1500", "k", CHARGE)
+                .post("/slow?ms=3000", "k", CHARGE)
                 .await
                 .assert_problem(409);
         }
     };
     let (first, ()) = tokio::join!(first, probes);
     assert_eq!(first.status, StatusCode::CREATED);
-    assert!(server.post("/slow?ms=1500", "k", CHARGE).await.is_replay());
+    assert!(server.post("/slow?ms=3000", "k", CHARGE).await.is_replay());
     assert_eq!(runs.get(), 1, "the claim was never lost");
 }
 
