@@ -132,6 +132,7 @@
 mod fingerprint;
 mod http;
 mod key;
+mod lock;
 pub mod message;
 mod observe;
 mod protocol;
@@ -141,8 +142,11 @@ pub mod store;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use ::redis;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "postgres", feature = "sqlite"))))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
 pub use ::sqlx;
 pub use fingerprint::{
     DefaultFingerprint, Fingerprint, FingerprintHasher, FingerprintStrategy, PayloadFingerprint,
@@ -169,6 +173,9 @@ pub use store::CachedStore;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use store::MemoryStore;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use store::mysql::{MySqlStore, MySqlTx, MySqlTxStore};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use store::postgres::{PostgresStore, PostgresTx, PostgresTxStore};

@@ -6,7 +6,9 @@
 
 pub mod amqp;
 pub mod cluster;
+pub mod mysql;
 pub mod postgres;
 pub mod redis_server;
 pub mod relay;
 pub mod sqlite;
+pub mod tmpfs;

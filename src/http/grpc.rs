@@ -143,6 +143,26 @@ impl GrpcCode {
         )
     }
 
+    /// Whether the code says the server failed — `UNKNOWN`, `UNIMPLEMENTED`,
+    /// `INTERNAL`, `DATA_LOSS` — as an HTTP `5xx` does. A transactional
+    /// store rolls such a call back (see
+    /// [`StorePolicy::rolls_back_server_errors`](crate::StorePolicy::rolls_back_server_errors)).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::GrpcCode;
+    ///
+    /// assert!(GrpcCode::INTERNAL.is_server_error());
+    /// assert!(!GrpcCode::FAILED_PRECONDITION.is_server_error());
+    /// ```
+    pub fn is_server_error(self) -> bool {
+        matches!(
+            self,
+            Self::UNKNOWN | Self::UNIMPLEMENTED | Self::INTERNAL | Self::DATA_LOSS
+        )
+    }
+
     /// The code in a `grpc-status` value; a value that is not a number
     /// reads as [`UNKNOWN`](Self::UNKNOWN).
     pub(crate) fn from_header(value: &HeaderValue) -> Self {

@@ -79,7 +79,8 @@ where
                 inner,
                 request,
                 &shared.policy,
-                shared.config.max_stored_body
+                shared.config.max_stored_body,
+                hold.is_transaction(),
             ));
             hold.hold_while(work).await
         };
@@ -148,19 +149,27 @@ pub(crate) async fn unprotected<S: Inner>(
     Ok(Answered::new(response, IdempotencyOutcome::Unprotected))
 }
 
+/// Runs the handler and reads its response as far as the store policy
+/// needs; `in_transaction` when its writes commit with the record, where a
+/// server error rolls back unless the policy stores it.
 async fn run<S: Inner, P: StorePolicy>(
     mut inner: S,
     request: Request<Body>,
     policy: &P,
     limit: usize,
+    in_transaction: bool,
 ) -> Handled<S::Error> {
+    let roll_back_errors = in_transaction && policy.rolls_back_server_errors();
     let work = async move {
         let response = match inner.call(request).await {
             // `Body::new` only boxes bodies that are not already an axum `Body`.
             Ok(response) => response.map(Body::new),
             Err(error) => return Handled::Failed(error),
         };
-        if !policy.should_store(response.status(), response.headers()) {
+        let status = response.status();
+        if !policy.should_store(status, response.headers())
+            || (roll_back_errors && status.is_server_error())
+        {
             return Handled::NotFinal(response);
         }
         let (parts, body) = response.into_parts();
@@ -169,7 +178,10 @@ async fn run<S: Inner, P: StorePolicy>(
             Handled::Final(parts, body, trailers)
                 if Wire::of(&parts.headers) == Wire::Grpc
                     && grpc::status(&parts.headers, trailers.as_ref()).is_some_and(
-                        |(code, metadata)| !policy.should_store_grpc(code, metadata),
+                        |(code, metadata)| {
+                            !policy.should_store_grpc(code, metadata)
+                                || (roll_back_errors && code.is_server_error())
+                        },
                     ) =>
             {
                 let body = buffer::body(body, trailers);

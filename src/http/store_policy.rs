@@ -69,6 +69,29 @@ pub trait StorePolicy: Clone + Send + Sync + 'static {
         !code.invites_retry()
     }
 
+    /// Whether a server error (`5xx`; gRPC's `UNKNOWN`, `UNIMPLEMENTED`,
+    /// `INTERNAL`, `DATA_LOSS`) rolls back on a transactional store
+    /// (default: yes). There the handler's writes commit with the record or
+    /// not at all, so rolling a server error back undoes everything it did:
+    /// the key is released, and the retry executes once the fault (a broken
+    /// table, a lost dependency) is gone — the same on every engine,
+    /// whether or not the database aborted the handler's transaction. On a
+    /// store whose claims are leases, the handler's effects live elsewhere
+    /// and cannot be undone, so a server error is stored like any final
+    /// answer. Answer `false` to store server errors everywhere.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{DefaultStorePolicy, StoreAllPolicy, StorePolicy};
+    ///
+    /// assert!(DefaultStorePolicy.rolls_back_server_errors());
+    /// assert!(!StoreAllPolicy.rolls_back_server_errors());
+    /// ```
+    fn rolls_back_server_errors(&self) -> bool {
+        true
+    }
+
     /// Stores only what both policies store.
     fn and<Other: StorePolicy>(self, other: Other) -> And<Self, Other> {
         And(self, other)
@@ -87,7 +110,8 @@ where
 /// The default policy: store every response except those that say "nothing
 /// was done, try again": `408`, `425`, `429`, `502`, `503`, `504`, and for
 /// gRPC calls `UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `ABORTED` and
-/// `DEADLINE_EXCEEDED`.
+/// `DEADLINE_EXCEEDED`. On a transactional store, server errors roll back
+/// too (see [`StorePolicy::rolls_back_server_errors`]).
 ///
 /// Other client errors (`400`, `401`, `404`, `409`, `422`, …) **are** stored,
 /// as Stripe does: they are the answer to these parameters, and a retry with
@@ -126,7 +150,7 @@ impl StorePolicy for DefaultStorePolicy {
 }
 
 /// Stripe's behaviour: store every response, whatever its status (gRPC's
-/// included).
+/// included), server errors on a transactional store too.
 ///
 /// # Examples
 ///
@@ -147,6 +171,10 @@ impl StorePolicy for StoreAllPolicy {
     fn should_store_grpc(&self, _code: GrpcCode, _metadata: &HeaderMap) -> bool {
         true
     }
+
+    fn rolls_back_server_errors(&self) -> bool {
+        false
+    }
 }
 
 /// Two policies that must both agree; see [`StorePolicy::and`].
@@ -160,5 +188,9 @@ impl<A: StorePolicy, B: StorePolicy> StorePolicy for And<A, B> {
 
     fn should_store_grpc(&self, code: GrpcCode, metadata: &HeaderMap) -> bool {
         self.0.should_store_grpc(code, metadata) && self.1.should_store_grpc(code, metadata)
+    }
+
+    fn rolls_back_server_errors(&self) -> bool {
+        self.0.rolls_back_server_errors() || self.1.rolls_back_server_errors()
     }
 }

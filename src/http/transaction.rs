@@ -4,7 +4,7 @@
 
 use std::{
     ops::{Deref, DerefMut},
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{Arc, Mutex},
 };
 
 use axum_core::{
@@ -14,6 +14,7 @@ use axum_core::{
 use http::{Extensions, StatusCode, request::Parts};
 
 use super::problem::Problem;
+use crate::lock::lock;
 
 /// Where a claim's transaction waits while the handler runs: taken by the
 /// extractor, put back when the extractor drops, taken back by the layer to
@@ -29,12 +30,6 @@ impl<T> TxSlot<T> {
     fn put_back(&self, tx: T) {
         *lock(&self.0) = Some(tx);
     }
-}
-
-/// A panic while holding the slot's lock cannot leave it half-written (each
-/// critical section is one assignment), so a poisoned lock is safe to use.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Puts `tx` into the request's extensions for the extractor; the returned

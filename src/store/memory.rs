@@ -10,7 +10,7 @@ use std::{
 use tokio::time::Instant;
 
 use super::{Claim, Forgotten, KeyState, LeaseToken, MAX_TTL, StorageKey, Store, StoreError};
-use crate::{fingerprint::Fingerprint, record::CompletedRecord};
+use crate::{fingerprint::Fingerprint, lock::lock, record::CompletedRecord};
 
 /// Enough shards that cores rarely wait for each other's lock, and that the
 /// two whole-shard operations done under its lock — growing its table (a
@@ -30,7 +30,7 @@ fn deadline(now: Instant, after: Duration) -> Instant {
 /// An in-process [`Store`]: the default, so examples and tests run with
 /// nothing installed.
 ///
-/// Claims are decided under a short-lived mutex (one of 64 shards, picked by
+/// Claims are decided under a short-lived mutex (one of 1024 shards, picked by
 /// key), so concurrent requests on one key are serialised exactly. Records
 /// expire at their TTL without a sweeper thread: an expired record counts as
 /// absent the moment its deadline passes, and a shard drops all its expired
@@ -45,7 +45,9 @@ fn deadline(now: Instant, after: Duration) -> Instant {
 /// into `503`s rather than lost records).
 ///
 /// State lives in this process only: it is lost on restart and not shared
-/// between replicas of a service. Use Redis in production.
+/// between replicas of a service. For a service with more than one
+/// instance, or records that must survive a restart, use a transactional
+/// SQL store (the record commits with the handler's writes) or Redis.
 ///
 /// Cloning is cheap and clones share the same records.
 ///
@@ -152,13 +154,6 @@ impl std::fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryStore").finish_non_exhaustive()
     }
-}
-
-/// A panic while holding the lock cannot leave an entry half-written (every
-/// critical section is a single map operation), so a poisoned lock is safe to
-/// use.
-fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl Shard {

@@ -92,28 +92,35 @@ use crate::{
 
 #[cfg(feature = "cache")]
 mod cached;
-mod late_claim;
+mod claim_within;
 #[cfg(feature = "memory")]
 mod memory;
-#[cfg(feature = "postgres")]
-#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-pub mod postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
-mod sql;
-#[cfg(feature = "sqlite")]
-#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
-pub mod sqlite;
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
+pub mod sql;
 
 #[cfg(feature = "cache")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
 pub use cached::CachedStore;
-pub use late_claim::claim_within;
+pub use claim_within::claim_within;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use memory::MemoryStore;
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+pub use sql::mysql;
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use sql::postgres;
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use sql::sqlite;
 
 /// The claim protocol. See the [module docs](self) for the contract, the two
 /// kinds of claims and a complete example.
@@ -338,7 +345,12 @@ pub(crate) const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 6
 /// `ttl` in whole milliseconds, at least 1; a TTL over [`MAX_TTL`] is a
 /// configuration error (naming `what`), not a command that fails each time.
 #[cfg_attr(
-    not(any(feature = "redis", feature = "postgres", feature = "sqlite")),
+    not(any(
+        feature = "redis",
+        feature = "postgres",
+        feature = "sqlite",
+        feature = "mysql"
+    )),
     allow(dead_code)
 )]
 pub(crate) fn ttl_millis(ttl: Duration, what: &str) -> Result<u64, StoreError> {
@@ -475,6 +487,21 @@ pub enum StoreError {
     /// committed, and the same request would meet the same refusal.
     #[error("the database refused the transaction: {0}")]
     Refused(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The transaction that carries the handler's writes outlived the
+    /// bound the database enforces on it (a transactional SQL store's
+    /// `transaction_timeout`), and the database ended it: nothing
+    /// committed. Work that always takes this long never commits: raise the
+    /// bound above it, or move the slow part out of the transaction.
+    #[error(
+        "the transaction outlived its bound of {bound:?} (transaction_timeout) and the database ended it; nothing committed: {source}"
+    )]
+    TransactionTimedOut {
+        /// The bound it outlived.
+        bound: Duration,
+        /// What the database answered.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The store is configured in a way that would lose records (e.g. Redis
     /// with a `maxmemory-policy` other than `noeviction`), or was asked for
     /// something it cannot represent.

@@ -1,8 +1,8 @@
 //! The layer's behaviour, every case against every store: in memory; a real
 //! single-node Redis (each test starts its own `redis-server`), the same
 //! behind the in-process replay cache, and a real three-master Redis
-//! Cluster; PostgreSQL and SQLite, each plain and transactional (a
-//! throwaway database or file per test). The cases are in `cases/`; the
+//! Cluster; PostgreSQL, SQLite and MySQL/MariaDB, each plain and
+//! transactional (a throwaway database or file per test). The cases are in `cases/`; the
 //! lease cases run on the stores whose claims are leases.
 
 #[path = "../support/mod.rs"]
@@ -35,6 +35,8 @@ behaviour_cases!(tests_for, postgres, backend::Postgres::start());
 behaviour_cases!(tests_for, postgres_tx, backend::PostgresTx::start());
 behaviour_cases!(tests_for, sqlite, backend::Sqlite::start());
 behaviour_cases!(tests_for, sqlite_tx, backend::SqliteTx::start());
+behaviour_cases!(tests_for, mysql, backend::MySql::start());
+behaviour_cases!(tests_for, mysql_tx, backend::MySqlTx::start());
 
 lease_cases!(tests_for, memory_leases, backend::Memory);
 lease_cases!(tests_for, redis_leases, backend::SingleRedis::start());
@@ -45,6 +47,7 @@ lease_cases!(
 );
 lease_cases!(tests_for, postgres_leases, backend::Postgres::start());
 lease_cases!(tests_for, sqlite_leases, backend::Sqlite::start());
+lease_cases!(tests_for, mysql_leases, backend::MySql::start());
 
 transaction_cases!(
     tests_for,
@@ -56,6 +59,7 @@ transaction_cases!(
     sqlite_tx_transactions,
     backend::SqliteTx::start()
 );
+transaction_cases!(tests_for, mysql_tx_transactions, backend::MySqlTx::start());
 
 /// Every case in one test against one cluster (starting one takes seconds);
 /// each case gets a fresh key prefix.

@@ -619,6 +619,66 @@ async fn a_table_without_its_primary_key_is_refused_at_start_up() {
     assert!(opted_out.is_ok(), "{opted_out:?}");
 }
 
+/// A key column that does not compare bytes — a nondeterministic
+/// (case-insensitive) ICU collation, or `citext` — replayed "Order-1"'s
+/// charge for "order-1": the start-up check refuses both, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_column_that_does_not_compare_bytes_is_refused_at_start_up() {
+    for key_type in ["text COLLATE case_insensitive", "citext"] {
+        let db = TestDatabase::create();
+        sqlx::raw_sql(&format!(
+            "CREATE COLLATION case_insensitive (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
+             CREATE EXTENSION citext; \
+             CREATE TABLE idempotency_records (key {key_type} PRIMARY KEY, fingerprint bytea NOT NULL, \
+             token bytea, record bytea, expires_at timestamptz NOT NULL)"
+        ))
+        .execute(&mut db.connect().await)
+        .await
+        .unwrap();
+        match PostgresStore::builder()
+            .transactional()
+            .connect(db.url())
+            .await
+        {
+            Err(StoreError::Misconfigured(message)) => {
+                assert!(
+                    message.contains("does not compare bytes"),
+                    "{key_type}: {message}"
+                );
+            }
+            other => panic!("{key_type}: expected a refusal, got {other:?}"),
+        }
+    }
+}
+
+/// A migration holding the records table (an `ACCESS EXCLUSIVE` lock) while
+/// an instance starts: the instance waits for it, then starts — a busy
+/// database is not a misconfigured one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_starting_during_a_migration_waits_for_it() {
+    let db = TestDatabase::create();
+    drop(transactional(&db).await);
+    let mut migration = db.connect().await;
+    sqlx::raw_sql("BEGIN; LOCK TABLE idempotency_records IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut migration)
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let starting = tokio::spawn({
+        let url = db.url().to_owned();
+        async move { PostgresStore::builder().transactional().connect(&url).await }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!starting.is_finished(), "it waits for the migration");
+    sqlx::raw_sql("COMMIT")
+        .execute(&mut migration)
+        .await
+        .unwrap();
+    let store = starting.await.unwrap();
+    assert!(store.is_ok(), "{store:?}");
+    assert!(started.elapsed() >= Duration::from_secs(3));
+}
+
 /// A table created by version 0.1 (its BRIN index and functions included)
 /// keeps working: `migrate()` leaves it as it is, and charges commit and
 /// replay on it.

@@ -258,3 +258,218 @@ async fn a_table_without_its_primary_key_is_refused_at_start_up() {
         .await;
     assert!(opted_out.is_ok(), "{opted_out:?}");
 }
+
+/// A charge as the example takes it, with a description of `bytes` bytes,
+/// from `acct_disk` under `key`.
+fn large_charge(addr: &str, key: &str, bytes: usize) -> http::Request<axum::body::Body> {
+    let body = format!(
+        r#"{{"amount":500,"currency":"usd","description":"{}"}}"#,
+        "x".repeat(bytes)
+    );
+    http::Request::post(format!("http://{addr}/v1/charges"))
+        .header("authorization", "Bearer acct_disk")
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(body))
+        .unwrap()
+}
+
+/// The file system under the example's database fills up, so COMMITs fail;
+/// once the space is back, the very next charges succeed — no connection
+/// is left inside the transaction whose COMMIT failed (it was one pooled
+/// connection's wedge: every later claim on it answered 503 until a
+/// restart). Each key charges at most once throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_fails_charges_and_the_store_recovers_when_space_returns() {
+    let disk = support::tmpfs::Tmpfs::mount(4 << 20);
+    let url = format!("sqlite://{}/payments.db", disk.path().display());
+    let payments = Payments::start(free_port(), &[("DATABASE_URL", url.as_str())]);
+    let client = HttpClient::default();
+    // Charges of 150 KB until the disk is full and one fails.
+    let filler = disk.fill("filler");
+    std::fs::write(disk.path().join("headroom"), vec![0u8; 0]).unwrap();
+    let mut failed = 0;
+    for i in 0..40 {
+        let reply = client
+            .send(large_charge(&payments.addr, &format!("fill-{i}"), 150_000))
+            .await;
+        assert_ne!(reply.status, StatusCode::CREATED, "the disk is full: {i}");
+        failed += 1;
+        if failed >= 8 {
+            break;
+        }
+    }
+    assert!(failed >= 8);
+    // Space back: every connection of the pool must serve again.
+    std::fs::remove_file(&filler).unwrap();
+    for i in 0..16 {
+        let reply = client
+            .send(large_charge(&payments.addr, &format!("after-{i}"), 1_000))
+            .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::CREATED,
+            "charge {i} after the space came back: {:?}",
+            reply.body
+        );
+    }
+    let file = disk.path().join("payments.db");
+    let count = |sql: &'static str| {
+        let url = format!("sqlite://{}", file.display());
+        async move {
+            let mut connection = SqliteConnection::connect(&url).await.unwrap();
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&mut connection)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        count("SELECT count(*) FROM charges WHERE account = 'acct_disk'").await,
+        16
+    );
+    assert_eq!(count("SELECT count(DISTINCT id) FROM charges").await, 16);
+}
+
+/// Inserts a charge in the request's transaction; a failed insert (a
+/// broken `charges` table) is answered `500`, as the example does.
+async fn charge_or_500(mut tx: IdempotentTx<SqliteTx>) -> (StatusCode, String) {
+    match sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
+        .execute(&mut *tx)
+        .await
+    {
+        Ok(_) => (StatusCode::CREATED, "charged".into()),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("charge failed: {e}"),
+        ),
+    }
+}
+
+/// SQLite does not abort a transaction when one of its statements fails,
+/// so a handler's `500` over a broken table used to commit as the key's
+/// answer and be replayed once the table was fixed. A server error rolls
+/// back and releases the key, as on PostgreSQL: after the fix, the retry
+/// charges once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_error_over_a_broken_table_is_not_stored_and_the_fixed_retry_charges_once() {
+    let file = TestFile::create();
+    let store = transactional(&file).await;
+    let pool = store.pool().clone();
+    let app = Router::new()
+        .route("/charges", post(charge_or_500))
+        .layer(IdempotencyLayer::new(store));
+    sqlx::raw_sql("DROP TABLE charges")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let broken = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(broken.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        file.count("SELECT count(*) FROM idempotency_records").await,
+        0,
+        "nothing committed for the key"
+    );
+    sqlx::raw_sql("CREATE TABLE charges (id INTEGER PRIMARY KEY, note TEXT)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let fixed = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(fixed.status, StatusCode::CREATED, "{:?}", fixed.body);
+    assert!(!fixed.is_replay());
+    assert!(
+        oneshot(&app, request("/charges", "k", CHARGE))
+            .await
+            .is_replay()
+    );
+    assert_eq!(file.count(CHARGES).await, 1);
+}
+
+/// A key column that compares case-insensitively would replay one key's
+/// answer for another: the start-up check refuses it, and names why.
+#[tokio::test]
+async fn a_case_insensitive_key_column_is_refused_at_start_up() {
+    let file = TestFile::create();
+    let mut connection = SqliteConnection::connect(&file.url()).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE idempotency_records (key TEXT NOT NULL COLLATE NOCASE PRIMARY KEY, \
+         fingerprint BLOB NOT NULL, token BLOB, record BLOB, expires_at INTEGER NOT NULL)",
+    )
+    .execute(&mut connection)
+    .await
+    .unwrap();
+    match SqliteStore::builder()
+        .transactional()
+        .connect(&file.url())
+        .await
+    {
+        Err(StoreError::Misconfigured(message)) => {
+            assert!(message.contains("does not compare bytes"), "{message}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// A second instance on the file of one whose charge holds the write lock
+/// (a slow charge here; a paused process alike) is not misconfigured: it
+/// waits for the lock, saying so, starts, and replays the charge. It never
+/// advises turning the start-up check off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_instance_waits_for_a_busy_database_instead_of_refusing_to_start() {
+    let file = TestFile::create();
+    let url = file.url();
+    let first = Payments::start(
+        free_port(),
+        &[
+            ("DATABASE_URL", url.as_str()),
+            ("PROCESSOR_LATENCY_MS", "7000"),
+        ],
+    );
+    let client = HttpClient::default();
+    let charge = tokio::spawn({
+        let (client, addr) = (client.clone(), first.addr.clone());
+        async move { client.send(charge_request(&addr)).await }
+    });
+    // The charge holds the write lock for 7 s.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let started = Instant::now();
+    let second = Payments::start(
+        free_port(),
+        &[
+            ("DATABASE_URL", url.as_str()),
+            ("RUST_LOG", "tower_idempotency=warn"),
+        ],
+    );
+    let output = second.output();
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "it waited for the lock"
+    );
+    assert!(output.contains("waiting for the database"), "{output}");
+    assert!(!output.contains("EngineCheck::Warn"), "{output}");
+    assert_eq!(charge.await.unwrap().status, StatusCode::CREATED);
+    let replay = client.send(charge_request(&second.addr)).await;
+    assert!(replay.is_replay(), "{}", replay.status);
+    assert_eq!(file.count(CHARGES).await, 1);
+}
+
+/// On a read-only file system the example refuses to start with an error
+/// that says the database is read-only — not that it failed the start-up
+/// check, and never advice to disable it.
+#[test]
+fn a_read_only_database_says_so_at_start_up() {
+    let disk = support::tmpfs::Tmpfs::mount(4 << 20);
+    let url = format!("sqlite://{}/payments.db", disk.path().display());
+    // Created, with its tables, while writable.
+    drop(Payments::start(
+        free_port(),
+        &[("DATABASE_URL", url.as_str())],
+    ));
+    disk.set_read_only(true);
+    let (status, output) =
+        support::payments::run_to_exit(&[("DATABASE_URL", url.as_str()), ("RUST_LOG", "off")]);
+    assert!(!status.success(), "{output}");
+    assert!(output.contains("read-only"), "{output}");
+    assert!(!output.contains("EngineCheck::Warn"), "{output}");
+    assert!(!output.contains("failed the start-up check"), "{output}");
+}

@@ -1,5 +1,6 @@
 //! The stores the behaviour suite runs against: memory, one Redis node, a
-//! Redis Cluster, PostgreSQL and SQLite (plain and transactional). Each
+//! Redis Cluster, PostgreSQL, SQLite and MySQL/MariaDB (plain and
+//! transactional). Each
 //! `store()` call is a fresh namespace (a key prefix, a table).
 
 use std::{
@@ -8,16 +9,20 @@ use std::{
 };
 
 use tower_idempotency::{
-    MemoryStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore, SqliteTxStore,
+    MemoryStore, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore,
+    SqliteTxStore,
     store::{CachedStore, Store},
 };
 
 use super::{
-    cluster::RedisCluster, postgres::TestDatabase, redis_server::RedisServer, sqlite::TestFile,
+    cluster::RedisCluster, mysql, postgres::TestDatabase, redis_server::RedisServer,
+    sqlite::TestFile,
 };
 
 pub trait Backend {
     type Store: Store;
+    /// Whether the store's claims are transactions the handler writes in.
+    const TRANSACTIONS: bool = false;
     fn store(&self) -> impl Future<Output = Self::Store>;
 }
 
@@ -123,6 +128,7 @@ impl PostgresTx {
 
 impl Backend for PostgresTx {
     type Store = PostgresTxStore;
+    const TRANSACTIONS: bool = true;
     async fn store(&self) -> PostgresTxStore {
         let table = fresh_prefix().replace(':', "");
         let store = PostgresStore::builder()
@@ -172,6 +178,7 @@ impl SqliteTx {
 
 impl Backend for SqliteTx {
     type Store = SqliteTxStore;
+    const TRANSACTIONS: bool = true;
     async fn store(&self) -> SqliteTxStore {
         let table = fresh_prefix().replace(':', "");
         let store = SqliteStore::builder()
@@ -180,6 +187,56 @@ impl Backend for SqliteTx {
             .connect(&self.0.url())
             .await
             .expect("open the test database");
+        store.migrate().await.expect("create the table");
+        store
+    }
+}
+
+/// MySQL/MariaDB in plain mode: a throwaway database, a fresh table per
+/// store.
+pub struct MySql(pub mysql::TestDatabase);
+
+impl MySql {
+    pub fn start() -> Self {
+        Self(mysql::TestDatabase::create())
+    }
+}
+
+impl Backend for MySql {
+    type Store = MySqlStore;
+    async fn store(&self) -> MySqlStore {
+        let table = fresh_prefix().replace(':', "");
+        let store = MySqlStore::builder()
+            .table(format!("records_{table}"))
+            .connect(self.0.url())
+            .await
+            .expect("connect to the test database");
+        store.migrate().await.expect("create the table");
+        store
+    }
+}
+
+/// MySQL/MariaDB, transactional: a throwaway database, a fresh table per
+/// store.
+pub struct MySqlTx(pub mysql::TestDatabase);
+
+impl MySqlTx {
+    pub fn start() -> Self {
+        Self(mysql::TestDatabase::create())
+    }
+}
+
+impl Backend for MySqlTx {
+    type Store = MySqlTxStore;
+    const TRANSACTIONS: bool = true;
+    async fn store(&self) -> MySqlTxStore {
+        let table = fresh_prefix().replace(':', "");
+        let store = MySqlStore::builder()
+            .table(format!("records_{table}"))
+            .transactional()
+            .connect(self.0.url())
+            .await
+            .expect("connect to the test database");
         store.migrate().await.expect("create the table");
         store
     }

@@ -11,4 +11,6 @@ pub mod http;
 pub mod logs;
 pub mod payments;
 
-pub use tower_idempotency_harness::{amqp, cluster, postgres, redis_server, relay, sqlite};
+pub use tower_idempotency_harness::{
+    amqp, cluster, mysql, postgres, redis_server, relay, sqlite, tmpfs,
+};

@@ -218,7 +218,7 @@ impl Store for RedisStore {
         let connection = self.inner.connection.clone();
         let compression = self.inner.compression.clone();
         let fingerprint = *fingerprint;
-        // Owned, so that it can outlive this call (see `late_claim`).
+        // Owned, so that it can outlive this call (see `claim_within`).
         let claim = async move {
             let found = match connection.query(&set).await? {
                 Value::Nil => None,

@@ -9,7 +9,7 @@ use tower_idempotency::IdempotencyLayer;
 use super::{CHARGE, app_with, fire};
 use crate::support::{
     backend::Backend,
-    http::{Server, oneshot, post},
+    http::{Reply, Server, oneshot, post},
 };
 
 pub async fn concurrent_duplicates_execute_once<B: Backend>(b: &B) {
@@ -60,8 +60,7 @@ pub async fn client_disconnect_does_not_cancel<B: Backend>(b: &B) {
     tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(runs.get(), 1, "the handler started");
     drop(socket); // the client hangs up mid-handler
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let retry = server.post("/slow?ms=300", "k", CHARGE).await;
+    let retry = until_settled(async || server.post("/slow?ms=300", "k", CHARGE).await).await;
     assert!(
         retry.is_replay(),
         "the detached handler finished and stored its response"
@@ -69,21 +68,39 @@ pub async fn client_disconnect_does_not_cancel<B: Backend>(b: &B) {
     assert_eq!(runs.get(), 1);
 }
 
+/// Retries while told the key is in flight (`409`), up to 5 s: the first
+/// answer that is not, which must be the first execution's replay.
+async fn until_settled(send: impl AsyncFn() -> Reply) -> Reply {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let reply = send().await;
+        if reply.status != StatusCode::CONFLICT || std::time::Instant::now() > deadline {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// The same, without a network: the caller drops the response future.
 pub async fn dropped_response_future_still_completes<B: Backend>(b: &B) {
     let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
-    let abandoned = tokio::time::timeout(
-        Duration::from_millis(100),
-        oneshot(&app, post("/slow?ms=300", "k", CHARGE)),
-    )
-    .await;
-    assert!(
-        abandoned.is_err(),
-        "the caller gave up while the handler ran"
-    );
+    let mut request = Box::pin(oneshot(&app, post("/slow?ms=300", "k", CHARGE)));
+    let started = async {
+        while runs.get() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::select! {
+        _ = &mut request => panic!("the request finished before its caller gave up"),
+        waited = tokio::time::timeout(Duration::from_secs(5), started) => {
+            waited.expect("the handler started");
+        }
+    }
+    // The caller gives up while the handler runs.
+    drop(request);
     assert_eq!(runs.get(), 1);
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let retry = oneshot(&app, post("/slow?ms=300", "k", CHARGE)).await;
+    let retry =
+        until_settled(async || oneshot(&app, post("/slow?ms=300", "k", CHARGE)).await).await;
     assert!(
         retry.is_replay(),
         "the handler finished on its own and stored its response"

@@ -22,6 +22,7 @@ use std::{
 use sqlx::PgPool;
 
 use super::PostgresTx as OpenTx;
+use crate::lock::lock;
 
 /// How long a transaction may wait for a claim to end it.
 const IDLE_FOR: Duration = Duration::from_millis(200);
@@ -30,7 +31,7 @@ const IDLE_FOR: Duration = Duration::from_millis(200);
 /// the pool).
 const MAX_WAITING: usize = 8;
 
-pub(super) struct IdleTransactions {
+pub(crate) struct IdleTransactions {
     waiting: Mutex<Vec<(OpenTx, Instant)>>,
     capacity: usize,
     sweeping: AtomicBool,
@@ -77,8 +78,9 @@ impl IdleTransactions {
     pub(super) fn roll_back(&self, tx: OpenTx) {
         let timeout = self.timeout;
         tokio::spawn(async move {
+            let mut tx = tx;
             // Timed out or failed: dropping `tx` closes its connection.
-            if let Ok(Err(error)) = tokio::time::timeout(timeout, tx.rollback()).await {
+            if let Ok(Err(error)) = tokio::time::timeout(timeout, tx.end("ROLLBACK")).await {
                 tracing::debug!(%error, "idempotency: rolling back an idle claim transaction");
             }
         });
@@ -118,11 +120,4 @@ impl IdleTransactions {
             }
         });
     }
-}
-
-/// A panic while holding the stash's lock cannot leave it half-written
-/// (every critical section is one operation on the list), so a poisoned
-/// lock is safe to use.
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

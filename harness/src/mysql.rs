@@ -1,0 +1,143 @@
+//! MySQL or MariaDB for the tests: `MYSQL_URL` when set, else the local
+//! server at `mysql://root@127.0.0.1:3306`. Each test gets a throwaway
+//! database, dropped when it ends.
+
+use std::{
+    sync::atomic::{AtomicUsize, Ordering},
+    time::{Duration, Instant},
+};
+
+use sqlx::{Connection, Executor, MySqlConnection};
+
+const LOCAL: &str = "mysql://root@127.0.0.1:3306";
+
+/// The server the tests use: `MYSQL_URL`, or the local one.
+pub fn server_url() -> String {
+    std::env::var("MYSQL_URL").unwrap_or_else(|_| LOCAL.to_owned())
+}
+
+/// `url` (a server, with or without a database) naming `database`.
+pub fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let authority_end = base.find("://").map_or(0, |i| i + 3);
+    let base = match base[authority_end..].find('/') {
+        Some(slash) => &base[..authority_end + slash],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{base}/{database}?{query}"),
+        None => format!("{base}/{database}"),
+    }
+}
+
+/// Runs `f` on its own thread and runtime: set-up and tear-down happen from
+/// synchronous places (constructors, `Drop`), inside tests' runtimes.
+fn blocking<T: Send + 'static>(f: impl AsyncFnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f())
+    })
+    .join()
+    .expect("database set-up thread")
+}
+
+/// A connection to `url`, or a panic that says what to install.
+pub async fn connect(url: &str) -> MySqlConnection {
+    MySqlConnection::connect(url).await.unwrap_or_else(|e| {
+        panic!(
+            "cannot reach MySQL/MariaDB at {url} ({e}). The tests need a real server: install and \
+             start one (Debian/Ubuntu: `sudo apt-get install mariadb-server`, then \
+             `sudo service mariadb start`; macOS: `brew install mariadb && brew services start mariadb`) \
+             where `root` may connect over TCP without a password, or set MYSQL_URL to a server \
+             where the tests may create databases."
+        )
+    })
+}
+
+/// A database that exists for one test, on `MYSQL_URL` or the local server
+/// (or on any server, with [`on`](Self::on)).
+pub struct TestDatabase {
+    name: String,
+    url: String,
+    server: String,
+}
+
+impl TestDatabase {
+    pub fn create() -> Self {
+        Self::on(&server_url())
+    }
+
+    /// A database on the server at `server`.
+    pub fn on(server: &str) -> Self {
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        let name = format!(
+            "tower_idempotency_test_{}_{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        let create = format!("CREATE DATABASE {name}");
+        let admin = server.to_owned();
+        blocking(async move || {
+            connect(&admin)
+                .await
+                .execute(create.as_str())
+                .await
+                .expect("create the test database");
+        });
+        Self {
+            url: with_database(server, &name),
+            name,
+            server: server.to_owned(),
+        }
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A fresh connection to this database.
+    pub async fn connect(&self) -> MySqlConnection {
+        connect(&self.url).await
+    }
+
+    /// One query on a fresh connection, for assertions: the first column of
+    /// the first row, as a number.
+    pub async fn count(&self, sql: &str) -> i64 {
+        let mut connection = self.connect().await;
+        sqlx::query_scalar(sql)
+            .fetch_one(&mut connection)
+            .await
+            .unwrap()
+    }
+
+    /// Polls [`count`](Self::count) of `sql` until `done` holds; fails with
+    /// `what` after 5 s.
+    pub async fn wait_for_count(&self, sql: &str, done: impl Fn(i64) -> bool, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !done(self.count(sql).await) {
+            assert!(Instant::now() < deadline, "{what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let drop = format!("DROP DATABASE IF EXISTS {}", self.name);
+        let admin = self.server.clone();
+        blocking(async move || {
+            if let Ok(mut admin) = MySqlConnection::connect(&admin).await {
+                let _ = admin.execute(drop.as_str()).await;
+            }
+        });
+    }
+}

@@ -1,0 +1,154 @@
+//! What both stores of an engine hold — the pool, the command timeout, the
+//! statements, the engine — and the table's operations that do not depend
+//! on how claims are held: a key's row, forgetting it, sweeping expired
+//! rows, creating the table.
+
+use std::{
+    future::Future,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use sqlx::Pool;
+
+use super::{
+    check::EngineCheck,
+    decide::{key_state, store_error},
+    dialect::{Args, Dialect, Engine, KeyRow, Stmt},
+};
+use crate::{
+    record::codec::Compression,
+    store::{Forgotten, KeyState, StorageKey, StoreError},
+};
+
+pub(crate) struct Base<D: Dialect> {
+    pub(crate) pool: Pool<D::Db>,
+    /// The bound on every operation: its statements and the wait for a
+    /// pooled connection.
+    pub(crate) timeout: Duration,
+    pub(crate) sql: super::dialect::Statements,
+    pub(crate) engine_check: EngineCheck,
+    pub(crate) compression: Compression,
+    pub(crate) engine: D,
+}
+
+impl<D: Engine> Base<D> {
+    /// One operation's worth of work, bounded by the command timeout.
+    pub(crate) async fn bounded<T>(
+        &self,
+        work: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(self.timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    /// `error` as the store reports it.
+    pub(crate) fn error(&self, error: sqlx::Error) -> StoreError {
+        store_error(&self.engine, &self.sql.table, error)
+    }
+
+    /// Runs `stmt` on a pooled connection: the rows it changed.
+    pub(crate) async fn execute(&self, stmt: &Stmt, args: &Args<'_>) -> Result<u64, StoreError> {
+        self.bounded(async {
+            let mut on = self.pool.acquire().await.map_err(|e| self.error(e))?;
+            D::execute(&mut on, stmt, args)
+                .await
+                .map_err(|e| self.error(e))
+        })
+        .await
+    }
+
+    /// Runs `stmt` on a pooled connection: the key's row it answers.
+    pub(crate) async fn fetch(
+        &self,
+        stmt: &Stmt,
+        args: &Args<'_>,
+    ) -> Result<Option<KeyRow>, StoreError> {
+        self.bounded(async {
+            let mut on = self.pool.acquire().await.map_err(|e| self.error(e))?;
+            D::fetch(&mut on, stmt, args)
+                .await
+                .map_err(|e| self.error(e))
+        })
+        .await
+    }
+
+    /// The key's live row, if any.
+    pub(crate) async fn live_row(&self, key: &StorageKey) -> Result<Option<KeyRow>, StoreError> {
+        let args = Args {
+            key: key.as_str(),
+            now: now_ms(),
+            ..Args::default()
+        };
+        Ok(self
+            .fetch(&self.sql.find, &args)
+            .await?
+            .filter(|row| row.ms_left > 0))
+    }
+
+    /// A live row, as an operator sees it; `None` when there is none.
+    pub(crate) async fn inspect_row(
+        &self,
+        key: &StorageKey,
+    ) -> Result<Option<KeyState>, StoreError> {
+        match self.live_row(key).await? {
+            Some(row) => key_state(row, &self.compression).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Deletes a live completed record (or, `force`, a lease's claim in
+    /// flight); what it deleted, if anything.
+    pub(crate) async fn forget_row(
+        &self,
+        key: &StorageKey,
+        force: bool,
+    ) -> Result<Option<Forgotten>, StoreError> {
+        let args = Args {
+            key: key.as_str(),
+            now: now_ms(),
+            ..Args::default()
+        };
+        let _turn = self.engine.turn(self.timeout).await?;
+        if self.execute(&self.sql.forget_completed, &args).await? > 0 {
+            return Ok(Some(Forgotten::Completed));
+        }
+        if force && self.execute(&self.sql.forget_in_flight, &args).await? > 0 {
+            return Ok(Some(Forgotten::ForcedInFlight));
+        }
+        Ok(None)
+    }
+
+    /// Deletes up to `batch` expired rows; how many.
+    pub(crate) async fn delete_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        let args = Args {
+            now: now_ms(),
+            batch: i64::from(batch),
+            ..Args::default()
+        };
+        let _turn = self.engine.turn(self.timeout).await?;
+        self.execute(&self.sql.delete_expired, &args).await
+    }
+
+    /// Creates the table and its index if they are missing, then runs the
+    /// start-up check on it.
+    pub(crate) async fn migrate(&self) -> Result<(), StoreError> {
+        let _turn = self.engine.turn(self.timeout).await?;
+        let mut on = self.pool.acquire().await.map_err(|e| self.error(e))?;
+        D::raw(&mut on, &self.sql.schema)
+            .await
+            .map_err(|e| self.error(e))?;
+        drop((on, _turn));
+        super::check::run(self, true).await
+    }
+}
+
+/// Now, in Unix milliseconds, by this process's clock: what statements
+/// bind as `Param::Now` (only SQLite's do: the server's clock decides
+/// elsewhere).
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}

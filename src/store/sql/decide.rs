@@ -1,0 +1,81 @@
+//! What a found row decides, and what an error is, the same on every
+//! engine.
+
+use std::{sync::Arc, time::Duration};
+
+use super::dialect::{Engine, ErrorClass, KeyRow};
+use crate::{
+    fingerprint::Fingerprint,
+    record::codec::{self, Compression},
+    store::{Claim, KeyState, StoreError},
+};
+
+/// What a live row tells a claim: another fingerprint is a mismatch; a row
+/// without a record yet (a lease's claim, or a transaction's row committed
+/// without its record) is in flight; a record is a replay. The record is
+/// decoded first, so that a corrupt one is an error, never a mismatch.
+pub(crate) fn decide<G>(
+    fingerprint: &Fingerprint,
+    row: KeyRow,
+    compression: &Compression,
+) -> Result<Claim<G>, StoreError> {
+    let left = Duration::from_millis(row.ms_left.max(0) as u64);
+    let record = match row.record {
+        Some(bytes) => Some(codec::decode_with(bytes, compression)?.1),
+        None => None,
+    };
+    if row.fingerprint != fingerprint.as_bytes() {
+        return Ok(Claim::Mismatch);
+    }
+    Ok(match record {
+        None => Claim::InFlight { retry_after: left },
+        Some(record) => Claim::Completed {
+            record: Arc::new(record),
+            expires_in: left,
+        },
+    })
+}
+
+/// What a live row tells an operator: a record is completed, none yet is a
+/// claim in flight.
+pub(crate) fn key_state(row: KeyRow, compression: &Compression) -> Result<KeyState, StoreError> {
+    let left = Duration::from_millis(row.ms_left.max(0) as u64);
+    Ok(match row.record {
+        None => KeyState::InFlight { retry_after: left },
+        Some(bytes) => KeyState::Completed {
+            record: Arc::new(codec::decode_with(bytes, compression)?.1),
+            expires_in: left,
+        },
+    })
+}
+
+/// `error` as a store error, said the way a person reading the log needs
+/// it: a refused transaction is the request's own; a missing table, a
+/// read-only or busy database say so (and what the engine knows of why).
+pub(crate) fn store_error<D: Engine>(engine: &D, table: &str, error: sqlx::Error) -> StoreError {
+    let class = D::classify(&error);
+    let said = |what: String| {
+        let why = engine
+            .explain(class, &error)
+            .map(|w| format!(" ({w})"))
+            .unwrap_or_default();
+        StoreError::Unavailable(format!("{what}{why}: {error}").into())
+    };
+    match class {
+        ErrorClass::Refused => StoreError::Refused(Box::new(error)),
+        ErrorClass::MissingTable => said(format!(
+            "the idempotency table {table} does not exist (run migrate(), or the table was dropped)"
+        )),
+        ErrorClass::ReadOnly => said("the database is read-only".to_owned()),
+        ErrorClass::Busy => said("the database is busy: another connection holds its write lock".to_owned()),
+        ErrorClass::Conflict => said(
+            "the database ended the transaction to resolve a conflict with another (a deadlock, or a failed certification on a cluster); nothing committed".to_owned(),
+        ),
+        ErrorClass::LockTimeout | ErrorClass::Duplicate | ErrorClass::Other => {
+            match engine.explain(class, &error) {
+                Some(why) => StoreError::Unavailable(format!("{why}: {error}").into()),
+                None => StoreError::Unavailable(Box::new(error)),
+            }
+        }
+    }
+}

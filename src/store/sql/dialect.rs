@@ -1,0 +1,410 @@
+//! The seam between the SQL family and an engine: what an engine supplies —
+//! its statements, its transaction's claim and commit, its error codes and
+//! the engine-specific half of the start-up check. Everything else (the
+//! builder, the table's upkeep, the lease store, the claim decision, the
+//! check itself) is written once, over this trait.
+//!
+//! Statements are data: SQL text with the list of values it binds, in
+//! order. The engine binds and runs them through the [`glue!`] macro, so no
+//! engine repeats how a value is bound or a row read.
+
+use std::{future::Future, time::Duration};
+
+use sqlx::{Database, Encode, Pool, Type, query::Query};
+
+use super::{Settings, SqlTxStore, tx::SqlTx};
+use crate::{
+    fingerprint::Fingerprint,
+    store::{Forgotten, StorageKey, StoreError},
+};
+
+/// The connection of a dialect's database.
+pub(crate) type Connection<D> = <<D as Dialect>::Db as Database>::Connection;
+
+/// An engine of the SQL store family: [`Postgres`](super::postgres::Postgres),
+/// [`Sqlite`](super::sqlite::Sqlite) or [`MySql`](super::mysql::MySql) —
+/// the type parameter of [`SqlStore`](super::SqlStore),
+/// [`SqlTxStore`](super::SqlTxStore), [`SqlTx`](super::SqlTx) and
+/// [`SqlStoreBuilder`](super::SqlStoreBuilder), usually named through each
+/// engine's aliases (`PostgresStore`, `SqliteTx`, …). Implemented by this
+/// crate's engines only.
+pub trait Dialect: sealed::Sealed + Sized + Send + Sync + 'static {
+    /// sqlx's database.
+    type Db: Database<Connection: Sync>;
+    /// Held with a transactional claim besides its connection (SQLite: this
+    /// process's turn to write and the key's place in its registry).
+    #[doc(hidden)]
+    type Held: Send + Sync + 'static;
+    /// What a transactional store keeps besides the shared base.
+    #[doc(hidden)]
+    type TxState: Send + Sync + 'static;
+}
+
+pub(crate) mod sealed {
+    // Nameable by no one outside the crate: no engine but this crate's.
+    #[allow(unreachable_pub)]
+    pub trait Sealed {}
+}
+
+/// A SQL engine, as the family needs it: everything but the types a user
+/// can see.
+pub(crate) trait Engine: Dialect {
+    /// Held by this process while it writes: SQLite's one writer at a time
+    /// takes turns in arrival order; `()` where the database orders writers.
+    type Turn: Send;
+
+    /// The store's name, in messages (`"PostgresStore"`).
+    const STORE: &'static str;
+    /// The transaction's name, for `Debug` (`"PostgresTx"`).
+    const TX: &'static str;
+    /// The command timeout and the pool size a builder starts with.
+    const DEFAULT_TIMEOUT: Duration;
+    const DEFAULT_CONNECTIONS: u32;
+    /// How the lease claim says that it claimed the key.
+    const LEASE_CLAIM: LeaseClaim;
+
+    /// The statements, for `table` (already checked).
+    fn statements(&self, table: &str) -> Statements;
+
+    /// Opens a pool to `url` configured for the stores.
+    fn open(
+        url: &str,
+        settings: &Settings,
+    ) -> impl Future<Output = Result<Pool<Self::Db>, StoreError>> + Send;
+
+    /// The engine's own state for a store on `pool`.
+    fn new(pool: &Pool<Self::Db>) -> impl Future<Output = Result<Self, StoreError>> + Send;
+
+    /// This process's turn to write, waited for up to `timeout`.
+    fn turn(
+        &self,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Self::Turn, StoreError>> + Send;
+
+    /// Runs a statement; the number of rows it changed (or matched).
+    fn execute(
+        on: &mut Connection<Self>,
+        stmt: &Stmt,
+        args: &Args<'_>,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Runs a statement that answers with a key's row, or none.
+    fn fetch(
+        on: &mut Connection<Self>,
+        stmt: &Stmt,
+        args: &Args<'_>,
+    ) -> impl Future<Output = Result<Option<KeyRow>, sqlx::Error>> + Send;
+
+    /// A key's row, as a statement answered it (see [`KeyRow`]).
+    fn key_row(row: &<Self::Db as Database>::Row) -> Result<KeyRow, sqlx::Error>;
+
+    /// Runs SQL text whose values are literals (simple protocol), which may
+    /// hold several statements.
+    fn raw(
+        on: &mut Connection<Self>,
+        sql: &str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// What an error means to the family.
+    fn classify(error: &sqlx::Error) -> ErrorClass;
+
+    /// Why a statement fails on this engine, for messages a person reads:
+    /// an engine may add what it knows (SQLite: the file is gone).
+    fn explain(&self, class: ErrorClass, error: &sqlx::Error) -> Option<String> {
+        let _ = (class, error);
+        None
+    }
+
+    /// The engine's name and version, and anything the start-up check
+    /// should say about it, for its messages.
+    fn describe(
+        on: &mut Connection<Self>,
+        table: &str,
+    ) -> impl Future<Output = Result<String, sqlx::Error>> + Send;
+
+    /// For the start-up check, in a transaction of its own on `on` (begun
+    /// on the first call): claims `key` as a transactional claim would,
+    /// waiting at most `wait` for a transaction that holds it. `Ok(true)`
+    /// when the row was inserted, `Ok(false)` when the key was found taken;
+    /// an error as it comes (a wait that ended is classified
+    /// [`ErrorClass::LockTimeout`] or [`ErrorClass::Busy`]).
+    fn check_claim(
+        on: &mut Connection<Self>,
+        sql: &Statements,
+        key: &str,
+        wait: Duration,
+        begun: bool,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// The transactional store's own state, made when it connects.
+    fn tx_state(
+        base: &super::Base<Self>,
+        settings: &Settings,
+    ) -> impl Future<Output = Result<Self::TxState, StoreError>> + Send;
+
+    /// Begins the request's transaction and claims `key` in it.
+    fn tx_claim(
+        store: &SqlTxStore<Self>,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send;
+
+    /// Writes the record into the claim's row and commits, or fails (the
+    /// connection is then closed: nothing commits).
+    fn tx_complete(
+        store: &SqlTxStore<Self>,
+        tx: &mut SqlTx<Self>,
+        key: &StorageKey,
+        record: Vec<u8>,
+        retention_ms: i64,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Rolls the transaction back.
+    fn tx_release(
+        store: &SqlTxStore<Self>,
+        tx: SqlTx<Self>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Whether a transaction (in any process) holds `key` in flight: an
+    /// uncommitted row other sessions cannot read.
+    fn tx_in_flight(
+        store: &SqlTxStore<Self>,
+        key: &StorageKey,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Forgets a committed record; a claim in flight is an uncommitted row
+    /// no other session can delete, so it is left alone and reported —
+    /// probed first, so that the delete never waits on it (InnoDB's
+    /// deletes lock the rows they meet, uncommitted ones included).
+    fn tx_forget(
+        store: &SqlTxStore<Self>,
+        key: &StorageKey,
+    ) -> impl Future<Output = Result<Forgotten, StoreError>> + Send {
+        async move {
+            if Self::tx_in_flight(store, key).await? {
+                return Ok(Forgotten::InFlight);
+            }
+            Ok(store
+                .base
+                .forget_row(key, false)
+                .await?
+                .unwrap_or(Forgotten::Nothing))
+        }
+    }
+}
+
+/// What a transactional claim found.
+pub(crate) enum TxClaim<D: Dialect> {
+    /// The key is this transaction's.
+    Acquired(SqlTx<D>),
+    /// A live row holds the key (committed): decided by its fingerprint
+    /// and record.
+    Found(KeyRow),
+    /// An uncommitted row of another transaction holds the key.
+    InFlight,
+}
+
+/// How a lease claim says that it claimed the key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+// Each engine uses one: a build with fewer engines leaves some unused.
+#[cfg_attr(
+    not(all(feature = "postgres", feature = "sqlite", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) enum LeaseClaim {
+    /// It answers with a row: the claimed one (`acquired`), or the one
+    /// that holds the key; no row when a row committed after its snapshot
+    /// made it do nothing (ask again).
+    Answers,
+    /// Its row count says whether it inserted (or took over) the row;
+    /// else the row that holds the key is read next.
+    Counts,
+    /// Only the row read back tells: the key is this claim's when the row
+    /// carries its token (`ON DUPLICATE KEY UPDATE` counts a row it only
+    /// found as changed).
+    ReadsBack,
+}
+
+/// What the family needs to know of an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ErrorClass {
+    /// A wait for a row another transaction holds was ended by its
+    /// timeout: that key is in flight.
+    LockTimeout,
+    /// The database is busy: another connection holds the lock a write
+    /// needs (SQLite's write lock).
+    Busy,
+    /// The request's own transaction is refused: a statement of it failed
+    /// in a way that aborts it, it broke a constraint, or the database
+    /// refused its data. The same request meets the same refusal.
+    Refused,
+    /// The database ended the transaction to resolve a conflict with
+    /// another (a deadlock; on a multi-node cluster, a failed
+    /// certification): nothing committed.
+    Conflict,
+    /// A duplicate key.
+    Duplicate,
+    /// The database (or the file) is read-only.
+    ReadOnly,
+    /// The records table does not exist.
+    MissingTable,
+    /// Anything else: the database failing or out of reach.
+    Other,
+}
+
+/// A value a statement binds.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Param {
+    Key,
+    Fingerprint,
+    Token,
+    Record,
+    /// A duration in milliseconds: a lease, a retention, a bound.
+    Ms,
+    /// Now, in Unix milliseconds, by this process's clock (SQLite's, which
+    /// is embedded: every writer of the file shares the host's clock).
+    Now,
+    Batch,
+}
+
+/// A statement: its text, with the table name in place, and the values it
+/// binds, in order.
+#[derive(Clone, Debug)]
+pub(crate) struct Stmt {
+    pub(crate) sql: String,
+    pub(crate) params: &'static [Param],
+}
+
+impl Stmt {
+    /// `sql` (with `{t}` for the table) binding `params`.
+    pub(crate) fn new(table: &str, sql: &str, params: &'static [Param]) -> Self {
+        Self {
+            sql: sql.replace("{t}", table),
+            params,
+        }
+    }
+}
+
+/// The values a statement may bind.
+#[derive(Default)]
+pub(crate) struct Args<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) fingerprint: &'a [u8],
+    pub(crate) token: &'a [u8],
+    pub(crate) record: &'a [u8],
+    pub(crate) ms: i64,
+    pub(crate) now: i64,
+    pub(crate) batch: i64,
+}
+
+/// A key's row, as every statement that reads one answers it, in this
+/// order: whether this statement claimed it, the fingerprint, the lease
+/// token, the record, and the milliseconds left (zero or less: expired).
+#[derive(Debug)]
+pub(crate) struct KeyRow {
+    pub(crate) acquired: bool,
+    pub(crate) fingerprint: Vec<u8>,
+    pub(crate) token: Option<Vec<u8>>,
+    pub(crate) record: Option<Vec<u8>>,
+    pub(crate) ms_left: i64,
+}
+
+/// The statements every engine has, for one table.
+pub(crate) struct Statements {
+    pub(crate) table: String,
+    pub(crate) schema: String,
+    /// A query that fails when the table is missing.
+    pub(crate) exists: Stmt,
+    /// The key's row, live or expired. Key (and Now).
+    pub(crate) find: Stmt,
+    /// The lease claim: the in-flight row inserted, or an expired one taken
+    /// over (see [`LeaseClaim`]).
+    pub(crate) claim: Stmt,
+    /// A lease pushed to Ms from now, if the token holds it.
+    pub(crate) extend: Stmt,
+    /// The record written, for Ms, if the token holds the claim (or the
+    /// row already holds this very record).
+    pub(crate) complete: Stmt,
+    /// The in-flight row deleted, if the token holds it.
+    pub(crate) release: Stmt,
+    /// A live completed record deleted.
+    pub(crate) forget_completed: Stmt,
+    /// A live claim in flight (a lease's row) deleted.
+    pub(crate) forget_in_flight: Stmt,
+    /// Up to Batch expired rows deleted.
+    pub(crate) delete_expired: Stmt,
+}
+
+/// Binds `stmt`'s values from `args`, in order.
+pub(crate) fn bind<'q, DB: Database>(
+    mut query: Query<'q, DB, <DB as Database>::Arguments<'q>>,
+    stmt: &Stmt,
+    args: &'q Args<'q>,
+) -> Query<'q, DB, <DB as Database>::Arguments<'q>>
+where
+    &'q str: Encode<'q, DB> + Type<DB>,
+    &'q [u8]: Encode<'q, DB> + Type<DB>,
+    i64: Encode<'q, DB> + Type<DB>,
+{
+    for param in stmt.params {
+        query = match param {
+            Param::Key => query.bind(args.key),
+            Param::Fingerprint => query.bind(args.fingerprint),
+            Param::Token => query.bind(args.token),
+            Param::Record => query.bind(args.record),
+            Param::Ms => query.bind(args.ms),
+            Param::Now => query.bind(args.now),
+            Param::Batch => query.bind(args.batch),
+        };
+    }
+    query
+}
+
+/// The dialect's `execute`, `fetch`, `key_row` and `raw` for sqlx's database `$db`:
+/// the one way a statement is bound, run and its row read.
+macro_rules! glue {
+    ($db:ty) => {
+        async fn execute(
+            on: &mut <$db as sqlx::Database>::Connection,
+            stmt: &$crate::store::sql::dialect::Stmt,
+            args: &$crate::store::sql::dialect::Args<'_>,
+        ) -> Result<u64, sqlx::Error> {
+            let query = $crate::store::sql::dialect::bind(sqlx::query(&stmt.sql), stmt, args);
+            Ok(query.execute(on).await?.rows_affected())
+        }
+
+        async fn fetch(
+            on: &mut <$db as sqlx::Database>::Connection,
+            stmt: &$crate::store::sql::dialect::Stmt,
+            args: &$crate::store::sql::dialect::Args<'_>,
+        ) -> Result<Option<$crate::store::sql::dialect::KeyRow>, sqlx::Error> {
+            let query = $crate::store::sql::dialect::bind(sqlx::query(&stmt.sql), stmt, args);
+            match query.fetch_optional(on).await? {
+                Some(row) => Ok(Some(Self::key_row(&row)?)),
+                None => Ok(None),
+            }
+        }
+
+        fn key_row(
+            row: &<$db as sqlx::Database>::Row,
+        ) -> Result<$crate::store::sql::dialect::KeyRow, sqlx::Error> {
+            use sqlx::Row as _;
+            Ok($crate::store::sql::dialect::KeyRow {
+                acquired: row.try_get::<i64, _>(0)? != 0,
+                fingerprint: row.try_get(1)?,
+                token: row.try_get(2)?,
+                record: row.try_get(3)?,
+                ms_left: row.try_get(4)?,
+            })
+        }
+
+        async fn raw(
+            on: &mut <$db as sqlx::Database>::Connection,
+            sql: &str,
+        ) -> Result<(), sqlx::Error> {
+            sqlx::Executor::execute(on, sqlx::raw_sql(sql)).await?;
+            Ok(())
+        }
+    };
+}
+pub(crate) use glue;

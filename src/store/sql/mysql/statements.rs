@@ -1,0 +1,256 @@
+//! MySQL's and MariaDB's statements: `INSERT … ON DUPLICATE KEY UPDATE`
+//! and plain `DELETE`/`UPDATE` (no `RETURNING`, which MySQL lacks; no
+//! `INSERT IGNORE`, which turns every error, truncations included, into a
+//! warning). Times are the server's, in UTC (`UTC_TIMESTAMP(3)`).
+
+use std::time::Duration;
+
+use super::Flavor;
+use crate::{
+    fingerprint::push_hex,
+    store::sql::dialect::{
+        Param::{self, *},
+        Statements, Stmt,
+    },
+};
+
+/// A row's milliseconds left.
+const MS_LEFT: &str =
+    "CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(3), expires_at) DIV 1000 AS SIGNED)";
+
+/// Now plus a number of milliseconds (`{}`).
+fn later(ms: &str) -> String {
+    format!("UTC_TIMESTAMP(3) + INTERVAL ({ms} * 1000) MICROSECOND")
+}
+
+pub(super) fn statements(table: &str, flavor: Flavor) -> Statements {
+    let s = |sql: &str, params: &'static [Param]| {
+        let sql = sql
+            .replace("{ms_left}", MS_LEFT)
+            .replace("{later}", &later("?"));
+        Stmt::new(table, &sql, params)
+    };
+    // A forget must not wait long on a row another transaction locked
+    // (InnoDB's deletes lock what they meet): a replay's shared lock is
+    // gone within moments, a claim's uncommitted row was probed for first.
+    let short_wait = match flavor {
+        Flavor::MariaDb => "SET STATEMENT innodb_lock_wait_timeout = 1 FOR ",
+        Flavor::MySql => "",
+    };
+    // `ON DUPLICATE KEY UPDATE` assigns left to right, each assignment
+    // seeing the ones before: `expires_at`, which the conditions read, is
+    // assigned last.
+    let take_over = |column: &str, value: &str| {
+        format!("{column} = IF(expires_at <= UTC_TIMESTAMP(3), {value}, {column})")
+    };
+    let claim = format!(
+        "INSERT INTO {{t}} (`key`, fingerprint, token, record, expires_at) VALUES (?, ?, ?, NULL, {{later}}) \
+         ON DUPLICATE KEY UPDATE {}, {}, {}, {}",
+        take_over("fingerprint", "VALUES(fingerprint)"),
+        take_over("token", "VALUES(token)"),
+        take_over("record", "NULL"),
+        take_over("expires_at", "VALUES(expires_at)"),
+    );
+    Statements {
+        table: table.to_owned(),
+        schema: super::SCHEMA.replace("idempotency_records", table),
+        exists: s(
+            "SELECT CAST(0 AS SIGNED), x'', NULL, NULL, CAST(0 AS SIGNED) FROM {t} LIMIT 0",
+            &[],
+        ),
+        find: s(
+            "SELECT CAST(0 AS SIGNED), fingerprint, token, record, {ms_left} FROM {t} WHERE `key` = ?",
+            &[Key],
+        ),
+        // Whether it claimed, only the row read back says (see
+        // `LeaseClaim::ReadsBack`).
+        claim: s(&claim, &[Key, Fingerprint, Token, Ms]),
+        extend: s(
+            "UPDATE {t} SET expires_at = {later} WHERE `key` = ? AND token = ? AND expires_at > UTC_TIMESTAMP(3)",
+            &[Ms, Key, Token],
+        ),
+        // A repeat of this very completion also counts as stored.
+        complete: s(
+            "UPDATE {t} SET token = NULL, record = ?, expires_at = {later} \
+             WHERE `key` = ? AND ((token = ? AND expires_at > UTC_TIMESTAMP(3)) OR record = ?)",
+            &[Record, Ms, Key, Token, Record],
+        ),
+        release: s(
+            "DELETE FROM {t} WHERE `key` = ? AND token = ?",
+            &[Key, Token],
+        ),
+        forget_completed: s(
+            &format!(
+                "{short_wait}DELETE FROM {{t}} WHERE `key` = ? AND expires_at > UTC_TIMESTAMP(3) AND record IS NOT NULL"
+            ),
+            &[Key],
+        ),
+        forget_in_flight: s(
+            &format!(
+                "{short_wait}DELETE FROM {{t}} WHERE `key` = ? AND expires_at > UTC_TIMESTAMP(3) AND record IS NULL"
+            ),
+            &[Key],
+        ),
+        delete_expired: s(
+            "DELETE FROM {t} WHERE expires_at < UTC_TIMESTAMP(3) LIMIT ?",
+            &[Batch],
+        ),
+    }
+}
+
+/// The transactional store's statements. The claim travels in the text
+/// protocol with the session's settings, so its values are literals (hex,
+/// whatever the `sql_mode`).
+pub(super) struct TxStatements {
+    table: String,
+    flavor: Flavor,
+    /// The session's lock wait and idle timeout, restored after a claim on
+    /// MySQL (MariaDB scopes the claim's wait to its statement).
+    restore: String,
+    /// The record written into the claim's row (prepared, binary
+    /// protocol), kept for Ms from now. Its row count says whether the row
+    /// is still there.
+    pub(super) complete: Stmt,
+}
+
+impl TxStatements {
+    pub(super) fn new(table: &str, flavor: Flavor, lock_wait: i64, wait_timeout: i64) -> Self {
+        Self {
+            table: table.to_owned(),
+            flavor,
+            restore: match flavor {
+                Flavor::MariaDb => "autocommit = 1".to_owned(),
+                Flavor::MySql => format!(
+                    "autocommit = 1, innodb_lock_wait_timeout = {lock_wait}, wait_timeout = {wait_timeout}"
+                ),
+            },
+            complete: Stmt::new(
+                table,
+                &format!(
+                    "UPDATE {{t}} SET record = ?, expires_at = {} WHERE `key` = ?",
+                    later("?")
+                ),
+                &[Record, Ms, Key],
+            ),
+        }
+    }
+
+    /// `statement`, waiting at most `wait` on a row another transaction
+    /// holds: MariaDB scopes the wait to the statement (whole seconds, 0
+    /// for none); MySQL's session minimum, 1 s, was set with the claim.
+    fn waiting(&self, wait: Duration, statement: &str) -> String {
+        match self.flavor {
+            Flavor::MariaDb => format!(
+                "SET STATEMENT innodb_lock_wait_timeout = {} FOR {statement}",
+                wait.as_secs()
+            ),
+            Flavor::MySql => statement.to_owned(),
+        }
+    }
+
+    /// Begins the request's transaction with the claim in it, in one round
+    /// trip: the session stops committing each statement on its own (so
+    /// that even after a deadlock rolled everything back, nothing a handler
+    /// writes later commits without its record), takes the transaction's
+    /// bound, and inserts the claim's row, held for `bound`. A row another
+    /// transaction has not committed makes the insert fail at once (1205):
+    /// in flight; a committed one fails it with 1062: read next.
+    pub(super) fn claim(
+        &self,
+        key: &str,
+        fingerprint: &[u8],
+        wait: Duration,
+        bound: Duration,
+    ) -> String {
+        let seconds = bound.as_secs_f64().ceil().max(1.0) as u64;
+        let session = match self.flavor {
+            Flavor::MariaDb => format!(
+                "SET autocommit = 0, idle_transaction_timeout = {seconds}, max_statement_time = {seconds}"
+            ),
+            Flavor::MySql => {
+                format!(
+                    "SET autocommit = 0, wait_timeout = {seconds}, innodb_lock_wait_timeout = 1"
+                )
+            }
+        };
+        let insert = format!(
+            "INSERT INTO {} (`key`, fingerprint, token, record, expires_at) VALUES ({}, {}, NULL, NULL, {})",
+            self.table,
+            hex(key.as_bytes()),
+            hex(fingerprint),
+            later(&bound.as_millis().to_string()),
+        );
+        format!("{session}; {}", self.waiting(wait, &insert))
+    }
+
+    /// The committed row that holds the key, read with a locking read: the
+    /// transaction's snapshot (REPEATABLE READ) would hide a row committed
+    /// after it was taken.
+    pub(super) fn locking_read(&self, key: &str, wait: Duration) -> String {
+        let select = format!(
+            "SELECT CAST(0 AS SIGNED), fingerprint, token, record, {MS_LEFT} FROM {} WHERE `key` = {} LOCK IN SHARE MODE",
+            self.table,
+            hex(key.as_bytes())
+        );
+        self.waiting(wait, &select)
+    }
+
+    /// An expired record replaced by this claim's row, held for `bound`.
+    pub(super) fn take_over(
+        &self,
+        key: &str,
+        fingerprint: &[u8],
+        wait: Duration,
+        bound: Duration,
+    ) -> String {
+        let update = format!(
+            "UPDATE {} SET fingerprint = {}, token = NULL, record = NULL, expires_at = {} \
+             WHERE `key` = {} AND expires_at <= UTC_TIMESTAMP(3)",
+            self.table,
+            hex(fingerprint),
+            later(&bound.as_millis().to_string()),
+            hex(key.as_bytes()),
+        );
+        self.waiting(wait, &update)
+    }
+
+    /// Ends the transaction with `end` (`COMMIT`, `ROLLBACK`), the session
+    /// as it was.
+    pub(super) fn end(&self, end: &str) -> String {
+        format!("{end}; SET {}", self.restore)
+    }
+
+    /// The in-flight probe: see [`probe`].
+    pub(super) fn probe(&self, key: &str) -> String {
+        probe(&self.table, self.flavor, key)
+    }
+}
+
+/// For the start-up check and the in-flight probe: a claim as a
+/// transaction makes it, the row held a minute, that fails at once on a
+/// row another transaction holds (on MySQL, after its 1 s minimum).
+pub(super) fn probe(table: &str, flavor: Flavor, key: &str) -> String {
+    let (session, wait) = match flavor {
+        Flavor::MariaDb => (
+            "SET autocommit = 0",
+            "SET STATEMENT innodb_lock_wait_timeout = 0 FOR ",
+        ),
+        Flavor::MySql => ("SET autocommit = 0, innodb_lock_wait_timeout = 1", ""),
+    };
+    format!(
+        "{session}; {wait}INSERT INTO {table} (`key`, fingerprint, token, record, expires_at) \
+         VALUES ({}, x'00', NULL, NULL, {})",
+        hex(key.as_bytes()),
+        later("60000"),
+    )
+}
+
+/// `bytes` as a hex literal, `X'…'`: data, whatever the `sql_mode` says of
+/// backslashes.
+fn hex(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(3 + 2 * bytes.len());
+    out.push_str("X'");
+    push_hex(&mut out, bytes);
+    out.push('\'');
+    out
+}

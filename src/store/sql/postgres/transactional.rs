@@ -1,0 +1,253 @@
+//! PostgreSQL's transactional claim: `BEGIN` and the claim in one round
+//! trip, the record and `COMMIT` in another; transactions that found
+//! nothing to do are ended in front of the next claim on their connection.
+
+use std::{sync::Arc, time::Instant};
+
+use sqlx::{Executor, PgConnection, postgres::PgRow};
+
+use super::{
+    NOT_PREPARED, Postgres, PostgresTx, PostgresTxStore, idle::IdleTransactions, sqlstate,
+    statements::TxStatements,
+};
+use crate::{
+    fingerprint::Fingerprint,
+    store::{
+        StorageKey, StoreError,
+        sql::{
+            dialect::{Engine, ErrorClass, KeyRow, TxClaim},
+            millis,
+        },
+    },
+};
+
+/// What the transactional store keeps beside the base.
+// Public only as the engine's associated type: nameable by no one.
+#[allow(unreachable_pub)]
+pub struct TxState {
+    pub(super) sql: TxStatements,
+    /// Transactions of claims that found nothing to do, to be rolled back.
+    pub(super) idle: Arc<IdleTransactions>,
+    /// The session's `lock_timeout`, restored after the claim.
+    pub(super) lock_timeout: Arc<str>,
+}
+
+impl std::fmt::Debug for TxState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxState").finish_non_exhaustive()
+    }
+}
+
+/// What the claim statement answered.
+enum Answer {
+    Row(KeyRow),
+    /// Nothing: a row committed after the claim's snapshot was taken made
+    /// the insert do nothing. The next statement sees it.
+    Raced,
+}
+
+impl Answer {
+    fn read(row: Option<PgRow>) -> Result<Self, sqlx::Error> {
+        Ok(match row {
+            Some(row) => Self::Row(Postgres::key_row(&row)?),
+            None => Self::Raced,
+        })
+    }
+}
+
+/// Begins the request's transaction (or chains one on a parked connection)
+/// with the claim in the same round trip: the transaction and the claim's
+/// row, or `None` when the claim met a duplicate's uncommitted row (in
+/// flight).
+async fn begin_claim(
+    store: &PostgresTxStore,
+    claim: &str,
+) -> Result<Option<(PostgresTx, Option<PgRow>)>, StoreError> {
+    let state = &store.state;
+    // `Executor::fetch_optional`, boxed, rather than `RawSql`'s async fn,
+    // whose future trips rustc's inference of higher-ranked `Send` bounds
+    // (rust-lang/rust#100013).
+    if let Some(mut parked) = state.idle.take() {
+        // Its ROLLBACK travels with this claim; AND CHAIN begins the next
+        // transaction at the same (READ COMMITTED) level.
+        let sql = format!("ROLLBACK AND CHAIN; {claim}");
+        let on: &mut PgConnection = &mut parked;
+        match on.fetch_optional(sqlx::raw_sql(&sql)).await {
+            Ok(row) => {
+                parked.began = Instant::now();
+                return Ok(Some((parked, row)));
+            }
+            Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
+                state.idle.park(parked, &store.base.pool);
+                return Ok(None);
+            }
+            // E.g. closed by the server meanwhile (a restart, an idle
+            // timeout): dropped, which closes it; a fresh connection gets the
+            // claim.
+            Err(error) => {
+                tracing::debug!(%error, "idempotency: a parked claim transaction failed");
+            }
+        }
+    }
+    let connection = store
+        .base
+        .pool
+        .acquire()
+        .await
+        .map_err(|e| store.base.error(e))?;
+    // From here on, a failure closes the connection (see `SqlTx`).
+    let mut tx = PostgresTx::begun(connection, (), Instant::now());
+    // READ COMMITTED whatever the database's default: the claim must see the
+    // rows committed before it, each statement on a fresh snapshot.
+    let begin = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {claim}");
+    let on: &mut PgConnection = &mut tx;
+    let mut claimed = on.fetch_optional(sqlx::raw_sql(&begin)).await;
+    if claimed
+        .as_ref()
+        .is_err_and(|e| sqlstate(e).as_deref() == Some(NOT_PREPARED))
+    {
+        // A connection's first claim: its statements prepared first, inside
+        // the transaction (a statement before BEGIN would start one at the
+        // database's default isolation level).
+        let prepare = state.sql.prepare();
+        let sql = format!("ROLLBACK; BEGIN ISOLATION LEVEL READ COMMITTED; {prepare}; {claim}");
+        let on: &mut PgConnection = &mut tx;
+        claimed = on.fetch_optional(sqlx::raw_sql(&sql)).await;
+    }
+    match claimed {
+        Ok(row) => Ok(Some((tx, row))),
+        // The duplicate's transaction is aborted: parked for the next claim
+        // to roll back.
+        Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
+            state.idle.park(tx, &store.base.pool);
+            Ok(None)
+        }
+        Err(error) => Err(store.base.error(error)),
+    }
+}
+
+pub(super) async fn claim(
+    store: &PostgresTxStore,
+    key: &StorageKey,
+    fingerprint: &Fingerprint,
+) -> Result<TxClaim<Postgres>, StoreError> {
+    let state = &store.state;
+    let claim = state.sql.claim(
+        key.as_str(),
+        fingerprint,
+        store.claim_wait,
+        store.bound,
+        &state.lock_timeout,
+    );
+    let Some((mut tx, row)) = begin_claim(store, &claim).await? else {
+        return Ok(TxClaim::InFlight);
+    };
+    let mut answer = Answer::read(row);
+    // A row committed after the claim's snapshot: the next statement sees
+    // it. Asked at most twice more.
+    for _ in 0..2 {
+        if !matches!(answer, Ok(Answer::Raced)) {
+            break;
+        }
+        let on: &mut PgConnection = &mut tx;
+        answer = match on.fetch_optional(sqlx::raw_sql(&claim)).await {
+            Ok(row) => Answer::read(row),
+            Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
+                state.idle.park(tx, &store.base.pool);
+                return Ok(TxClaim::InFlight);
+            }
+            Err(error) => return Err(store.base.error(error)),
+        };
+    }
+    match answer {
+        Ok(Answer::Row(row)) if row.acquired => Ok(TxClaim::Acquired(tx)),
+        Ok(Answer::Row(row)) if row.ms_left <= 0 => take_over(store, tx, key, fingerprint).await,
+        Ok(Answer::Row(row)) => {
+            // Nothing to do in this transaction: it ends with the next claim
+            // on its connection.
+            state.idle.park(tx, &store.base.pool);
+            Ok(TxClaim::Found(row))
+        }
+        Ok(Answer::Raced) => {
+            state.idle.roll_back(tx);
+            Err(StoreError::Unavailable(
+                "the claim found a record it could not read three times".into(),
+            ))
+        }
+        Err(error) => {
+            state.idle.roll_back(tx);
+            Err(store.base.error(error))
+        }
+    }
+}
+
+/// The key's record has expired (and was not deleted yet): this claim
+/// replaces it, in its transaction. A concurrent claim doing the same waits
+/// on the row, then finds it live.
+async fn take_over(
+    store: &PostgresTxStore,
+    mut tx: PostgresTx,
+    key: &StorageKey,
+    fingerprint: &Fingerprint,
+) -> Result<TxClaim<Postgres>, StoreError> {
+    let bound = millis(store.bound, "transaction timeout")?;
+    let on: &mut PgConnection = &mut tx;
+    let taken = sqlx::query(&store.state.sql.take_over)
+        .bind(key.as_str())
+        .bind(&fingerprint.as_bytes()[..])
+        .bind(bound)
+        .execute(on)
+        .await;
+    match taken {
+        Ok(done) if done.rows_affected() == 1 => Ok(TxClaim::Acquired(tx)),
+        // Taken over by another claim meanwhile, which committed.
+        Ok(_) => {
+            store.state.idle.roll_back(tx);
+            Ok(TxClaim::InFlight)
+        }
+        Err(error) => {
+            store.state.idle.roll_back(tx);
+            Err(store.base.error(error))
+        }
+    }
+}
+
+pub(super) async fn complete(
+    store: &PostgresTxStore,
+    tx: &mut PostgresTx,
+    key: &StorageKey,
+    record: Vec<u8>,
+    retention_ms: i64,
+) -> Result<(), StoreError> {
+    // The record and COMMIT in one round trip (simple protocol, so the
+    // values are literals); if the record cannot be written, COMMIT never
+    // runs. Written into one buffer: the record's literal can run to
+    // megabytes. On an error `end` closes the connection: everything rolled
+    // back.
+    let complete = store
+        .state
+        .sql
+        .complete(key.as_str(), &record, retention_ms);
+    tx.end(&complete).await.map_err(|e| store.base.error(e))
+}
+
+/// Whether a transaction holds `key` in flight: a claim in a transaction of
+/// its own, rolled back at once, that meets it waits 50 ms and fails.
+pub(super) async fn in_flight(
+    store: &PostgresTxStore,
+    key: &StorageKey,
+) -> Result<bool, StoreError> {
+    let probe = store.state.sql.probe(key.as_str());
+    let base = &store.base;
+    let connection = base
+        .bounded(async { base.pool.acquire().await.map_err(|e| base.error(e)) })
+        .await?;
+    // Closed if the probe fails halfway: never back in the pool inside its
+    // transaction.
+    let mut tx = PostgresTx::begun(connection, (), Instant::now());
+    match base.bounded(async { Ok(tx.end(&probe).await) }).await? {
+        Ok(()) => Ok(false),
+        Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => Ok(true),
+        Err(error) => Err(base.error(error)),
+    }
+}

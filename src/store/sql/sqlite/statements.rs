@@ -1,0 +1,80 @@
+//! SQLite's statements: `INSERT … ON CONFLICT`, `RETURNING` and a plain
+//! index, as SQLite documents them. Times are Unix milliseconds by the
+//! clock of the process that writes them (`Param::Now`): SQLite is
+//! embedded, so every writer of the file shares the host's clock.
+
+use crate::store::sql::dialect::{
+    Param::{self, *},
+    Statements, Stmt,
+};
+
+pub(super) fn statements(table: &str) -> Statements {
+    let s = |sql: &str, params: &'static [Param]| Stmt::new(table, sql, params);
+    Statements {
+        table: table.to_owned(),
+        schema: super::SCHEMA.replace("idempotency_records", table),
+        exists: s("SELECT 0, x'', NULL, NULL, 0 FROM {t} LIMIT 0", &[]),
+        find: s(
+            "SELECT 0, fingerprint, token, record, expires_at - ?2 FROM {t} WHERE key = ?1",
+            &[Key, Now],
+        ),
+        // Its row count says whether it claimed: an insert, or an expired
+        // row taken over, count 1; a live row, 0.
+        claim: s(
+            "INSERT INTO {t} AS r (key, fingerprint, token, record, expires_at) \
+             VALUES (?1, ?2, ?3, NULL, ?4 + ?5) \
+             ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, token = excluded.token, \
+             record = NULL, expires_at = excluded.expires_at WHERE r.expires_at <= ?4",
+            &[Key, Fingerprint, Token, Now, Ms],
+        ),
+        extend: s(
+            "UPDATE {t} SET expires_at = ?3 + ?4 WHERE key = ?1 AND token = ?2 AND expires_at > ?3",
+            &[Key, Token, Now, Ms],
+        ),
+        // A repeat of this very completion also counts as stored.
+        complete: s(
+            "UPDATE {t} SET token = NULL, record = ?3, expires_at = ?4 + ?5 \
+             WHERE key = ?1 AND ((token = ?2 AND expires_at > ?4) OR record = ?3)",
+            &[Key, Token, Record, Now, Ms],
+        ),
+        release: s(
+            "DELETE FROM {t} WHERE key = ?1 AND token = ?2",
+            &[Key, Token],
+        ),
+        forget_completed: s(
+            "DELETE FROM {t} WHERE key = ?1 AND expires_at > ?2 AND record IS NOT NULL",
+            &[Key, Now],
+        ),
+        forget_in_flight: s(
+            "DELETE FROM {t} WHERE key = ?1 AND expires_at > ?2 AND record IS NULL",
+            &[Key, Now],
+        ),
+        delete_expired: s(
+            "DELETE FROM {t} WHERE key IN (SELECT key FROM {t} WHERE expires_at < ?1 LIMIT ?2)",
+            &[Now, Batch],
+        ),
+    }
+}
+
+/// Inside the request's transaction, which holds the write lock: the
+/// claim's row inserted, or an expired record replaced, held for Ms.
+pub(super) fn tx_claim(table: &str) -> Stmt {
+    Stmt::new(
+        table,
+        "INSERT INTO {t} AS r (key, fingerprint, token, record, expires_at) \
+         VALUES (?1, ?2, NULL, NULL, ?3 + ?4) \
+         ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, token = NULL, \
+         record = NULL, expires_at = excluded.expires_at WHERE r.expires_at <= ?3 \
+         RETURNING 1, x'', NULL, NULL, 0",
+        &[Key, Fingerprint, Now, Ms],
+    )
+}
+
+/// The record, written into the claim's row, kept for Ms from now.
+pub(super) fn tx_complete(table: &str) -> Stmt {
+    Stmt::new(
+        table,
+        "UPDATE {t} SET record = ?2, expires_at = ?3 + ?4 WHERE key = ?1",
+        &[Key, Record, Now, Ms],
+    )
+}

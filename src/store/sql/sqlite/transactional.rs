@@ -1,0 +1,275 @@
+//! SQLite's transactional claim: an `IMMEDIATE` transaction — the file's
+//! write lock — with the claim's row in it, and a registry of the keys in
+//! flight in this process, so that their duplicates are answered at once
+//! instead of waiting for the lock.
+
+use std::{
+    collections::HashSet,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use sqlx::pool::PoolConnection;
+use tokio::sync::OwnedMutexGuard;
+
+use super::{Sqlite, SqliteTx, SqliteTxStore, statements};
+use crate::{
+    fingerprint::Fingerprint,
+    lock::lock,
+    store::{
+        Forgotten, StorageKey, StoreError,
+        sql::{
+            Base,
+            base::now_ms,
+            dialect::{Args, Engine, Stmt, TxClaim},
+            millis,
+            tx::SqlTx,
+        },
+    },
+};
+
+/// How long a forget waits for the write lock before it takes another
+/// process's writer for the key's claim in flight.
+const FORGET_WAIT: Duration = Duration::from_millis(100);
+
+/// What the transactional store keeps: its statements, and the keys this
+/// process has claimed and not yet settled.
+// Public only as the engine's associated type: nameable by no one.
+#[allow(unreachable_pub)]
+pub struct TxState {
+    claim: Stmt,
+    complete: Stmt,
+    in_flight: Arc<Mutex<HashSet<StorageKey>>>,
+}
+
+impl std::fmt::Debug for TxState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxState").finish_non_exhaustive()
+    }
+}
+
+impl TxState {
+    pub(super) fn new(table: &str) -> Self {
+        Self {
+            claim: statements::tx_claim(table),
+            complete: statements::tx_complete(table),
+            in_flight: Arc::default(),
+        }
+    }
+
+    pub(super) fn in_flight(&self, key: &StorageKey) -> bool {
+        lock(&self.in_flight).contains(key)
+    }
+}
+
+/// Held with a claim's transaction, given up with it: this process's turn
+/// to write, and the key's place among its keys in flight.
+#[allow(unreachable_pub)]
+pub struct Held {
+    _turn: OwnedMutexGuard<()>,
+    _registered: Registered,
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Held").finish_non_exhaustive()
+    }
+}
+
+/// A key's place among the keys this process has in flight, given up when
+/// dropped (with the transaction that holds the claim).
+struct Registered {
+    in_flight: Arc<Mutex<HashSet<StorageKey>>>,
+    key: StorageKey,
+}
+
+impl Registered {
+    /// `None` when the key is already in flight in this process.
+    fn enter(in_flight: &Arc<Mutex<HashSet<StorageKey>>>, key: &StorageKey) -> Option<Self> {
+        lock(in_flight).insert(key.clone()).then(|| Self {
+            in_flight: in_flight.clone(),
+            key: key.clone(),
+        })
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        lock(&self.in_flight).remove(&self.key);
+    }
+}
+
+pub(super) async fn claim(
+    store: &SqliteTxStore,
+    key: &StorageKey,
+    fingerprint: &Fingerprint,
+) -> Result<TxClaim<Sqlite>, StoreError> {
+    // A replay (or a mismatch) needs no write lock, and no place in the
+    // registry: concurrent replays of one key all replay.
+    if store.state.in_flight(key) {
+        return Ok(TxClaim::InFlight);
+    }
+    if let Some(row) = store.base.live_row(key).await? {
+        return Ok(TxClaim::Found(row));
+    }
+    let Some(registered) = Registered::enter(&store.state.in_flight, key) else {
+        return Ok(TxClaim::InFlight);
+    };
+    // On a task of its own: a caller that stops waiting halfway through
+    // `BEGIN` must not return a connection to the pool that the worker then
+    // puts inside a transaction. The task finishes, and a transaction
+    // nobody took closes its connection when dropped.
+    let began = Instant::now();
+    let claim = tokio::spawn({
+        let (base, state) = (store.base.clone(), store.state.clone());
+        let (key, fingerprint) = (key.clone(), *fingerprint);
+        let hold_ms = millis(store.bound, "transaction timeout")?;
+        async move { insert_claim(&base, &state, &key, &fingerprint, hold_ms).await }
+    });
+    match claim
+        .await
+        .map_err(|e| StoreError::Unavailable(e.into()))??
+    {
+        Some((connection, turn)) => {
+            let held = Held {
+                _turn: turn,
+                _registered: registered,
+            };
+            Ok(TxClaim::Acquired(SqlTx::begun(connection, held, began)))
+        }
+        // Committed by another process since the first look.
+        None => Ok(store
+            .base
+            .live_row(key)
+            .await?
+            .map_or(TxClaim::InFlight, TxClaim::Found)),
+    }
+}
+
+/// Takes this process's turn to write, then the database's write lock
+/// (waiting for a writer in another process as SQLite does: its busy
+/// timeout, the command timeout), and inserts the claim's row: the
+/// connection inside the transaction holding it, with the turn, or `None`
+/// when a live row holds the key.
+async fn insert_claim(
+    base: &Base<Sqlite>,
+    state: &TxState,
+    key: &StorageKey,
+    fingerprint: &Fingerprint,
+    hold_ms: i64,
+) -> Result<Option<(PoolConnection<sqlx::Sqlite>, OwnedMutexGuard<()>)>, StoreError> {
+    let turn = base.engine.turn(base.timeout).await?;
+    let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
+    Sqlite::raw(&mut connection, "BEGIN IMMEDIATE")
+        .await
+        .map_err(|e| base.error(e))?;
+    let args = Args {
+        key: key.as_str(),
+        fingerprint: fingerprint.as_bytes(),
+        now: now_ms(),
+        ms: hold_ms,
+        ..Args::default()
+    };
+    match Sqlite::fetch(&mut connection, &state.claim, &args).await {
+        Ok(Some(_)) => Ok(Some((connection, turn))),
+        Ok(None) => {
+            if Sqlite::raw(&mut connection, "ROLLBACK").await.is_err() {
+                connection.close_on_drop();
+            }
+            Ok(None)
+        }
+        Err(error) => {
+            // Never back in the pool inside the transaction.
+            connection.close_on_drop();
+            Err(base.error(error))
+        }
+    }
+}
+
+pub(super) async fn complete(
+    store: &SqliteTxStore,
+    tx: &mut SqliteTx,
+    key: &StorageKey,
+    record: Vec<u8>,
+    retention_ms: i64,
+) -> Result<(), StoreError> {
+    let base = &store.base;
+    // Retention counts from now, the end of the handler.
+    let args = Args {
+        key: key.as_str(),
+        record: &record,
+        now: now_ms(),
+        ms: retention_ms,
+        ..Args::default()
+    };
+    let written = match Sqlite::execute(&mut **tx, &store.state.complete, &args).await {
+        Ok(written) => written,
+        Err(error) => {
+            tx.close_on_drop();
+            return Err(base.error(error));
+        }
+    };
+    if written != 1 {
+        // The claim's row is gone (the handler deleted it): committing now
+        // would keep the handler's writes without their record.
+        tx.close_on_drop();
+        return Err(StoreError::Refused(
+            "the claim's row is no longer in the transaction".into(),
+        ));
+    }
+    // A COMMIT that fails (a full disk) closes the connection: SQLite may
+    // have rolled the transaction back on its own, and a connection that
+    // believes itself inside one must never serve another request.
+    tx.end("COMMIT").await.map_err(|e| base.error(e))
+}
+
+/// Forgets a committed record, unless a claim of the key may be in flight:
+/// in this process (the registry), or in another one — a writer holds the
+/// file's write lock, and its uncommitted row is invisible. The lock is
+/// taken before the delete and held through it, so no claim can begin in
+/// between and have its fresh record deleted.
+pub(super) async fn forget(
+    store: &SqliteTxStore,
+    key: &StorageKey,
+) -> Result<Forgotten, StoreError> {
+    if store.state.in_flight(key) {
+        return Ok(Forgotten::InFlight);
+    }
+    let base = &store.base;
+    let _turn = base.engine.turn(base.timeout).await?;
+    let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
+    let begin = format!(
+        "PRAGMA busy_timeout = {}; BEGIN IMMEDIATE",
+        FORGET_WAIT.as_millis()
+    );
+    let began = Sqlite::raw(&mut connection, &begin).await;
+    let restore = format!("PRAGMA busy_timeout = {}", base.timeout.as_millis());
+    if let Err(error) = began {
+        let _ = Sqlite::raw(&mut connection, &restore).await;
+        return match Sqlite::classify(&error) {
+            super::ErrorClass::Busy => Ok(Forgotten::InFlight),
+            _ => Err(base.error(error)),
+        };
+    }
+    let args = Args {
+        key: key.as_str(),
+        now: now_ms(),
+        ..Args::default()
+    };
+    let deleted = Sqlite::execute(&mut connection, &base.sql.forget_completed, &args).await;
+    let end = match deleted {
+        Ok(_) => "COMMIT",
+        Err(_) => "ROLLBACK",
+    };
+    if Sqlite::raw(&mut connection, &format!("{end}; {restore}"))
+        .await
+        .is_err()
+    {
+        connection.close_on_drop();
+    }
+    match deleted {
+        Ok(0) => Ok(Forgotten::Nothing),
+        Ok(_) => Ok(Forgotten::Completed),
+        Err(error) => Err(base.error(error)),
+    }
+}

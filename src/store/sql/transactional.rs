@@ -1,0 +1,203 @@
+//! The transactional store: the claim is the record's row, inserted inside
+//! the request's transaction, and the record commits with the handler's
+//! writes — the same contract on every engine; how the transaction begins
+//! with its claim and ends with its record is each engine's.
+
+use std::{sync::Arc, time::Duration};
+
+use super::{
+    Base,
+    decide::decide,
+    dialect::{Dialect, Engine, TxClaim},
+    millis,
+    tx::SqlTx,
+};
+use crate::{
+    fingerprint::Fingerprint,
+    record::{CompletedRecord, codec},
+    store::{Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError},
+};
+
+/// Retry-After for a duplicate of a request whose transaction is running:
+/// the remaining time is not known, and the transaction usually ends soon.
+pub(crate) const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// A [`Store`] on a SQL database whose record commits in the handler's own
+/// transaction: exactly one effect per key, across crashes.
+///
+/// The layer begins the request's transaction with the claim in it — the
+/// record's row, inserted — and hands it to the handler through
+/// [`IdempotentTx`](crate::IdempotentTx) (a message's work receives it as
+/// `&mut` [`SqlTx`]); the handler writes with `execute(&mut *tx)`; once it
+/// returns a final response, the layer writes the record into the same
+/// transaction and commits. So:
+///
+/// - a crash anywhere before the commit leaves neither the effect nor the
+///   record (the claim vanishes with the transaction: a retry executes at
+///   once, no lease to wait out); after the commit, both. A retry replays
+///   or executes for the first time: **exactly one effect**.
+/// - a concurrent duplicate's claim meets the uncommitted row, waits for it
+///   briefly at most, and answers `409`: it never waits for the handler.
+/// - a response that says "nothing was done" (the store policy's), a
+///   server error (`5xx`), a handler error or a panic roll everything back
+///   and release the key.
+/// - a statement of the handler that aborts the transaction (PostgreSQL),
+///   or a commit the database refuses, sends the handler's own answer, not
+///   stored, with the key released; a success it answers anyway is
+///   withheld with `500` — nothing committed.
+/// - if the commit fails or its outcome is unknown (the connection dropped
+///   during `COMMIT`), the handler's response is withheld (`503`): the
+///   retry replays or executes, both correct.
+///
+/// Named by engine: [`PostgresTxStore`](crate::PostgresTxStore),
+/// [`SqliteTxStore`](crate::SqliteTxStore), `MySqlTxStore`; each engine's
+/// module says what its transactions cost and how they are bounded.
+/// Cloning is cheap and clones share the pool.
+///
+/// # Examples
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+/// use axum::{Router, http::StatusCode, routing::post};
+/// use tower_idempotency::{IdempotencyLayer, IdempotentTx, SqliteStore, SqliteTx};
+///
+/// let store = SqliteStore::builder()
+///     .transactional()
+///     .connect("sqlite://payments.db")
+///     .await?;
+/// store.migrate().await?;
+///
+/// async fn charge(mut tx: IdempotentTx<SqliteTx>) -> Result<StatusCode, StatusCode> {
+///     sqlx::query("INSERT INTO charges (amount) VALUES (?1)")
+///         .bind(1999_i64)
+///         .execute(&mut *tx)
+///         .await
+///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     // The layer commits this insert together with the stored response.
+///     Ok(StatusCode::CREATED)
+/// }
+///
+/// let app: Router = Router::new()
+///     .route("/v1/charges", post(charge))
+///     .layer(IdempotencyLayer::new(store));
+/// # Ok(()) }
+/// ```
+pub struct SqlTxStore<D: Dialect> {
+    pub(crate) base: Arc<Base<D>>,
+    pub(crate) state: Arc<D::TxState>,
+    /// How long a request's transaction may live (the database ends it).
+    pub(crate) bound: Duration,
+    /// How long a claim waits on a duplicate's uncommitted row.
+    pub(crate) claim_wait: Duration,
+}
+
+impl<D: Dialect> Clone for SqlTxStore<D> {
+    fn clone(&self) -> Self {
+        Self {
+            base: self.base.clone(),
+            state: self.state.clone(),
+            bound: self.bound,
+            claim_wait: self.claim_wait,
+        }
+    }
+}
+
+impl<D: Engine> std::fmt::Debug for SqlTxStore<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct(D::STORE)
+            .field("table", &self.base.sql.table)
+            .field("timeout", &self.base.timeout)
+            .field("transaction_timeout", &self.bound)
+            .finish_non_exhaustive()
+    }
+}
+
+super::table_methods!(SqlTxStore);
+
+impl<D: Engine> Store for SqlTxStore<D> {
+    type Granted = SqlTx<D>;
+
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        _lease: Duration,
+    ) -> Result<Claim<SqlTx<D>>, StoreError> {
+        match self
+            .base
+            .bounded(D::tx_claim(self, key, fingerprint))
+            .await?
+        {
+            TxClaim::Acquired(tx) => Ok(Claim::Acquired(tx)),
+            TxClaim::InFlight => Ok(Claim::InFlight {
+                retry_after: IN_FLIGHT_RETRY_AFTER,
+            }),
+            TxClaim::Found(row) => decide(fingerprint, row, &self.base.compression),
+        }
+    }
+
+    /// The claim lives as long as its transaction: nothing to extend.
+    async fn extend(&self, _: &StorageKey, _: LeaseToken, _: Duration) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+
+    async fn complete(
+        &self,
+        key: &StorageKey,
+        tx: &mut SqlTx<D>,
+        fingerprint: &Fingerprint,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let record = codec::encode_with(fingerprint, &record, &self.base.compression);
+        let retention = millis(retention, "retention")?;
+        let committed = self
+            .base
+            .bounded(D::tx_complete(self, tx, key, record, retention))
+            .await;
+        match committed {
+            Ok(()) => Ok(true),
+            // The database ended a transaction that outlived its bound: say
+            // so, so that work that always takes that long is not retried
+            // forever.
+            Err(StoreError::Unavailable(error)) if tx.began.elapsed() >= self.bound => {
+                Err(StoreError::TransactionTimedOut {
+                    bound: self.bound,
+                    source: error,
+                })
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    async fn release(&self, _: &StorageKey, tx: SqlTx<D>) -> Result<bool, StoreError> {
+        self.base.bounded(D::tx_release(self, tx)).await?;
+        Ok(true)
+    }
+
+    /// A committed record is read; a claim in flight is an uncommitted row
+    /// no other session sees, so the engine probes for it (a request
+    /// claiming the key at that very moment may be told `409`).
+    async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
+        if let Some(found) = self.base.inspect_row(key).await? {
+            return Ok(found);
+        }
+        Ok(if D::tx_in_flight(self, key).await? {
+            KeyState::InFlight {
+                retry_after: IN_FLIGHT_RETRY_AFTER,
+            }
+        } else {
+            KeyState::Absent
+        })
+    }
+
+    async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        match D::tx_forget(self, key).await? {
+            Forgotten::InFlight if force => Err(StoreError::Unsupported(
+                "forcing a transactional claim in flight: it is the handler's open transaction, which ends when the handler does or at the transaction timeout",
+            )),
+            forgotten => Ok(forgotten),
+        }
+    }
+}

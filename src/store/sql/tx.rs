@@ -1,0 +1,138 @@
+//! The granted claim of a transactional SQL store: a pooled connection
+//! inside the request's transaction, which the store began with the claim
+//! in it.
+
+use std::{
+    fmt,
+    ops::{Deref, DerefMut},
+    time::Instant,
+};
+
+use sqlx::{Database, pool::PoolConnection};
+
+use super::dialect::{Dialect, Engine};
+use crate::store::{Granted, LeaseToken};
+
+/// The request's transaction on a transactional SQL store
+/// ([`PostgresTx`](crate::PostgresTx), [`SqliteTx`](crate::SqliteTx),
+/// `MySqlTx`), with its claim in it: the granted claim of a
+/// [`SqlTxStore`](super::SqlTxStore). Handlers receive it through
+/// [`IdempotentTx`](crate::IdempotentTx) (`IdempotentTx<PostgresTx>`), a
+/// message's work as `&mut PostgresTx`; both dereference to the database
+/// connection, so `sqlx::query(…).execute(&mut *tx)` writes in it.
+///
+/// It is sqlx's `Transaction` for this one purpose: the store sends the
+/// claim with `BEGIN` and the record with `COMMIT`, which sqlx's own type
+/// cannot. Do not commit or roll back yourself. A transaction that ended
+/// in an error — a failed `COMMIT`, a lost connection — or that is dropped
+/// still open (a task that crashed, an extractor kept too long) closes its
+/// connection instead of returning it to the pool: the database rolls the
+/// transaction back, the claim with it, and no later request inherits a
+/// connection inside it.
+///
+/// # Examples
+///
+/// ```no_run
+/// # #[cfg(feature = "postgres")]
+/// # async fn demo(orders: tower_idempotency::message::IdempotencyProcessor<tower_idempotency::PostgresTxStore>) -> Result<(), Box<dyn std::error::Error>> {
+/// use tower_idempotency::PostgresTx;
+///
+/// let payload = br#"{"order_id":"order-42","amount":1999}"#;
+/// orders
+///     .process("order-42", payload, async |tx: &mut PostgresTx| {
+///         sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES ($1, $2)")
+///             .bind("order-42")
+///             .bind(1999_i64)
+///             .execute(&mut **tx)
+///             .await?;
+///         Ok::<_, sqlx::Error>(())
+///     })
+///     .await?;
+/// # Ok(()) }
+/// ```
+pub struct SqlTx<D: Dialect> {
+    /// `None` once committed or rolled back.
+    connection: Option<PoolConnection<D::Db>>,
+    /// Given up with the connection (dropped after it).
+    _held: D::Held,
+    /// When the transaction began, to tell a commit its bound refused.
+    pub(crate) began: Instant,
+}
+
+// See `SqlStore::builder`: the engines are this crate's own.
+#[allow(private_bounds)]
+impl<D: Engine> SqlTx<D> {
+    /// `connection` has just begun a transaction (with the claim in it).
+    pub(crate) fn begun(connection: PoolConnection<D::Db>, held: D::Held, began: Instant) -> Self {
+        Self {
+            connection: Some(connection),
+            _held: held,
+            began,
+        }
+    }
+
+    /// Runs `sql` (simple protocol), which must end the transaction when it
+    /// succeeds. On failure the connection is closed: the database rolls
+    /// back whatever is left.
+    pub(crate) async fn end(&mut self, sql: &str) -> Result<(), sqlx::Error> {
+        let Some(mut connection) = self.connection.take() else {
+            return Err(sqlx::Error::PoolClosed);
+        };
+        match D::raw(&mut connection, sql).await {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                connection.close_on_drop();
+                Err(error)
+            }
+        }
+    }
+
+    /// Marks the connection to be closed, not pooled, once the transaction
+    /// ends, whatever ends it: one of its statements failed in a way that
+    /// may leave it inside the transaction.
+    pub(crate) fn close_on_drop(&mut self) {
+        if let Some(connection) = &mut self.connection {
+            connection.close_on_drop();
+        }
+    }
+}
+
+impl<D: Dialect> Granted for SqlTx<D> {
+    fn lease_token(&self) -> Option<LeaseToken> {
+        None
+    }
+}
+
+impl<D: Dialect> Deref for SqlTx<D> {
+    type Target = <D::Db as Database>::Connection;
+
+    fn deref(&self) -> &Self::Target {
+        self.connection
+            .as_ref()
+            .expect("the transaction is open until the layer ends it")
+    }
+}
+
+impl<D: Dialect> DerefMut for SqlTx<D> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.connection
+            .as_mut()
+            .expect("the transaction is open until the layer ends it")
+    }
+}
+
+impl<D: Dialect> Drop for SqlTx<D> {
+    fn drop(&mut self) {
+        if let Some(connection) = &mut self.connection {
+            connection.close_on_drop();
+        }
+    }
+}
+
+impl<D: Engine> fmt::Debug for SqlTx<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct(D::TX)
+            .field("open", &self.connection.is_some())
+            .finish()
+    }
+}
