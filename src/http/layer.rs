@@ -15,7 +15,7 @@ use crate::{
     http::shared::{Config, Shared},
     http::store_policy::{DefaultStorePolicy, StorePolicy},
     key::IDEMPOTENCY_KEY,
-    protocol::{MAX_LEASE, MAX_RETENTION},
+    protocol,
     store::Store,
 };
 
@@ -80,8 +80,8 @@ impl<St: Store> IdempotencyLayer<St> {
                 unguarded_paths: Vec::new(),
                 header: IDEMPOTENCY_KEY,
                 require_key: false,
-                retention: Duration::from_secs(24 * 60 * 60),
-                lease: Duration::from_secs(30),
+                retention: protocol::DEFAULT_RETENTION,
+                lease: protocol::DEFAULT_LEASE,
                 max_request_body: 1024 * 1024,
                 max_stored_body: 1024 * 1024,
                 in_flight_wait: None,
@@ -207,7 +207,7 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// # Panics
     ///
     /// When the layer is configured, never at run time: if `retention` is
-    /// under one second or over [`MAX_RETENTION`] (a year).
+    /// under one second or over [`MAX_RETENTION`](crate::MAX_RETENTION) (a year).
     ///
     /// # Examples
     ///
@@ -220,16 +220,8 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn retention(mut self, retention: Duration) -> Self {
-        assert!(
-            retention >= Duration::from_secs(1),
-            "IdempotencyLayer::retention must be at least 1 s (got {retention:?})"
-        );
-        assert!(
-            retention <= MAX_RETENTION,
-            "IdempotencyLayer::retention must be at most MAX_RETENTION (365 days), got {retention:?}: \
-             records cannot be kept forever; use the longest time a client may retry"
-        );
-        self.config().retention = retention;
+        self.config().retention =
+            protocol::checked_retention(retention, "IdempotencyLayer::retention");
         self
     }
 
@@ -241,7 +233,7 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// # Panics
     ///
     /// When the layer is configured, never at run time: if `lease` is under
-    /// 30 ms (heartbeats could not keep up) or over [`MAX_LEASE`] (a day).
+    /// 30 ms (heartbeats could not keep up) or over [`MAX_LEASE`](crate::MAX_LEASE) (a day).
     ///
     /// # Examples
     ///
@@ -253,16 +245,7 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn lease(mut self, lease: Duration) -> Self {
-        assert!(
-            lease >= Duration::from_millis(30),
-            "IdempotencyLayer::lease must be at least 30 ms (got {lease:?})"
-        );
-        assert!(
-            lease <= MAX_LEASE,
-            "IdempotencyLayer::lease must be at most MAX_LEASE (24 hours), got {lease:?}: \
-             a crashed process blocks its keys this long"
-        );
-        self.config().lease = lease;
+        self.config().lease = protocol::checked_lease(lease, "IdempotencyLayer::lease");
         self
     }
 

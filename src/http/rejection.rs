@@ -1,4 +1,5 @@
-//! The layer's own answers: RFC 9457 problem+json rejections.
+//! The layer's own answers, never stored: RFC 9457 problem+json for HTTP
+//! callers, trailers-only gRPC statuses for gRPC ones.
 
 use std::{fmt, sync::Arc, time::Duration};
 

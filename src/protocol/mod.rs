@@ -38,23 +38,31 @@ pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// The retention both doors start with.
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 
-/// `lease`, or a panic naming `setting` and the bounds: configuration
-/// mistakes fail when the layer or processor is configured, never at run
-/// time.
+/// `lease`, or a panic naming `setting` and the bound it breaks:
+/// configuration mistakes fail when the layer or processor is configured,
+/// never at run time.
 pub(crate) fn checked_lease(lease: Duration, setting: &str) -> Duration {
     assert!(
-        (MIN_LEASE..=MAX_LEASE).contains(&lease),
-        "{setting} must be from 30 ms to MAX_LEASE (24 hours), got {lease:?}: \
-         shorter, heartbeats cannot keep up; longer, a crashed process blocks its keys that long"
+        lease >= MIN_LEASE,
+        "{setting} must be at least 30 ms (got {lease:?}): heartbeats could not keep up"
+    );
+    assert!(
+        lease <= MAX_LEASE,
+        "{setting} must be at most MAX_LEASE (24 hours), got {lease:?}: \
+         a crashed process blocks its keys this long"
     );
     lease
 }
 
-/// `retention`, or a panic naming `setting` and the bounds.
+/// `retention`, or a panic naming `setting` and the bound it breaks.
 pub(crate) fn checked_retention(retention: Duration, setting: &str) -> Duration {
     assert!(
-        (MIN_RETENTION..=MAX_RETENTION).contains(&retention),
-        "{setting} must be from 1 s to MAX_RETENTION (365 days), got {retention:?}: \
+        retention >= MIN_RETENTION,
+        "{setting} must be at least 1 s (got {retention:?})"
+    );
+    assert!(
+        retention <= MAX_RETENTION,
+        "{setting} must be at most MAX_RETENTION (365 days), got {retention:?}: \
          records cannot be kept forever; use the longest time a client may retry"
     );
     retention
