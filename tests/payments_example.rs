@@ -8,3 +8,6 @@ mod admin;
 #[allow(dead_code)]
 #[path = "../examples/payments/app.rs"]
 mod app;
+#[allow(dead_code)]
+#[path = "../examples/payments/ledger.rs"]
+mod ledger;

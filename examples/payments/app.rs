@@ -1,12 +1,7 @@
 //! The payments service: its router, state and handlers, apart from
 //! start-up so that tests can call [`app`] with `oneshot`.
 
-use std::{
-    collections::HashMap,
-    env,
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{env, sync::Arc, time::Duration};
 
 use axum::{
     Json, Router,
@@ -16,14 +11,18 @@ use axum::{
     response::{IntoResponse, Response},
     routing::{MethodRouter, post},
 };
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tower::ServiceBuilder;
 use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer, trace::TraceLayer};
 use tower_idempotency::{
-    IdempotencyLayer, IdempotencyOutcome, IdempotentTx, PostgresTx, Problem, SqliteTx,
-    sqlx::{self, PgConnection, PgPool, Row, SqliteConnection, SqlitePool},
-    store::{LeaseToken, Store},
+    IdempotencyLayer, IdempotencyOutcome, IdempotentTx, Problem, sqlx,
+    store::{
+        LeaseToken, Store,
+        sql::{Dialect, SqlTx},
+    },
 };
+
+use super::ledger::{Charge, Charges, InsertCharge};
 
 /// The example's configuration, read from the environment.
 pub struct Settings {
@@ -177,139 +176,13 @@ impl Recording for LeaseToken {
     }
 }
 
-impl Recording for PostgresTx {
+impl<D: Dialect> Recording for SqlTx<D>
+where
+    <D::Db as sqlx::Database>::Connection: InsertCharge,
+{
     fn create_route() -> MethodRouter<AppState> {
-        post(create_charge_in_transaction::<PostgresTx>)
+        post(create_charge_in_transaction::<SqlTx<D>>)
     }
-}
-
-impl Recording for SqliteTx {
-    fn create_route() -> MethodRouter<AppState> {
-        post(create_charge_in_transaction::<SqliteTx>)
-    }
-}
-
-/// A connection a charge can be inserted on.
-pub trait InsertCharge: Send {
-    fn insert(&mut self, charge: &Charge) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-}
-
-impl InsertCharge for PgConnection {
-    async fn insert(&mut self, charge: &Charge) -> Result<(), sqlx::Error> {
-        insert_pg(self, charge).await
-    }
-}
-
-impl InsertCharge for SqliteConnection {
-    async fn insert(&mut self, charge: &Charge) -> Result<(), sqlx::Error> {
-        insert_sqlite(self, charge).await
-    }
-}
-
-/// Where charges live: one row (or entry) per handler execution.
-#[derive(Clone)]
-pub enum Charges {
-    Memory(Arc<Mutex<HashMap<String, Vec<Charge>>>>),
-    Sqlite(SqlitePool),
-    Postgres(PgPool),
-}
-
-impl Charges {
-    /// Records a charge on its own (committed at once).
-    async fn insert(&self, charge: &Charge) -> Result<(), sqlx::Error> {
-        match self {
-            Charges::Memory(charges) => {
-                let mut charges = charges.lock().unwrap();
-                charges
-                    .entry(charge.account.clone())
-                    .or_default()
-                    .push(charge.clone());
-                Ok(())
-            }
-            Charges::Sqlite(pool) => insert_sqlite(&mut *pool.acquire().await?, charge).await,
-            Charges::Postgres(pool) => insert_pg(&mut *pool.acquire().await?, charge).await,
-        }
-    }
-
-    async fn list(&self, account: &str) -> Result<Vec<Charge>, sqlx::Error> {
-        match self {
-            Charges::Memory(charges) => Ok(charges
-                .lock()
-                .unwrap()
-                .get(account)
-                .cloned()
-                .unwrap_or_default()),
-            Charges::Sqlite(pool) => {
-                let rows = sqlx::query(
-                    "SELECT id, account, amount, currency, description FROM charges \
-                     WHERE account = ?1 ORDER BY rowid",
-                )
-                .bind(account)
-                .fetch_all(pool)
-                .await?;
-                rows.iter().map(Charge::from_row).collect()
-            }
-            Charges::Postgres(pool) => {
-                let rows = sqlx::query(
-                    "SELECT id, account, amount, currency, description FROM charges \
-                     WHERE account = $1 ORDER BY created_at, id",
-                )
-                .bind(account)
-                .fetch_all(pool)
-                .await?;
-                rows.iter().map(Charge::from_row).collect()
-            }
-        }
-    }
-}
-
-impl Charge {
-    fn from_row<R: Row>(row: &R) -> Result<Self, sqlx::Error>
-    where
-        for<'r> &'r str: sqlx::ColumnIndex<R>,
-        for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-        for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    {
-        Ok(Charge {
-            id: row.try_get("id")?,
-            account: row.try_get("account")?,
-            amount: row.try_get("amount")?,
-            currency: row.try_get("currency")?,
-            description: row.try_get("description")?,
-        })
-    }
-}
-
-async fn insert_sqlite(
-    connection: &mut SqliteConnection,
-    charge: &Charge,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO charges (id, account, amount, currency, description) VALUES (?1, ?2, ?3, ?4, ?5)",
-    )
-    .bind(&charge.id)
-    .bind(&charge.account)
-    .bind(charge.amount)
-    .bind(&charge.currency)
-    .bind(&charge.description)
-    .execute(connection)
-    .await?;
-    Ok(())
-}
-
-async fn insert_pg(connection: &mut PgConnection, charge: &Charge) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO charges (id, account, amount, currency, description) VALUES ($1, $2, $3, $4, $5)",
-    )
-    .bind(&charge.id)
-    .bind(&charge.account)
-    .bind(charge.amount)
-    .bind(&charge.currency)
-    .bind(&charge.description)
-    .execute(connection)
-    .await?;
-    Ok(())
 }
 
 /// The authenticated account: the bearer token names it.
@@ -340,15 +213,6 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 
 #[derive(Deserialize)]
 struct NewCharge {
-    amount: i64,
-    currency: String,
-    description: Option<String>,
-}
-
-#[derive(Clone, Serialize)]
-pub struct Charge {
-    id: String,
-    account: String,
     amount: i64,
     currency: String,
     description: Option<String>,

@@ -12,8 +12,8 @@
 //!
 //! Environment: `BIND_ADDR` (default `127.0.0.1:3000`); `DATABASE_URL`
 //! (unset: `payments.db`; `sqlite://PATH`: that file, created if missing;
-//! `postgres://…`: charges and records in PostgreSQL, one transaction per
-//! charge); `REDIS_URL` (set: records in Redis; charges in the
+//! `postgres://…` or `mysql://…` (MySQL or MariaDB), an existing database:
+//! charges and records there, one transaction per charge); `REDIS_URL` (set: records in Redis; charges in the
 //! `DATABASE_URL` database if set, else in memory, committed on their own —
 //! the crash window the SQL stores close); `REDIS_CLUSTER_NODES`
 //! (comma-separated `redis://host:port` seeds: Redis Cluster, likewise);
@@ -22,8 +22,8 @@
 //! how long the fake card processor takes); `IDEMPOTENCY_LEASE_MS` (default
 //! 30000); `IDEMPOTENCY_TTL_SECS` (default 86400); `REQUEST_TIMEOUT_MS`
 //! (default 10000); `IDEMPOTENCY_TX_TIMEOUT_MS` (default 30000: how long a
-//! charge's transaction may sit idle before PostgreSQL ends it, which bounds
-//! how long a paused or cut-off instance holds a key); `IDEMPOTENCY_DOCS_URL`
+//! charge's transaction may sit idle before PostgreSQL or MySQL ends it,
+//! which bounds how long a paused or cut-off instance holds a key); `IDEMPOTENCY_DOCS_URL`
 //! (where the API's idempotency policy is published: every rejection links
 //! to it); `ADMIN_TOKEN` (set: the operators' routes shown below, behind
 //! `Authorization: Bearer <ADMIN_TOKEN>`; unset: they are `404`).
@@ -77,21 +77,25 @@
 
 mod admin;
 mod app;
+mod ledger;
 
 use std::{env, sync::Arc};
 
 use axum::{Router, routing::get};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use tower_idempotency::{
-    MemoryStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore, SqliteTxStore, sqlx,
+    MemoryStore, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore,
+    SqliteTxStore, sqlx,
 };
 
-use app::{Charges, Settings, app};
+use app::{Settings, app};
+use ledger::{Charges, create_tables};
 
 /// Where the example keeps charges and records, from the environment.
 enum Database {
     Sqlite(String),
     Postgres(String),
+    MySql(String),
 }
 
 impl Database {
@@ -102,8 +106,12 @@ impl Database {
             Ok(url) if url.starts_with("postgres:") || url.starts_with("postgresql:") => {
                 Ok(Self::Postgres(url))
             }
+            Ok(url) if url.starts_with("mysql:") || url.starts_with("mariadb:") => {
+                Ok(Self::MySql(url.replacen("mariadb:", "mysql:", 1)))
+            }
             Ok(_) => Err(
-                "DATABASE_URL must be sqlite://PATH or postgres://… (or unset: payments.db)".into(),
+                "DATABASE_URL must be sqlite://PATH, postgres://… or mysql://… (or unset: payments.db)"
+                    .into(),
             ),
         }
     }
@@ -180,10 +188,11 @@ async fn transactional(
     Ok(match database {
         Database::Sqlite(url) => {
             let store = SqliteStore::builder().transactional().connect(&url).await?;
-            let pool = sqlite_charges(store.pool()).await?;
+            create_tables(store.pool()).await?;
             store.migrate().await?;
             tracing::info!("store: SQLite, one transaction per charge ({url})");
-            app::<SqliteTxStore>(store, Charges::Sqlite(pool), settings)
+            let charges = Charges::Sqlite(store.pool().clone());
+            app::<SqliteTxStore>(store, charges, settings)
         }
         Database::Postgres(url) => {
             let store = PostgresStore::builder()
@@ -191,10 +200,23 @@ async fn transactional(
                 .transaction_timeout(settings.transaction_timeout)
                 .connect(&url)
                 .await?;
-            let pool = postgres_charges(store.pool()).await?;
+            create_tables(store.pool()).await?;
             store.migrate().await?;
             tracing::info!("store: PostgreSQL, one transaction per charge (DATABASE_URL)");
-            app::<PostgresTxStore>(store, Charges::Postgres(pool), settings)
+            let charges = Charges::Postgres(store.pool().clone());
+            app::<PostgresTxStore>(store, charges, settings)
+        }
+        Database::MySql(url) => {
+            let store = MySqlStore::builder()
+                .transactional()
+                .transaction_timeout(settings.transaction_timeout)
+                .connect(&url)
+                .await?;
+            create_tables(store.pool()).await?;
+            store.migrate().await?;
+            tracing::info!("store: MySQL, one transaction per charge (DATABASE_URL)");
+            let charges = Charges::MySql(store.pool().clone());
+            app::<MySqlTxStore>(store, charges, settings)
         }
     })
 }
@@ -209,40 +231,22 @@ async fn charges_apart() -> Charges {
         Ok::<_, Box<dyn std::error::Error>>(match Database::from_env()? {
             Database::Sqlite(url) => {
                 let store = SqliteStore::builder().connect(&url).await?;
-                Charges::Sqlite(sqlite_charges(store.pool()).await?)
+                create_tables(store.pool()).await?;
+                Charges::Sqlite(store.pool().clone())
             }
             Database::Postgres(_) => {
                 let pool = sqlx::PgPool::connect(&url).await?;
-                Charges::Postgres(postgres_charges(&pool).await?)
+                create_tables(&pool).await?;
+                Charges::Postgres(pool)
+            }
+            Database::MySql(url) => {
+                let pool = sqlx::MySqlPool::connect(&url).await?;
+                create_tables(&pool).await?;
+                Charges::MySql(pool)
             }
         })
     };
     charges
         .await
         .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")))
-}
-
-/// The charges table in SQLite, created if missing.
-async fn sqlite_charges(pool: &sqlx::SqlitePool) -> Result<sqlx::SqlitePool, sqlx::Error> {
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS charges (
-            id TEXT PRIMARY KEY, account TEXT NOT NULL, amount INTEGER NOT NULL,
-            currency TEXT NOT NULL, description TEXT)",
-    )
-    .execute(pool)
-    .await?;
-    Ok(pool.clone())
-}
-
-/// The charges table in PostgreSQL, created if missing.
-async fn postgres_charges(pool: &sqlx::PgPool) -> Result<sqlx::PgPool, sqlx::Error> {
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS charges (
-            id text PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
-            currency text NOT NULL, description text,
-            created_at timestamptz NOT NULL DEFAULT now())",
-    )
-    .execute(pool)
-    .await?;
-    Ok(pool.clone())
 }

@@ -6,9 +6,24 @@
 
 pub mod amqp;
 pub mod cluster;
+pub mod galera;
 pub mod mysql;
 pub mod postgres;
 pub mod redis_server;
 pub mod relay;
 pub mod sqlite;
 pub mod tmpfs;
+
+/// Runs `f` on its own thread and runtime: set-up and tear-down happen
+/// from synchronous places (constructors, `Drop`), inside tests' runtimes.
+pub(crate) fn blocking<T: Send + 'static>(f: impl AsyncFnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(f())
+    })
+    .join()
+    .expect("set-up thread")
+}

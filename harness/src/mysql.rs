@@ -9,6 +9,8 @@ use std::{
 
 use sqlx::{Connection, Executor, MySqlConnection};
 
+use crate::blocking;
+
 const LOCAL: &str = "mysql://root@127.0.0.1:3306";
 
 /// The server the tests use: `MYSQL_URL`, or the local one.
@@ -30,20 +32,6 @@ pub fn with_database(url: &str, database: &str) -> String {
         Some(query) => format!("{base}/{database}?{query}"),
         None => format!("{base}/{database}"),
     }
-}
-
-/// Runs `f` on its own thread and runtime: set-up and tear-down happen from
-/// synchronous places (constructors, `Drop`), inside tests' runtimes.
-fn blocking<T: Send + 'static>(f: impl AsyncFnOnce() -> T + Send + 'static) -> T {
-    std::thread::spawn(move || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(f())
-    })
-    .join()
-    .expect("database set-up thread")
 }
 
 /// A connection to `url`, or a panic that says what to install.
@@ -113,6 +101,20 @@ impl TestDatabase {
     /// the first row, as a number.
     pub async fn count(&self, sql: &str) -> i64 {
         let mut connection = self.connect().await;
+        sqlx::query_scalar(sql)
+            .fetch_one(&mut connection)
+            .await
+            .unwrap()
+    }
+
+    /// Like [`count`](Self::count), but seeing rows other transactions
+    /// have not committed yet (`READ UNCOMMITTED`).
+    pub async fn count_uncommitted(&self, sql: &str) -> i64 {
+        let mut connection = self.connect().await;
+        connection
+            .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
+            .await
+            .unwrap();
         sqlx::query_scalar(sql)
             .fetch_one(&mut connection)
             .await

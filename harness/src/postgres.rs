@@ -9,6 +9,8 @@ use std::{
 
 use sqlx::{Connection, Executor, PgConnection};
 
+use crate::blocking;
+
 const LOCAL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
 /// The server the tests use: `DATABASE_URL`, or the local one.
@@ -37,21 +39,6 @@ fn split_authority(url: &str) -> (&str, &str, &str) {
     let start = url.find("://").map_or(0, |i| i + 3);
     let end = url[start..].find('/').map_or(url.len(), |i| start + i);
     (&url[..start], &url[start..end], &url[end..])
-}
-
-/// Runs `f` on its own thread and runtime: database set-up and tear-down
-/// happen from synchronous places (constructors, `Drop`), inside tests'
-/// runtimes.
-fn blocking<T: Send + 'static>(f: impl AsyncFnOnce() -> T + Send + 'static) -> T {
-    std::thread::spawn(move || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-            .block_on(f())
-    })
-    .join()
-    .expect("database set-up thread")
 }
 
 async fn admin() -> PgConnection {

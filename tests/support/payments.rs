@@ -160,7 +160,8 @@ pub async fn kill_mid_charge(
     while !charged(&payments.addr).await {
         assert!(
             std::time::Instant::now() < deadline,
-            "the charge was never written"
+            "the charge was never written; the example printed: {}",
+            payments.output()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -1,0 +1,494 @@
+//! The MySQL/MariaDB stores on a real server (`MYSQL_URL`, else the local
+//! one; a throwaway database per test): the transactional store's
+//! semantics counted in rows of the handler's own table, MySQL's own traps
+//! (lock waits, REPEATABLE READ snapshots, deadlocks, storage engines,
+//! collations, the transaction's bound), the example killed mid-charge,
+//! and a three-node Galera cluster (`galera.rs`). The behaviour cases run
+//! on both stores in `behaviour/`.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod galera;
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use axum::{Router, extract::Query, http::StatusCode, routing::post};
+use tower_idempotency::{
+    IdempotencyLayer, MySqlStore, MySqlTx, MySqlTxStore, sqlx,
+    store::{StoreError, mysql::EngineCheck},
+};
+
+use support::{
+    http::{HttpClient, Server, oneshot, post as request},
+    mysql::TestDatabase,
+    payments::{Payments, charge_request, kill_mid_charge, retry_until_done},
+    redis_server::free_port,
+};
+
+const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
+const CHARGES: &str = "SELECT count(*) FROM charges";
+
+type Tx = tower_idempotency::IdempotentTx<MySqlTx>;
+
+async fn transactional_on(url: &str, timeout: Duration) -> MySqlTxStore {
+    let store = MySqlStore::builder()
+        .transactional()
+        .transaction_timeout(timeout)
+        .connect(url)
+        .await
+        .expect("connect to the test database");
+    store.migrate().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE IF NOT EXISTS charges (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT) ENGINE = InnoDB",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    store
+}
+
+async fn transactional(db: &TestDatabase) -> MySqlTxStore {
+    transactional_on(db.url(), Duration::from_secs(30)).await
+}
+
+#[derive(serde::Deserialize)]
+struct Params {
+    #[serde(default)]
+    ms: u64,
+    #[serde(default = "created")]
+    status: u16,
+}
+
+fn created() -> u16 {
+    201
+}
+
+/// Inserts a charge in the request's transaction, waits `ms`, answers
+/// `status` with the number of charges it sees; a failed insert is a `500`.
+async fn charge(mut tx: Tx, Query(p): Query<Params>) -> (StatusCode, String) {
+    if let Err(e) = sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
+        .execute(&mut *tx)
+        .await
+    {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("charge failed: {e}"),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(p.ms)).await;
+    let charges: i64 = sqlx::query_scalar(CHARGES)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    (
+        StatusCode::from_u16(p.status).unwrap(),
+        format!("charge {charges}"),
+    )
+}
+
+/// Inserts a charge, then waits `ms` (the payment processor) and answers
+/// `201` without another statement.
+async fn slow_charge(mut tx: Tx, Query(p): Query<Params>) -> StatusCode {
+    sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
+        .execute(&mut *tx)
+        .await
+        .expect("insert the charge");
+    tokio::time::sleep(Duration::from_millis(p.ms)).await;
+    StatusCode::CREATED
+}
+
+/// Waits on a row another connection holds (`locks`), then charges: the
+/// claim's short lock wait must not be the handler's.
+async fn waits_for_a_lock(mut tx: Tx) -> (StatusCode, String) {
+    let waited = sqlx::query("UPDATE locks SET n = n + 1 WHERE id = 1")
+        .execute(&mut *tx)
+        .await;
+    match waited {
+        Ok(_) => (StatusCode::CREATED, "waited".into()),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+    }
+}
+
+/// Updates two balances in the order `first`, `second`: two requests in
+/// opposite orders deadlock, and InnoDB picks a victim.
+#[derive(serde::Deserialize)]
+struct Order {
+    first: i64,
+    second: i64,
+}
+
+async fn transfer(mut tx: Tx, Query(order): Query<Order>) -> (StatusCode, String) {
+    let step = async |id: i64, tx: &mut Tx| {
+        sqlx::query("UPDATE balances SET amount = amount + 1 WHERE id = ?")
+            .bind(id)
+            .execute(&mut **tx)
+            .await
+    };
+    if let Err(e) = step(order.first, &mut tx).await {
+        return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    if let Err(e) = step(order.second, &mut tx).await {
+        return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+    }
+    if let Err(e) = sqlx::query("INSERT INTO charges (note) VALUES ('transfer')")
+        .execute(&mut *tx)
+        .await
+    {
+        return (StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+    }
+    (StatusCode::CREATED, "transferred".into())
+}
+
+fn app(store: MySqlTxStore) -> Router {
+    Router::new()
+        .route("/charges", post(charge))
+        .route("/slow", post(slow_charge))
+        .route("/waits", post(waits_for_a_lock))
+        .route("/transfer", post(transfer))
+        .layer(IdempotencyLayer::new(store))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_charge_and_the_record_commit_together_and_replay() {
+    let db = TestDatabase::create();
+    let app = app(transactional(&db).await);
+    let first = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(first.body, "charge 1");
+    let replay = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert!(replay.is_replay());
+    assert_eq!(replay.body, first.body);
+    oneshot(&app, request("/charges", "k", "{}"))
+        .await
+        .assert_problem(422);
+    let busy = oneshot(&app, request("/charges?status=503", "n", CHARGE)).await;
+    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        db.count(CHARGES).await,
+        1,
+        "a non-final response rolls back"
+    );
+    assert_eq!(
+        db.count("SELECT count(*) FROM idempotency_records WHERE record IS NOT NULL")
+            .await,
+        1
+    );
+}
+
+/// 64 duplicates of a slow charge: one execution; every duplicate gets
+/// `409` with `Retry-After` while the first still runs — its insert waits
+/// on the uncommitted row for a bounded time only — and no transaction is
+/// left open once the lock-wait timeouts are rolled back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_duplicates_one_charge_and_no_one_waits_for_it() {
+    let db = TestDatabase::create();
+    let server = Server::start(app(transactional(&db).await)).await;
+    let finished = Arc::new(Mutex::new(Vec::new()));
+    let requests = (0..64).map(|_| {
+        let finished = finished.clone();
+        let server = &server;
+        async move {
+            let reply = server.post("/charges?ms=1500", "k", CHARGE).await;
+            finished
+                .lock()
+                .unwrap()
+                .push((reply.status, Instant::now()));
+            reply
+        }
+    });
+    let replies = futures_util::future::join_all(requests).await;
+    let created = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED)
+        .count();
+    assert_eq!(created, 1, "one execution");
+    for reply in replies.iter().filter(|r| r.status != StatusCode::CREATED) {
+        reply.assert_problem(409);
+        assert!(reply.header("retry-after").is_some());
+    }
+    let finished = std::mem::take(&mut *finished.lock().unwrap());
+    let done = finished
+        .iter()
+        .find(|(s, _)| *s == StatusCode::CREATED)
+        .unwrap()
+        .1;
+    assert!(
+        finished
+            .iter()
+            .all(|(s, at)| *s == StatusCode::CREATED || *at < done),
+        "every duplicate was answered while the first still ran"
+    );
+    assert_eq!(db.count(CHARGES).await, 1);
+    db.wait_for_count(
+        "SELECT count(*) FROM information_schema.INNODB_TRX",
+        |open| open == 0,
+        "the duplicates' transactions were rolled back",
+    )
+    .await;
+}
+
+/// Under REPEATABLE READ (the default), with concurrent duplicates arriving
+/// just as the first commits: each either gets `409` or replays the
+/// committed record — read with a locking read, which sees what a plain
+/// `SELECT` of an older snapshot would not. Never a second charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicates_around_the_commit_replay_or_conflict_never_charge_twice() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    let isolation: String = sqlx::query_scalar("SELECT @@tx_isolation")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(isolation, "REPEATABLE-READ");
+    let server = Server::start(app(store)).await;
+    for round in 0..5 {
+        let key = format!("k{round}");
+        let first = tokio::spawn({
+            let (client, url) = (server.client.clone(), server.url("/charges?ms=200"));
+            let key = key.clone();
+            async move {
+                let mut req = request("/charges?ms=200", &key, CHARGE);
+                *req.uri_mut() = url.parse().unwrap();
+                client.send(req).await
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(180)).await;
+        let replies = futures_util::future::join_all((0..16).map(|_| {
+            let key = &key;
+            let server = &server;
+            async move { server.post("/charges?ms=200", key, CHARGE).await }
+        }))
+        .await;
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED);
+        for reply in &replies {
+            assert!(
+                reply.status == StatusCode::CONFLICT || reply.is_replay(),
+                "{} {:?}",
+                reply.status,
+                reply.body
+            );
+            if reply.is_replay() {
+                assert_eq!(reply.body, first.body);
+            }
+        }
+    }
+    assert_eq!(db.count(CHARGES).await, 5, "one charge per key");
+}
+
+/// The claim fails at once on a duplicate's uncommitted row, but the
+/// handler's own statements keep the server's lock wait: a handler that
+/// waits 1.5 s for a row another connection holds gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claims_short_lock_wait_is_not_the_handlers() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    sqlx::raw_sql("CREATE TABLE locks (id INT PRIMARY KEY, n INT) ENGINE = InnoDB; INSERT INTO locks VALUES (1, 0)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let app = app(store);
+    let mut holder = db.connect().await;
+    sqlx::raw_sql("BEGIN; UPDATE locks SET n = n + 1 WHERE id = 1")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let release = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        sqlx::Executor::execute(&mut holder, "COMMIT")
+            .await
+            .unwrap();
+    };
+    let (reply, ()) = tokio::join!(oneshot(&app, request("/waits", "k", CHARGE)), release);
+    assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
+}
+
+/// Two transfers in opposite orders deadlock (1213): InnoDB rolls one back.
+/// Its handler sees the error and answers `500`: nothing of it commits, the
+/// key is released, and the handler is never run again by the layer; the
+/// client's retry executes once. One charge per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deadlock_is_never_retried_by_running_the_handler_again() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    sqlx::raw_sql(
+        "CREATE TABLE balances (id BIGINT PRIMARY KEY, amount BIGINT) ENGINE = InnoDB; \
+         INSERT INTO balances VALUES (1, 0), (2, 0)",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let server = Server::start(app(store)).await;
+    let (a, b) = tokio::join!(
+        server.post("/transfer?first=1&second=2", "a", CHARGE),
+        server.post("/transfer?first=2&second=1", "b", CHARGE),
+    );
+    let mut statuses = [a.status, b.status];
+    statuses.sort();
+    assert_eq!(
+        statuses,
+        [StatusCode::CREATED, StatusCode::INTERNAL_SERVER_ERROR],
+        "{:?} {:?}",
+        a.body,
+        b.body
+    );
+    assert_eq!(db.count(CHARGES).await, 1, "the victim committed nothing");
+    let (victim, path) = if a.status == StatusCode::CREATED {
+        ("b", "/transfer?first=2&second=1")
+    } else {
+        ("a", "/transfer?first=1&second=2")
+    };
+    let retry = server.post(path, victim, CHARGE).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.is_replay());
+    assert_eq!(db.count(CHARGES).await, 2, "one charge per key");
+    assert_eq!(
+        db.count("SELECT CAST(SUM(amount) AS SIGNED) FROM balances")
+            .await,
+        4
+    );
+}
+
+/// A handler's `500` over a broken table (MySQL does not abort a
+/// transaction when a statement fails): not stored, nothing committed;
+/// after the fix the retry charges once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_error_over_a_broken_table_is_not_stored_and_the_fixed_retry_charges_once() {
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    let pool = store.pool().clone();
+    let app = app(store);
+    sqlx::raw_sql("DROP TABLE charges")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let broken = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(broken.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(
+        db.count("SELECT count(*) FROM idempotency_records").await,
+        0
+    );
+    sqlx::raw_sql(
+        "CREATE TABLE charges (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT) ENGINE = InnoDB",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    let fixed = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(fixed.status, StatusCode::CREATED, "{:?}", fixed.body);
+    assert!(
+        oneshot(&app, request("/charges", "k", CHARGE))
+            .await
+            .is_replay()
+    );
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+/// A transaction that outlives its bound (MariaDB's
+/// `idle_transaction_timeout`) is ended by the server: its commit fails,
+/// the response is withheld, nothing commits, and the retry charges once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_past_its_bound_is_ended_by_the_server_and_the_retry_charges_once() {
+    let db = TestDatabase::create();
+    let app = app(transactional_on(db.url(), Duration::from_secs(1)).await);
+    let late = oneshot(&app, request("/slow?ms=2500", "k", CHARGE)).await;
+    late.assert_problem(503);
+    assert_eq!(db.count(CHARGES).await, 0, "the server rolled it back");
+    let retry = oneshot(&app, request("/slow?ms=0", "k", CHARGE)).await;
+    assert_eq!(retry.status, StatusCode::CREATED, "{:?}", retry.body);
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+/// The start-up check refuses a records table that cannot keep exactly-once:
+/// a non-transactional storage engine (MyISAM, MEMORY: each statement
+/// commits on its own), a key column with a case-insensitive collation,
+/// and a table without its primary key — naming the engine and the reason.
+/// Opting out starts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tables_that_cannot_keep_exactly_once_are_refused_at_start_up() {
+    let columns = "fingerprint VARBINARY(64) NOT NULL, token VARBINARY(16), record LONGBLOB, \
+                   expires_at DATETIME(3) NOT NULL";
+    for (table, why) in [
+        (
+            format!("`key` VARBINARY(320) NOT NULL PRIMARY KEY, {columns}) ENGINE = MyISAM"),
+            "no transactions",
+        ),
+        (
+            format!(
+                "`key` VARBINARY(320) NOT NULL PRIMARY KEY, fingerprint VARBINARY(64) NOT NULL, \
+                 token VARBINARY(16), record VARBINARY(4096), expires_at DATETIME(3) NOT NULL) ENGINE = MEMORY"
+            ),
+            "no transactions",
+        ),
+        (
+            format!(
+                "`key` VARCHAR(320) CHARACTER SET utf8mb4 COLLATE utf8mb4_general_ci NOT NULL PRIMARY KEY, \
+                 {columns}) ENGINE = InnoDB"
+            ),
+            "does not compare bytes",
+        ),
+        (
+            format!("`key` VARBINARY(320) NOT NULL, {columns}) ENGINE = InnoDB"),
+            "not unique",
+        ),
+    ] {
+        let db = TestDatabase::create();
+        sqlx::raw_sql(&format!("CREATE TABLE idempotency_records ({table}"))
+            .execute(&mut db.connect().await)
+            .await
+            .unwrap();
+        match MySqlStore::builder()
+            .transactional()
+            .connect(db.url())
+            .await
+        {
+            Err(StoreError::Misconfigured(message)) => {
+                assert!(message.contains(why), "{table}: {message}");
+                assert!(
+                    message.contains("MariaDB") || message.contains("MySQL"),
+                    "{message}"
+                );
+            }
+            other => panic!("{table}: expected a refusal, got {other:?}"),
+        }
+        let opted_out = MySqlStore::builder()
+            .transactional()
+            .engine_check(EngineCheck::Warn)
+            .connect(db.url())
+            .await;
+        assert!(opted_out.is_ok(), "{opted_out:?}");
+    }
+}
+
+/// The example on MySQL, killed (-9) while its handler holds an uncommitted
+/// charge: nothing committed, the key free once the server sees the
+/// connection close, and the retry charges once; after a restart the
+/// charge replays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_charge_on_mysql_leaves_nothing_and_the_retry_charges_once() {
+    let db = TestDatabase::create();
+    let client = HttpClient::default();
+    let env = [("DATABASE_URL", db.url()), ("PROCESSOR_LATENCY_MS", "2000")];
+    // The handler's charge, inserted and not committed yet.
+    let uncommitted = async |_: &str| db.count_uncommitted(CHARGES).await > 0;
+    let payments = kill_mid_charge(&client, &env, uncommitted).await;
+    assert_eq!(
+        db.count(CHARGES).await,
+        0,
+        "the uncommitted charge died with the process"
+    );
+    let (executed, conflicts) = retry_until_done(&client, &payments.addr).await;
+    assert_eq!(executed.status, StatusCode::CREATED);
+    assert!(!executed.is_replay());
+    eprintln!("mysql: the retry executed after {conflicts} × 409");
+    drop(payments);
+    let restarted = Payments::start(free_port(), &env);
+    let replay = client.send(charge_request(&restarted.addr)).await;
+    assert!(replay.is_replay(), "{}", replay.status);
+    assert_eq!(db.count(CHARGES).await, 1, "exactly one charge");
+}
