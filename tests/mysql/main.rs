@@ -419,10 +419,9 @@ async fn tables_that_cannot_keep_exactly_once_are_refused_at_start_up() {
             "no transactions",
         ),
         (
-            format!(
-                "`key` VARBINARY(320) NOT NULL PRIMARY KEY, fingerprint VARBINARY(64) NOT NULL, \
-                 token VARBINARY(16), record VARBINARY(4096), expires_at DATETIME(3) NOT NULL) ENGINE = MEMORY"
-            ),
+            "`key` VARBINARY(320) NOT NULL PRIMARY KEY, fingerprint VARBINARY(64) NOT NULL, \
+             token VARBINARY(16), record VARBINARY(4096), expires_at DATETIME(3) NOT NULL) ENGINE = MEMORY"
+                .to_owned(),
             "no transactions",
         ),
         (
