@@ -53,7 +53,8 @@
 //! | [`MemoryStore`] | `memory` (default) | leases | tests, one process |
 //! | [`SqliteTxStore`] | `sqlite` | transactions | one machine, durable, nothing to install |
 //! | [`PostgresTxStore`] | `postgres` | transactions | effects in PostgreSQL (or a compatible engine) |
-//! | [`SqliteStore`], [`PostgresStore`] | `sqlite`, `postgres` | leases | effects elsewhere |
+//! | [`MySqlTxStore`] | `mysql` | transactions | effects in MySQL or MariaDB (Galera too) |
+//! | [`SqliteStore`], [`PostgresStore`], [`MySqlStore`] | `sqlite`, `postgres`, `mysql` | leases | effects elsewhere |
 //! | [`RedisStore`] | `redis` (`cluster`) | leases | effects elsewhere, many instances |
 //! | [`CachedStore`] | `cache` | the inner store's | replays without a round trip |
 //!
@@ -62,7 +63,8 @@
 //! [`IdempotentTx`], and a crash anywhere leaves both or neither — exactly
 //! one effect. A store whose claims are **leases** keeps the record apart
 //! from the effect: a crash between them means the retry executes again
-//! once the lease expires. Custom stores implement [`store::Store`].
+//! once the lease expires. The SQL stores are one family, [`store::sql`].
+//! Custom stores implement [`store::Store`].
 //!
 //! ```no_run
 //! # #[cfg(feature = "sqlite")]
@@ -114,6 +116,7 @@
 //! | `cluster` | | Redis Cluster for [`RedisStore`] |
 //! | `sqlite` | | [`SqliteStore`], [`SqliteTxStore`] (bundled SQLite; re-exports `sqlx`) |
 //! | `postgres` | | [`PostgresStore`], [`PostgresTxStore`] (re-exports `sqlx`) |
+//! | `mysql` | | [`MySqlStore`], [`MySqlTxStore`] for MySQL 8.0+ and MariaDB 10.6+ (re-exports `sqlx`) |
 //! | `cache` | | [`CachedStore`] |
 //! | `metrics` | | counters and histograms through the `metrics` facade |
 //! | `compression` | | zstd for stored bodies ([`codec::Compression`], opt-in per store) |
