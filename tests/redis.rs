@@ -645,3 +645,111 @@ async fn compressed_records_replay_the_original_bytes_and_store_fewer() {
     assert_eq!(replay.body, first.body);
     assert_eq!(counter.get(), 1);
 }
+
+/// A record tampered in Redis — its zstd frame swapped for one that claims
+/// 64 MiB, or the value cut short — is a clear `503`: decompression is
+/// bounded by the largest body the store keeps (1 MiB by default), not by
+/// what a frame claims (it allocated 256 MiB per replay), and a corrupt
+/// record is never taken for another request's (`422`).
+#[tokio::test]
+async fn a_tampered_record_is_a_503_and_never_decompresses_past_the_limit() {
+    use std::io::Read;
+    use tower_idempotency::codec::Compression;
+
+    let server = RedisServer::start();
+    let compressing = || async {
+        RedisStore::builder()
+            .compression(Compression::zstd(1).min_size(64))
+            .connect(&server.url())
+            .await
+            .unwrap()
+    };
+    let store = compressing().await;
+    let (app, counter) = app(store.clone());
+    let body = format!(r#"{{"note":"{}"}}"#, "abc".repeat(200));
+    for key in ["bomb", "cut"] {
+        let first = oneshot(&app, post("/charges", key, &body)).await;
+        assert_eq!(first.status, StatusCode::CREATED);
+    }
+    let frame_at = |value: &[u8]| {
+        value
+            .windows(4)
+            .position(|w| w == [0x28, 0xb5, 0x2f, 0xfd])
+            .expect("a zstd frame")
+    };
+    // 64 MiB of zeros, a few KiB compressed, its size in the frame header.
+    let mut encoder = zstd::stream::Encoder::new(Vec::new(), 1).unwrap();
+    encoder.set_pledged_src_size(Some(64 << 20)).unwrap();
+    std::io::copy(&mut std::io::repeat(0).take(64 << 20), &mut encoder).unwrap();
+    let bomb = encoder.finish().unwrap();
+    let mut redis = redis::Client::open(server.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let key = redis_key_of(&store, "bomb");
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let tampered = [&value[..frame_at(&value)], &bomb[..]].concat();
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg(tampered)
+        .arg("KEEPTTL")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let key = redis_key_of(&store, "cut");
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg(&value[..value.len() / 2])
+        .arg("KEEPTTL")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    for key in ["bomb", "cut"] {
+        let replay = oneshot(&app, post("/charges", key, &body)).await;
+        replay.assert_problem(503);
+    }
+    assert_eq!(counter.get(), 2, "nothing ran again");
+}
+
+/// A duplicate of a request in flight on Redis (and in memory) used to be
+/// told to come back when the lease ran out — `Retry-After: 30`, or a
+/// 29 s gRPC pushback — for a handler that takes half a second: a client
+/// that honours it waits 60 times too long. The hint is short, 1 s by
+/// default, or what the layer is configured with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_duplicate_in_flight_is_told_to_come_back_soon_not_when_the_lease_ends() {
+    let server = RedisServer::start();
+    for (layer, expected) in [
+        (IdempotencyLayer::new(store(&server).await), "1"),
+        (
+            IdempotencyLayer::new(store(&server).await)
+                .in_flight_retry_after(Duration::from_secs(3)),
+            "3",
+        ),
+    ] {
+        let counter = Counter::default();
+        let app = routes(counter.clone()).layer(layer);
+        let key = format!("slow-{expected}");
+        let first = tokio::spawn({
+            let (app, key) = (app.clone(), key.clone());
+            async move { oneshot(&app, post("/slow?ms=500", &key, CHARGE)).await }
+        });
+        while counter.get() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let duplicate = oneshot(&app, post("/slow?ms=500", &key, CHARGE)).await;
+        duplicate.assert_problem(409);
+        assert_eq!(duplicate.header("retry-after"), Some(expected));
+        assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    }
+}

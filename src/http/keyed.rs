@@ -82,7 +82,14 @@ where
     let wait_until = config.in_flight_wait.map(|wait| Instant::now() + wait);
     let mut poll_every = Duration::from_millis(5);
     loop {
-        match protocol::claim(&shared.store, key.clone(), fingerprint, config.lease).await {
+        let claimed = protocol::claim(
+            &shared.store,
+            key.clone(),
+            fingerprint,
+            config.lease,
+            config.in_flight_retry_after,
+        );
+        match claimed.await {
             Claimed::Granted(hold) => {
                 let request = Request::from_parts(parts, Body::from(body));
                 return handler::detached(shared, inner, request, hold, wire).await;

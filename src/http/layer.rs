@@ -87,6 +87,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 in_flight_wait: None,
                 fail_open: false,
                 unavailable_retry_after: Duration::from_secs(1),
+                in_flight_retry_after: protocol::DEFAULT_IN_FLIGHT_HINT,
                 documentation: None,
             },
             render: Arc::new(Rejection::into_problem_response),
@@ -333,6 +334,28 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// ```
     pub fn unavailable_retry_after(mut self, after: Duration) -> Self {
         self.config().unavailable_retry_after = after;
+        self
+    }
+
+    /// The `Retry-After` (gRPC: `grpc-retry-pushback-ms`) sent with the
+    /// `409` a duplicate of a request still running gets, at most (default
+    /// 1 s). The store knows only when the running request's lease runs out
+    /// — up to a whole lease (30 s) — not when its work ends; a client that
+    /// honours a hint that long waits far longer than most work takes. A
+    /// lease about to run out (its holder crashed) shortens the hint.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // Charges take about 3 s.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).in_flight_retry_after(Duration::from_secs(3));
+    /// # let _ = layer;
+    /// ```
+    pub fn in_flight_retry_after(mut self, after: Duration) -> Self {
+        self.config().in_flight_retry_after = after;
         self
     }
 

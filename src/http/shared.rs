@@ -28,6 +28,8 @@ pub(crate) struct Config {
     pub(crate) in_flight_wait: Option<Duration>,
     pub(crate) fail_open: bool,
     pub(crate) unavailable_retry_after: Duration,
+    /// When a duplicate of a key in flight is told to come back, at most.
+    pub(crate) in_flight_retry_after: Duration,
     /// Where the API publishes its idempotency policy, for rejections.
     pub(crate) documentation: Option<Arc<str>>,
 }

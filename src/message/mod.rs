@@ -323,7 +323,14 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         let key = IdempotencyKey::new(key).map_err(ProcessError::InvalidKey)?;
         let key = StorageKey::new(&self.scope, &key);
         let fingerprint = self.fingerprint.fingerprint_payload(payload);
-        let mut hold = match protocol::claim(&self.store, key, fingerprint, self.lease).await {
+        let claimed = protocol::claim(
+            &self.store,
+            key,
+            fingerprint,
+            self.lease,
+            protocol::DEFAULT_IN_FLIGHT_HINT,
+        );
+        let mut hold = match claimed.await {
             Claimed::Granted(hold) => hold,
             Claimed::InFlight { retry_after } => {
                 return Ok(ProcessOutcome::InFlight { retry_after });

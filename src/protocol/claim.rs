@@ -26,12 +26,16 @@ pub(crate) enum Claimed<St: Store> {
 }
 
 /// Claims `key` for a request with `fingerprint`, under a lease of `lease`
-/// where the store's claims are leases.
+/// where the store's claims are leases. A duplicate of a key in flight is
+/// told to come back after `hint` at most: what a store knows is when the
+/// holder's lease runs out (up to a whole lease), not when its work ends,
+/// and most work ends far sooner.
 pub(crate) async fn claim<St: Store>(
     store: &St,
     key: StorageKey,
     fingerprint: Fingerprint,
     lease: Duration,
+    hint: Duration,
 ) -> Claimed<St> {
     let claim = store.claim(&key, &fingerprint, lease);
     match observe::store_call("claim", claim).await {
@@ -44,7 +48,9 @@ pub(crate) async fn claim<St: Store>(
         }
         Ok(Claim::InFlight { retry_after }) => {
             tracing::debug!(%key, "idempotency: in flight elsewhere");
-            Claimed::InFlight { retry_after }
+            Claimed::InFlight {
+                retry_after: retry_after.min(hint),
+            }
         }
         Ok(Claim::Mismatch) => {
             tracing::info!(%key, "idempotency: key reused with different parameters");

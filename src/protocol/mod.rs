@@ -38,6 +38,9 @@ pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 /// The retention both doors start with.
 pub(crate) const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// When a duplicate of a key in flight is told to come back, at most.
+pub(crate) const DEFAULT_IN_FLIGHT_HINT: Duration = Duration::from_secs(1);
+
 /// `lease`, or a panic naming `setting` and the bound it breaks:
 /// configuration mistakes fail when the layer or processor is configured,
 /// never at run time.

@@ -473,3 +473,34 @@ fn a_read_only_database_says_so_at_start_up() {
     assert!(!output.contains("EngineCheck::Warn"), "{output}");
     assert!(!output.contains("failed the start-up check"), "{output}");
 }
+
+/// A request that gives up while its claim waits for the write lock (a
+/// slow charge holds it): the claim still runs once the lock is free, and
+/// the transaction it began, which nobody took, must end with it — not go
+/// back to the pool holding the file's write lock, which made every later
+/// charge wait out the busy timeout and fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_caller_gave_up_does_not_keep_the_write_lock() {
+    let file = TestFile::create();
+    let app = app(transactional(&file).await);
+    let slow = tokio::spawn({
+        let app = app.clone();
+        async move { oneshot(&app, request("/charges?ms=800", "slow", CHARGE)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(200),
+        oneshot(&app, request("/charges", "impatient", CHARGE)),
+    )
+    .await;
+    assert!(gave_up.is_err(), "it waited for the write lock");
+    assert_eq!(slow.await.unwrap().status, StatusCode::CREATED);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let next = oneshot(&app, request("/charges", "next", CHARGE)).await;
+    assert_eq!(next.status, StatusCode::CREATED, "{:?}", next.body);
+    assert_eq!(
+        file.count(CHARGES).await,
+        2,
+        "the abandoned claim charged nothing"
+    );
+}

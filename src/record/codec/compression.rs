@@ -32,11 +32,26 @@ pub(super) use self::zstd_frames::Zstd;
 /// let zstd = Compression::zstd(1).min_size(1024);
 /// # let _ = none;
 /// ```
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Compression {
     #[cfg(feature = "compression")]
     pub(super) zstd: Option<std::sync::Arc<Zstd>>,
+    /// The largest body compressed, and the most a frame may expand to.
+    max_body: usize,
 }
+
+impl Default for Compression {
+    fn default() -> Self {
+        Self {
+            #[cfg(feature = "compression")]
+            zstd: None,
+            max_body: DEFAULT_MAX_BODY,
+        }
+    }
+}
+
+/// The layer's default largest stored body, 1 MiB.
+const DEFAULT_MAX_BODY: usize = 1 << 20;
 
 impl Compression {
     /// Bodies are stored as they are.
@@ -44,12 +59,37 @@ impl Compression {
         Self::default()
     }
 
+    /// The largest body this store compresses, and the most a compressed
+    /// body may decompress to when read (default 1 MiB, the layer's
+    /// default [`max_stored_body`](crate::IdempotencyLayer::max_stored_body)):
+    /// a record whose frame claims more is corrupt — a tampered record
+    /// must not make a replay allocate what it says. A larger body is
+    /// stored as it is. Set it to the layer's `max_stored_body` if you
+    /// raised that, on every instance that reads the records.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::codec::Compression;
+    ///
+    /// # #[cfg(feature = "compression")]
+    /// let compression = Compression::zstd(1).max_body(8 << 20);
+    /// # #[cfg(feature = "compression")]
+    /// # let _ = compression;
+    /// ```
+    pub fn max_body(mut self, bytes: usize) -> Self {
+        self.max_body = bytes;
+        self
+    }
+
     /// Compresses `body` if this setting says so and it pays; `None` to
     /// store it as it is.
     pub(super) fn compress(&self, body: &[u8]) -> Option<Vec<u8>> {
         #[cfg(feature = "compression")]
         if let Some(zstd) = &self.zstd {
-            return zstd.compress(body);
+            if body.len() <= self.max_body {
+                return zstd.compress(body);
+            }
         }
         let _ = body;
         None
@@ -58,7 +98,7 @@ impl Compression {
     /// The body a compressed field holds.
     pub(super) fn decompress(&self, frame: &[u8]) -> Result<Vec<u8>, CorruptRecord> {
         #[cfg(feature = "compression")]
-        return zstd_frames::decompress(self.zstd.as_deref(), frame);
+        return zstd_frames::decompress(self.zstd.as_deref(), frame, self.max_body);
         #[cfg(not(feature = "compression"))]
         {
             let _ = frame;
@@ -74,9 +114,15 @@ impl fmt::Debug for Compression {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         #[cfg(feature = "compression")]
         if let Some(zstd) = &self.zstd {
-            return fmt::Debug::fmt(zstd, f);
+            return f
+                .debug_struct("Compression")
+                .field("zstd", zstd)
+                .field("max_body", &self.max_body)
+                .finish();
         }
-        f.write_str("Compression::None")
+        f.debug_struct("Compression::None")
+            .field("max_body", &self.max_body)
+            .finish()
     }
 }
 
@@ -88,10 +134,6 @@ mod zstd_frames {
 
     use super::Compression;
     use crate::record::CorruptRecord;
-
-    /// The largest body a frame may claim to hold (a record is never near
-    /// this; a frame that says so is corrupt).
-    const MAX_BODY: u64 = 256 << 20;
 
     pub(in super::super) struct Zstd {
         level: i32,
@@ -129,6 +171,7 @@ mod zstd_frames {
                     writer: None,
                     readers: Vec::new(),
                 })),
+                ..Self::default()
             }
         }
 
@@ -200,9 +243,20 @@ mod zstd_frames {
         }
     }
 
-    pub(super) fn decompress(zstd: Option<&Zstd>, frame: &[u8]) -> Result<Vec<u8>, CorruptRecord> {
+    /// The body `frame` holds, if it says it is at most `max_body` bytes.
+    pub(super) fn decompress(
+        zstd: Option<&Zstd>,
+        frame: &[u8],
+        max_body: usize,
+    ) -> Result<Vec<u8>, CorruptRecord> {
         let size = match zstd_safe::get_frame_content_size(frame) {
-            Ok(Some(size)) if size <= MAX_BODY => size as usize,
+            Ok(Some(size)) if size <= max_body as u64 => size as usize,
+            Ok(Some(_)) => {
+                return Err(CorruptRecord(
+                    "compressed body larger than the store's max_body: a corrupt record, or \
+                     one written by a store configured for larger bodies",
+                ));
+            }
             _ => return Err(CorruptRecord("compressed body without a valid size")),
         };
         let dictionary = match zstd_safe::get_dict_id_from_frame(frame) {

@@ -142,7 +142,10 @@ pub(super) fn decode_claim(
         });
     }
     let (expiry, record) = split_completed(found)?;
-    if codec::fingerprint(&record) != Some(*fingerprint) {
+    // Decoded first: a truncated or corrupt record is an error, never a
+    // mismatch.
+    let (stored, record) = codec::decode_with(record, compression)?;
+    if stored != *fingerprint {
         return Ok(Claim::Mismatch);
     }
     // Not cacheable when the expiry is unknown.
@@ -150,7 +153,7 @@ pub(super) fn decode_claim(
         until(e).saturating_sub(CLOCK_SKEW_MARGIN)
     });
     Ok(Claim::Completed {
-        record: Arc::new(codec::decode_with(record, compression)?.1),
+        record: Arc::new(record),
         expires_in,
     })
 }

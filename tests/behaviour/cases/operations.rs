@@ -12,6 +12,7 @@ use tower_idempotency::{
 
 use super::{CHARGE, app_with, scoped};
 use crate::support::{
+    app::Counter,
     backend::Backend,
     http::{Reply, Server, oneshot, post},
 };
@@ -46,9 +47,19 @@ fn spawn_slow(server: &Server, ms: u64) -> tokio::task::JoinHandle<Reply> {
     tokio::spawn(async move { client.send(request).await })
 }
 
-/// Waits (up to 5 s) until `key`'s claim is in flight.
-async fn wait_in_flight<St: Store>(store: &St, key: &StorageKey) {
+/// Waits (up to 5 s) until the handler runs (`runs`), then until `key`'s
+/// claim is in flight as the store sees it. (Probed before the handler
+/// runs, a transactional store's probe could meet the claim being made and
+/// turn it away.)
+async fn wait_in_flight<St: Store>(store: &St, key: &StorageKey, runs: &Counter) {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while runs.get() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the handler never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     while !matches!(store.inspect(key).await.unwrap(), KeyState::InFlight { .. }) {
         assert!(std::time::Instant::now() < deadline, "never in flight");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -109,7 +120,7 @@ pub async fn a_key_in_flight_is_not_forgotten_without_force<B: Backend>(b: &B) {
     let server = Server::start(app).await;
     let key = address("acct_alice", "slow-1");
     let slow = spawn_slow(&server, 1500);
-    wait_in_flight(&store, &key).await;
+    wait_in_flight(&store, &key, &runs).await;
     assert_eq!(
         store.forget(&key, false).await.unwrap(),
         Forgotten::InFlight
@@ -134,7 +145,7 @@ where
     let server = Server::start(app).await;
     let key = address("acct_alice", "slow-1");
     let first = spawn_slow(&server, 800);
-    wait_in_flight(&store, &key).await;
+    wait_in_flight(&store, &key, &runs).await;
     assert_eq!(
         store.forget(&key, true).await.unwrap(),
         Forgotten::ForcedInFlight
@@ -158,11 +169,11 @@ where
 /// forcing it is refused, and says why.
 pub async fn a_transaction_in_flight_cannot_be_forced<B: Backend>(b: &B) {
     let store = b.store().await;
-    let (app, _) = app_with(scoped(store.clone()));
+    let (app, runs) = app_with(scoped(store.clone()));
     let server = Server::start(app).await;
     let key = address("acct_alice", "slow-1");
     let slow = spawn_slow(&server, 1000);
-    wait_in_flight(&store, &key).await;
+    wait_in_flight(&store, &key, &runs).await;
     assert!(matches!(
         store.forget(&key, true).await,
         Err(StoreError::Unsupported(_))

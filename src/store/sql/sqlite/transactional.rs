@@ -9,7 +9,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use sqlx::pool::PoolConnection;
 use tokio::sync::OwnedMutexGuard;
 
 use super::{Sqlite, SqliteTx, SqliteTxStore, statements};
@@ -115,28 +114,22 @@ pub(super) async fn claim(
     let Some(registered) = Registered::enter(&store.state.in_flight, key) else {
         return Ok(TxClaim::InFlight);
     };
-    // On a task of its own: a caller that stops waiting halfway through
-    // `BEGIN` must not return a connection to the pool that the worker then
-    // puts inside a transaction. The task finishes, and a transaction
-    // nobody took closes its connection when dropped.
-    let began = Instant::now();
+    // On a task of its own, which makes the transaction whole (connection,
+    // turn, registry place) before it returns it: a caller that stops
+    // waiting halfway must not leave a connection in the pool inside the
+    // transaction. A transaction nobody took closes its connection when
+    // dropped, which rolls it back.
     let claim = tokio::spawn({
         let (base, state) = (store.base.clone(), store.state.clone());
         let (key, fingerprint) = (key.clone(), *fingerprint);
         let hold_ms = millis(store.bound, "transaction timeout")?;
-        async move { insert_claim(&base, &state, &key, &fingerprint, hold_ms).await }
+        async move { insert_claim(&base, &state, registered, &key, &fingerprint, hold_ms).await }
     });
     match claim
         .await
         .map_err(|e| StoreError::Unavailable(e.into()))??
     {
-        Some((connection, turn)) => {
-            let held = Held {
-                _turn: turn,
-                _registered: registered,
-            };
-            Ok(TxClaim::Acquired(SqlTx::begun(connection, held, began)))
-        }
+        Some(tx) => Ok(TxClaim::Acquired(tx)),
         // Committed by another process since the first look.
         None => Ok(store
             .base
@@ -149,20 +142,27 @@ pub(super) async fn claim(
 /// Takes this process's turn to write, then the database's write lock
 /// (waiting for a writer in another process as SQLite does: its busy
 /// timeout, the command timeout), and inserts the claim's row: the
-/// connection inside the transaction holding it, with the turn, or `None`
-/// when a live row holds the key.
+/// transaction holding it, or `None` when a live row holds the key.
 async fn insert_claim(
     base: &Base<Sqlite>,
     state: &TxState,
+    registered: Registered,
     key: &StorageKey,
     fingerprint: &Fingerprint,
     hold_ms: i64,
-) -> Result<Option<(PoolConnection<sqlx::Sqlite>, OwnedMutexGuard<()>)>, StoreError> {
+) -> Result<Option<SqliteTx>, StoreError> {
+    let began = Instant::now();
     let turn = base.engine.turn(base.timeout).await?;
     let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
     Sqlite::raw(&mut connection, "BEGIN IMMEDIATE")
         .await
         .map_err(|e| base.error(e))?;
+    let held = Held {
+        _turn: turn,
+        _registered: registered,
+    };
+    // From here on, dropped unfinished, it closes its connection.
+    let mut tx = SqlTx::begun(connection, held, began);
     let args = Args {
         key: key.as_str(),
         fingerprint: fingerprint.as_bytes(),
@@ -170,19 +170,14 @@ async fn insert_claim(
         ms: hold_ms,
         ..Args::default()
     };
-    match Sqlite::fetch(&mut connection, &state.claim, &args).await {
-        Ok(Some(_)) => Ok(Some((connection, turn))),
+    match Sqlite::fetch(&mut tx, &state.claim, &args).await {
+        Ok(Some(_)) => Ok(Some(tx)),
         Ok(None) => {
-            if Sqlite::raw(&mut connection, "ROLLBACK").await.is_err() {
-                connection.close_on_drop();
-            }
+            // Rolled back (or, failing that, closed).
+            let _ = tx.end("ROLLBACK").await;
             Ok(None)
         }
-        Err(error) => {
-            // Never back in the pool inside the transaction.
-            connection.close_on_drop();
-            Err(base.error(error))
-        }
+        Err(error) => Err(base.error(error)),
     }
 }
 
@@ -235,7 +230,15 @@ pub(super) async fn forget(
     if store.state.in_flight(key) {
         return Ok(Forgotten::InFlight);
     }
-    let base = &store.base;
+    // On a task of its own, as a claim: a caller that stops waiting must
+    // not leave the connection inside the transaction.
+    let (base, key) = (store.base.clone(), key.clone());
+    tokio::spawn(async move { forget_committed(&base, &key).await })
+        .await
+        .map_err(|e| StoreError::Unavailable(e.into()))?
+}
+
+async fn forget_committed(base: &Base<Sqlite>, key: &StorageKey) -> Result<Forgotten, StoreError> {
     let _turn = base.engine.turn(base.timeout).await?;
     let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
     let begin = format!(
@@ -245,7 +248,9 @@ pub(super) async fn forget(
     let began = Sqlite::raw(&mut connection, &begin).await;
     let restore = format!("PRAGMA busy_timeout = {}", base.timeout.as_millis());
     if let Err(error) = began {
-        let _ = Sqlite::raw(&mut connection, &restore).await;
+        if Sqlite::raw(&mut connection, &restore).await.is_err() {
+            connection.close_on_drop();
+        }
         return match Sqlite::classify(&error) {
             super::ErrorClass::Busy => Ok(Forgotten::InFlight),
             _ => Err(base.error(error)),
