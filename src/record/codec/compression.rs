@@ -86,10 +86,10 @@ impl Compression {
     /// store it as it is.
     pub(super) fn compress(&self, body: &[u8]) -> Option<Vec<u8>> {
         #[cfg(feature = "compression")]
-        if let Some(zstd) = &self.zstd {
-            if body.len() <= self.max_body {
-                return zstd.compress(body);
-            }
+        if let Some(zstd) = &self.zstd
+            && body.len() <= self.max_body
+        {
+            return zstd.compress(body);
         }
         let _ = body;
         None
