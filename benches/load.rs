@@ -2,9 +2,10 @@
 //! driven side by side over loopback by `wrk`, alternating variants over
 //! several rounds, with the ratio to bare per round and the median.
 //!
-//! Run with: `cargo bench --bench load` (needs `wrk` and `redis-server` on
-//! PATH, and PostgreSQL at `DATABASE_URL` or locally as in the tests;
-//! Debian/Ubuntu: `sudo apt-get install wrk redis-server postgresql`).
+//! Run with: `cargo bench --all-features --bench load` (needs `wrk` and
+//! `redis-server` on PATH, PostgreSQL at `DATABASE_URL` and MySQL/MariaDB at
+//! `MYSQL_URL`, or locally as in the tests; Debian/Ubuntu: `sudo apt-get
+//! install wrk redis-server postgresql mariadb-server`).
 //!
 //! Environment: `LOAD_SECS` (per run, default 5), `LOAD_ROUNDS` (default 3),
 //! `LOAD_CONNECTIONS` (default 32), `LOAD_VARIANTS` (comma-separated names to
@@ -26,12 +27,16 @@ use http_body_util::BodyExt;
 use redis::AsyncCommands;
 use serde::{Deserialize, Serialize};
 use tower_idempotency::{
-    IdempotencyLayer, IdempotentTx, MemoryStore, PostgresStore, RedisStore, SqliteStore,
-    SqliteTxStore,
+    IdempotencyLayer, IdempotentTx, MemoryStore, MySqlStore, MySqlTxStore, PostgresStore,
+    RedisStore, SqliteStore, SqliteTxStore,
     codec::Compression,
-    sqlx::{self, PgConnection, PgPool, SqliteConnection, SqlitePool, postgres::PgPoolOptions},
+    sqlx::{
+        self, MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection, SqlitePool,
+        mysql::MySqlPoolOptions, postgres::PgPoolOptions,
+    },
     store::{CachedStore, Store},
 };
+use tower_idempotency_harness::mysql::TestDatabase as MySqlDatabase;
 use tower_idempotency_harness::postgres::TestDatabase;
 use tower_idempotency_harness::redis_server::RedisServer;
 use tower_idempotency_harness::sqlite::TestFile;
@@ -57,6 +62,8 @@ struct Variant {
     reference: &'static str,
     /// Whether it writes to PostgreSQL (its costs there are reported).
     postgres: bool,
+    /// Whether it writes to MySQL (its costs there are reported).
+    mysql: bool,
 }
 
 #[derive(Deserialize, Serialize)]
@@ -291,6 +298,111 @@ async fn sqlite_charge_in_transaction(
     charge(Json(new)).await
 }
 
+async fn insert_charge_mysql(connection: &mut MySqlConnection, new: &NewCharge) {
+    sqlx::query("INSERT INTO charges (amount, currency, description) VALUES (?, ?, ?)")
+        .bind(new.amount)
+        .bind(&new.currency)
+        .bind(&new.description)
+        .execute(connection)
+        .await
+        .expect("insert the charge");
+}
+
+/// The MySQL handler without the layer's help: the charge in a transaction
+/// of its own.
+async fn mysql_charge_committed(
+    State(pool): State<MySqlPool>,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    let mut tx = pool.begin().await.expect("begin");
+    insert_charge_mysql(&mut tx, &new).await;
+    tx.commit().await.expect("commit");
+    charge(Json(new)).await
+}
+
+/// MySQL's floor for exactly-once effects, hand-written without the layer:
+/// the charge and a record row of the same shape inserted in one
+/// transaction of its own.
+async fn mysql_charge_and_record(
+    State(pool): State<MySqlPool>,
+    headers: http::HeaderMap,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let mut tx = pool.begin().await.expect("begin");
+    insert_charge_mysql(&mut tx, &new).await;
+    sqlx::query(
+        "INSERT INTO idempotency_records (`key`, fingerprint, record, expires_at) \
+         VALUES (?, ?, ?, UTC_TIMESTAMP(3) + INTERVAL 600 SECOND)",
+    )
+    .bind(format!("{:064}:{key}", 0))
+    .bind(&[7u8; 32][..])
+    .bind(&[7u8; 200][..])
+    .execute(&mut *tx)
+    .await
+    .expect("insert the record");
+    tx.commit().await.expect("commit");
+    charge(Json(new)).await
+}
+
+/// MySQL's floor for a replay: one prepared lookup of the stored response
+/// by key, outside any transaction. (A key not yet stored, during the
+/// warm-up only, is stored first.)
+async fn mysql_replay_by_hand(State(pool): State<MySqlPool>, headers: http::HeaderMap) -> Response {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let key = format!("{:064}:{key}", 1);
+    let found: Option<Vec<u8>> = sqlx::query_scalar(
+        "SELECT record FROM idempotency_records WHERE `key` = ? AND expires_at > UTC_TIMESTAMP(3)",
+    )
+    .bind(&key)
+    .fetch_optional(&pool)
+    .await
+    .expect("look the response up");
+    let body = match found {
+        Some(body) => body,
+        None => {
+            let body = br#"{"id":"ch_0000000000000000","amount":1999,"currency":"eur","description":"floor"}"#.to_vec();
+            sqlx::query(
+                "INSERT INTO idempotency_records (`key`, fingerprint, record, expires_at) \
+                 VALUES (?, ?, ?, UTC_TIMESTAMP(3) + INTERVAL 1 DAY) \
+                 ON DUPLICATE KEY UPDATE record = VALUES(record), expires_at = VALUES(expires_at)",
+            )
+            .bind(&key)
+            .bind(&[7u8; 32][..])
+            .bind(&body)
+            .execute(&pool)
+            .await
+            .expect("store the response");
+            body
+        }
+    };
+    (
+        StatusCode::CREATED,
+        [
+            (http::header::CONTENT_TYPE, "application/json"),
+            (http::HeaderName::from_static("idempotent-replayed"), "true"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// The same charge in the request's MySQL transaction, committed by the
+/// layer with the record.
+async fn mysql_charge_in_transaction(
+    mut tx: IdempotentTx<tower_idempotency::MySqlTx>,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    insert_charge_mysql(&mut tx, &new).await;
+    charge(Json(new)).await
+}
+
 /// The same charge in the request's transaction, committed by the layer with
 /// the record.
 async fn charge_in_transaction(
@@ -367,7 +479,12 @@ async fn serve(app: Router) -> SocketAddr {
     addr
 }
 
-async fn start_variants(redis_url: &str, pool: PgPool, sqlite: SqliteTxStore) -> Vec<Variant> {
+async fn start_variants(
+    redis_url: &str,
+    pool: PgPool,
+    sqlite: SqliteTxStore,
+    mysql: MySqlTxStore,
+) -> Vec<Variant> {
     let redis = || async {
         RedisStore::builder()
             .connect(redis_url)
@@ -516,6 +633,46 @@ async fn start_variants(redis_url: &str, pool: PgPool, sqlite: SqliteTxStore) ->
                 .route("/v1/charges", post(sqlite_charge_in_transaction))
                 .layer(layer(sqlite)),
         ),
+        (
+            "mysql-floor",
+            Keys::Unique,
+            "mysql-floor",
+            Router::new()
+                .route("/v1/charges", post(mysql_charge_committed))
+                .with_state(mysql.pool().clone()),
+        ),
+        (
+            "mysql-floor-record",
+            Keys::Unique,
+            "mysql-floor",
+            Router::new()
+                .route("/v1/charges", post(mysql_charge_and_record))
+                .with_state(mysql.pool().clone()),
+        ),
+        (
+            "mysql-replay-floor",
+            Keys::Replay,
+            "mysql-floor",
+            Router::new()
+                .route("/v1/charges", post(mysql_replay_by_hand))
+                .with_state(mysql.pool().clone()),
+        ),
+        (
+            "mysql-tx",
+            Keys::Unique,
+            "mysql-floor",
+            Router::new()
+                .route("/v1/charges", post(mysql_charge_in_transaction))
+                .layer(layer(mysql.clone())),
+        ),
+        (
+            "mysql-tx-replay",
+            Keys::Replay,
+            "mysql-floor",
+            Router::new()
+                .route("/v1/charges", post(mysql_charge_in_transaction))
+                .layer(layer(mysql)),
+        ),
     ];
     let wanted: Option<Vec<String>> = env::var("LOAD_VARIANTS")
         .ok()
@@ -538,6 +695,10 @@ async fn start_variants(redis_url: &str, pool: PgPool, sqlite: SqliteTxStore) ->
                 ("pg-redis", "pg-floor"),
                 ("sqlite-tx", "sqlite-floor-record"),
                 ("sqlite-tx-replay", "sqlite-replay-floor"),
+                ("mysql-tx", "mysql-floor"),
+                ("mysql-tx", "mysql-floor-record"),
+                ("mysql-tx-replay", "mysql-floor"),
+                ("mysql-tx-replay", "mysql-replay-floor"),
             ]
             .iter()
             .any(|(v, r)| *r == n && wanted(v))
@@ -549,6 +710,7 @@ async fn start_variants(redis_url: &str, pool: PgPool, sqlite: SqliteTxStore) ->
                 addr: serve(app).await,
                 reference,
                 postgres: name.starts_with("pg-"),
+                mysql: name.starts_with("mysql-"),
             });
         }
     }
@@ -575,6 +737,16 @@ wrk.body = '{{"amount":1999,"currency":"eur","description":"load benchmark"}}'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer acct_bench"
 local n = 0
+local statuses = {{}}
+function response(status, headers, body)
+  if status >= 300 then
+    local seen = statuses[status] or 0
+    statuses[status] = seen + 1
+    if seen == 0 then
+      io.stderr:write("wrk: status " .. status .. ": " .. string.sub(body, 1, 300) .. "\n")
+    end
+  end
+end
 function request()
   n = n + 1
   if "{mode}" == "unique" then
@@ -621,6 +793,26 @@ async fn pg_counters(pool: &PgPool) -> PgCounters {
         xids: xids as f64,
         wal_bytes: wal_bytes as f64,
         cpu_us: processes_cpu_us("postgres"),
+    }
+}
+
+/// MySQL's own counters: bytes of redo log written, and the CPU time of its
+/// server processes.
+#[derive(Clone, Copy, Default)]
+struct MyCounters {
+    redo_bytes: f64,
+    cpu_us: f64,
+}
+
+async fn my_counters(pool: &MySqlPool) -> MyCounters {
+    let (_, written): (String, String) =
+        sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Innodb_os_log_written'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    MyCounters {
+        redo_bytes: written.parse().unwrap_or(0.0),
+        cpu_us: processes_cpu_us("mariadbd") + processes_cpu_us("mysqld"),
     }
 }
 
@@ -712,6 +904,8 @@ fn wrk(variant: &Variant, run_id: &str, secs: u64, connections: u32) -> Run {
         .output()
         .expect("run wrk (install it: sudo apt-get install wrk)");
     let _ = std::fs::remove_file(&script);
+    // The first answer of each failing status, from the script.
+    eprint!("{}", String::from_utf8_lossy(&output.stderr));
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "wrk failed: {text}");
     parse_wrk(&text)
@@ -783,6 +977,8 @@ fn print_row(v: &Variant, run: &Run, ratio: f64, ratio_ref: f64, extra: &str) {
 /// What a variant costs its backing service per request.
 #[derive(Clone, Copy, Default)]
 struct Costs {
+    my_redo_bytes: f64,
+    my_cpu_us: f64,
     pg_xids: f64,
     pg_wal_bytes: f64,
     pg_cpu_us: f64,
@@ -791,7 +987,12 @@ struct Costs {
 
 impl Costs {
     fn describe(&self, v: &Variant) -> String {
-        if v.postgres {
+        if v.mysql {
+            format!(
+                "{:.0} redo bytes, {:.1} mysqld cpu us",
+                self.my_redo_bytes, self.my_cpu_us
+            )
+        } else if v.postgres {
             format!(
                 "{:.2} write xacts, {:.0} WAL bytes, {:.1} pg cpu us",
                 self.pg_xids, self.pg_wal_bytes, self.pg_cpu_us
@@ -881,7 +1082,31 @@ fn main() {
         .unwrap();
         store
     });
-    let variants = runtime.block_on(start_variants(&redis.url(), pool.clone(), sqlite));
+    let mysql_database = MySqlDatabase::create();
+    let mysql = runtime.block_on(async {
+        let pool = MySqlPoolOptions::new()
+            .max_connections(connections + 8)
+            .test_before_acquire(false)
+            .connect(mysql_database.url())
+            .await
+            .expect("connect to the benchmark's MySQL database");
+        let store = MySqlStore::builder()
+            .transactional()
+            .with_pool(pool)
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE charges (id BIGINT AUTO_INCREMENT PRIMARY KEY, amount BIGINT, currency TEXT, description TEXT) ENGINE = InnoDB",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        store
+    });
+    let mysql_pool = mysql.pool().clone();
+    let sqlite_pool = sqlite.pool().clone();
+    let variants = runtime.block_on(start_variants(&redis.url(), pool.clone(), sqlite, mysql));
     let nonce = std::process::id();
 
     println!(
@@ -899,8 +1124,26 @@ fn main() {
     for round in 1..=rounds {
         println!("\nround {round}");
         print_header();
-        for (i, v) in variants.iter().enumerate() {
+        // Every other round in reverse, so that no variant always runs
+        // after the same one (a run that writes leaves its successor a
+        // larger table, a longer WAL, a busier autovacuum).
+        let mut order: Vec<usize> = (0..variants.len()).collect();
+        if round % 2 == 0 {
+            order.reverse();
+        }
+        for i in order {
+            let v = &variants[i];
+            if v.name.starts_with("sqlite") {
+                // Each SQLite run starts from an empty write-ahead log.
+                runtime.block_on(async {
+                    sqlx::raw_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+                        .execute(&sqlite_pool)
+                        .await
+                        .expect("checkpoint")
+                });
+            }
             let pg_before = runtime.block_on(pg_counters(&pool));
+            let my_before = runtime.block_on(my_counters(&mysql_pool));
             let redis_before = redis_calls(redis.port());
             let run = measure(
                 v,
@@ -909,18 +1152,25 @@ fn main() {
                 connections,
             );
             let pg_after = runtime.block_on(pg_counters(&pool));
+            let my_after = runtime.block_on(my_counters(&mysql_pool));
             let requests = (run.rps * secs as f64).max(1.0);
             let costs = Costs {
+                my_redo_bytes: (my_after.redo_bytes - my_before.redo_bytes) / requests,
+                my_cpu_us: (my_after.cpu_us - my_before.cpu_us) / requests,
                 pg_xids: (pg_after.xids - pg_before.xids) / requests,
                 pg_wal_bytes: (pg_after.wal_bytes - pg_before.wal_bytes) / requests,
                 pg_cpu_us: (pg_after.cpu_us - pg_before.cpu_us) / requests,
                 redis_calls: (redis_calls(redis.port()) - redis_before) / requests,
             };
             results[i].push((run, costs));
-            let rps_of = |name: &str| results[index(name)].last().map_or(f64::NAN, |r| r.0.rps);
+        }
+        // This round's rows, in the list's order, once all have run.
+        let rps_of = |name: &str| results[index(name)].last().map_or(f64::NAN, |r| r.0.rps);
+        for (v, runs) in variants.iter().zip(&results) {
+            let (run, costs) = runs.last().expect("ran this round");
             print_row(
                 v,
-                &run,
+                run,
                 run.rps / rps_of("bare"),
                 run.rps / rps_of(v.reference),
                 &costs.describe(v),
@@ -942,6 +1192,8 @@ fn main() {
             errors: runs.iter().map(|r| r.0.errors).sum(),
         };
         let costs = Costs {
+            my_redo_bytes: med(&|r| r.1.my_redo_bytes),
+            my_cpu_us: med(&|r| r.1.my_cpu_us),
             pg_xids: med(&|r| r.1.pg_xids),
             pg_wal_bytes: med(&|r| r.1.pg_wal_bytes),
             pg_cpu_us: med(&|r| r.1.pg_cpu_us),
@@ -970,6 +1222,8 @@ fn main() {
         ("pg-tx-replay", "pg-replay-floor"),
         ("sqlite-tx", "sqlite-floor-record"),
         ("sqlite-tx-replay", "sqlite-replay-floor"),
+        ("mysql-tx", "mysql-floor-record"),
+        ("mysql-tx-replay", "mysql-replay-floor"),
     ] {
         let (Some(v), Some(r)) = (
             variants.iter().position(|v| v.name == name),

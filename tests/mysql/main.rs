@@ -232,7 +232,7 @@ async fn sixty_four_concurrent_duplicates_one_charge_and_no_one_waits_for_it() {
     .await;
 }
 
-/// Under REPEATABLE READ (the default), with concurrent duplicates arriving
+/// On a server whose default is REPEATABLE READ, with concurrent duplicates arriving
 /// just as the first commits: each either gets `409` or replays the
 /// committed record — read with a locking read, which sees what a plain
 /// `SELECT` of an older snapshot would not. Never a second charge.
@@ -240,11 +240,11 @@ async fn sixty_four_concurrent_duplicates_one_charge_and_no_one_waits_for_it() {
 async fn duplicates_around_the_commit_replay_or_conflict_never_charge_twice() {
     let db = TestDatabase::create();
     let store = transactional(&db).await;
-    let isolation: String = sqlx::query_scalar("SELECT @@tx_isolation")
+    let isolation: String = sqlx::query_scalar("SELECT @@GLOBAL.tx_isolation")
         .fetch_one(store.pool())
         .await
         .unwrap();
-    assert_eq!(isolation, "REPEATABLE-READ");
+    assert_eq!(isolation, "REPEATABLE-READ", "the server's default");
     let server = Server::start(app(store)).await;
     for round in 0..5 {
         let key = format!("k{round}");
@@ -279,6 +279,28 @@ async fn duplicates_around_the_commit_replay_or_conflict_never_charge_twice() {
         }
     }
     assert_eq!(db.count(CHARGES).await, 5, "one charge per key");
+}
+
+/// The isolation level the handler's statements run at.
+async fn isolation(mut tx: Tx) -> String {
+    sqlx::query_scalar("SELECT @@tx_isolation")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap()
+}
+
+/// The request's transaction runs at READ COMMITTED, whatever the server's
+/// default (REPEATABLE READ here): under REPEATABLE READ, gap locks made
+/// concurrent claims of different keys wait for each other, and a claim
+/// that may not wait answered `409` for a new key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_request_transaction_is_read_committed_whatever_the_server_default() {
+    let db = TestDatabase::create();
+    let app = Router::new()
+        .route("/isolation", post(isolation))
+        .layer(IdempotencyLayer::new(transactional(&db).await));
+    let reply = oneshot(&app, request("/isolation", "k", CHARGE)).await;
+    assert_eq!(reply.body, "READ-COMMITTED");
 }
 
 /// The claim fails at once on a duplicate's uncommitted row, but the

@@ -362,6 +362,7 @@ impl<D: Engine> SqlStoreBuilder<D, Transactional> {
             base,
             bound: self.settings.transaction_timeout,
             claim_wait: self.settings.claim_wait,
+            retention: Arc::default(),
         })
     }
 }

@@ -3,7 +3,13 @@
 //! writes — the same contract on every engine; how the transaction begins
 //! with its claim and ends with its record is each engine's.
 
-use std::{sync::Arc, time::Duration};
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicI64, Ordering},
+    },
+    time::Duration,
+};
 
 use super::{
     Base,
@@ -90,6 +96,11 @@ pub struct SqlTxStore<D: Dialect> {
     pub(crate) bound: Duration,
     /// How long a claim waits on a duplicate's uncommitted row.
     pub(crate) claim_wait: Duration,
+    /// The retention the last completion asked for, in milliseconds: a
+    /// claim's row is written to expire after it (and a margin), so that
+    /// its completion need not change the expiry — an indexed column — and
+    /// the row's update touches no index.
+    pub(crate) retention: Arc<AtomicI64>,
 }
 
 impl<D: Dialect> Clone for SqlTxStore<D> {
@@ -99,7 +110,23 @@ impl<D: Dialect> Clone for SqlTxStore<D> {
             state: self.state.clone(),
             bound: self.bound,
             claim_wait: self.claim_wait,
+            retention: self.retention.clone(),
         }
+    }
+}
+
+impl<D: Dialect> SqlTxStore<D> {
+    /// How long a claim's row says it lives, in milliseconds: the retention
+    /// its record will most likely be kept for, and a margin for the
+    /// transaction to run in — a thousandth of the retention, at most the
+    /// transaction's bound (30 s of a day's retention). The completion
+    /// raises it only when the transaction outlived the margin, so a record
+    /// is kept for its retention from the commit, and never more than the
+    /// margin longer.
+    pub(crate) fn claim_lifetime_ms(&self) -> Result<i64, StoreError> {
+        let bound = millis(self.bound, "transaction timeout")?;
+        let retention = self.retention.load(Ordering::Relaxed);
+        Ok(retention.saturating_add((retention / 1000).min(bound)))
     }
 }
 
@@ -152,6 +179,7 @@ impl<D: Engine> Store for SqlTxStore<D> {
     ) -> Result<bool, StoreError> {
         let record = codec::encode_with(fingerprint, &record, &self.base.compression);
         let retention = millis(retention, "retention")?;
+        self.retention.store(retention, Ordering::Relaxed);
         let committed = self
             .base
             .bounded(D::tx_complete(self, tx, key, record, retention))

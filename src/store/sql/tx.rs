@@ -54,7 +54,7 @@ pub struct SqlTx<D: Dialect> {
     /// `None` once committed or rolled back.
     connection: Option<PoolConnection<D::Db>>,
     /// Given up with the connection (dropped after it).
-    _held: D::Held,
+    held: D::Held,
     /// When the transaction began, to tell a commit its bound refused.
     pub(crate) began: Instant,
 }
@@ -66,25 +66,31 @@ impl<D: Engine> SqlTx<D> {
     pub(crate) fn begun(connection: PoolConnection<D::Db>, held: D::Held, began: Instant) -> Self {
         Self {
             connection: Some(connection),
-            _held: held,
+            held,
             began,
         }
     }
 
     /// Runs `sql` (simple protocol), which must end the transaction when it
-    /// succeeds. On failure the connection is closed: the database rolls
-    /// back whatever is left.
+    /// succeeds: the connection then goes back to the pool. On failure it
+    /// is closed, and the database rolls back whatever is left — as when
+    /// this future is dropped halfway (a timeout), the connection still
+    /// held by the transaction, which closes it when dropped.
     pub(crate) async fn end(&mut self, sql: &str) -> Result<(), sqlx::Error> {
-        let Some(mut connection) = self.connection.take() else {
+        let Some(connection) = self.connection.as_mut() else {
             return Err(sqlx::Error::PoolClosed);
         };
-        match D::raw(&mut connection, sql).await {
-            Ok(()) => Ok(()),
-            Err(error) => {
-                connection.close_on_drop();
-                Err(error)
-            }
+        let ended = D::raw(connection, sql).await;
+        if ended.is_err() {
+            self.close_on_drop();
         }
+        drop(self.connection.take());
+        ended
+    }
+
+    /// What the claim holds besides its connection.
+    pub(crate) fn held(&self) -> &D::Held {
+        &self.held
     }
 
     /// Marks the connection to be closed, not pooled, once the transaction

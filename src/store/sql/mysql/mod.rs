@@ -23,8 +23,9 @@
 //!   transaction is still open: it is rolled back explicitly.
 //! - **A duplicate of a committed key** fails its insert with a duplicate
 //!   key (1062), then reads the record with a *locking* read (`LOCK IN
-//!   SHARE MODE`): under REPEATABLE READ, the default, a plain `SELECT`
-//!   would not see a row committed after the transaction's snapshot.
+//!   SHARE MODE`), which sees the latest committed row whatever the
+//!   isolation level (under REPEATABLE READ a plain `SELECT` would not see
+//!   a row committed after the transaction's snapshot).
 //! - The session does not commit statements on its own while the request's
 //!   transaction runs (`autocommit = 0`), so that after a deadlock (1213)
 //!   rolled the transaction back, nothing the handler writes next commits
@@ -43,9 +44,11 @@
 //!   a paused or cut-off instance holds its keys no longer, and cannot
 //!   commit afterwards.
 //!
-//! The handler's statements run at the database's isolation level
-//! (REPEATABLE READ unless you changed it); the claim does not depend on
-//! it.
+//! The request's transaction runs at READ COMMITTED, whatever the server's
+//! default (as on PostgreSQL): under REPEATABLE READ, InnoDB's gap locks
+//! make concurrent inserts of *different* keys wait for each other, and a
+//! claim that may not wait would report a new key in flight. The store
+//! sets it for the session of each connection it claims on.
 //!
 //! **[`MySqlStore`]** (the default): claims are leases, each operation one
 //! short autocommit statement.

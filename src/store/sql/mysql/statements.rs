@@ -124,10 +124,13 @@ impl TxStatements {
                     "autocommit = 1, innodb_lock_wait_timeout = {lock_wait}, wait_timeout = {wait_timeout}"
                 ),
             },
+            // The expiry, written with the claim, is raised only if the
+            // retention from now outlasts it: the common update changes no
+            // indexed column, so InnoDB touches no secondary index.
             complete: Stmt::new(
                 table,
                 &format!(
-                    "UPDATE {{t}} SET record = ?, expires_at = {} WHERE `key` = ?",
+                    "UPDATE {{t}} SET record = ?, expires_at = GREATEST(expires_at, {}) WHERE `key` = ?",
                     later("?")
                 ),
                 &[Record, Ms, Key],
@@ -149,10 +152,11 @@ impl TxStatements {
     }
 
     /// Begins the request's transaction with the claim in it, in one round
-    /// trip: the session stops committing each statement on its own (so
+    /// trip: the session reads committed data (see below), stops committing
+    /// each statement on its own (so
     /// that even after a deadlock rolled everything back, nothing a handler
     /// writes later commits without its record), takes the transaction's
-    /// bound, and inserts the claim's row, held for `bound`. A row another
+    /// bound, and inserts the claim's row, expiring after `lifetime_ms`. A row another
     /// transaction has not committed makes the insert fail at once (1205):
     /// in flight; a committed one fails it with 1062: read next.
     pub(super) fn claim(
@@ -161,6 +165,7 @@ impl TxStatements {
         fingerprint: &[u8],
         wait: Duration,
         bound: Duration,
+        lifetime_ms: i64,
     ) -> String {
         let seconds = bound.as_secs_f64().ceil().max(1.0) as u64;
         let session = match self.flavor {
@@ -173,12 +178,17 @@ impl TxStatements {
                 )
             }
         };
+        // READ COMMITTED, whatever the server's default: under REPEATABLE
+        // READ, InnoDB's gap locks made concurrent claims of *different*
+        // keys wait for each other, and a claim that may not wait reported
+        // a new key in flight.
+        let session = format!("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; {session}");
         let insert = format!(
             "INSERT INTO {} (`key`, fingerprint, token, record, expires_at) VALUES ({}, {}, NULL, NULL, {})",
             self.table,
             hex(key.as_bytes()),
             hex(fingerprint),
-            later(&bound.as_millis().to_string()),
+            later(&lifetime_ms.to_string()),
         );
         format!("{session}; {}", self.waiting(wait, &insert))
     }
@@ -195,20 +205,21 @@ impl TxStatements {
         self.waiting(wait, &select)
     }
 
-    /// An expired record replaced by this claim's row, held for `bound`.
+    /// An expired record replaced by this claim's row, expiring after
+    /// `lifetime_ms`.
     pub(super) fn take_over(
         &self,
         key: &str,
         fingerprint: &[u8],
         wait: Duration,
-        bound: Duration,
+        lifetime_ms: i64,
     ) -> String {
         let update = format!(
             "UPDATE {} SET fingerprint = {}, token = NULL, record = NULL, expires_at = {} \
              WHERE `key` = {} AND expires_at <= UTC_TIMESTAMP(3)",
             self.table,
             hex(fingerprint),
-            later(&bound.as_millis().to_string()),
+            later(&lifetime_ms.to_string()),
             hex(key.as_bytes()),
         );
         self.waiting(wait, &update)

@@ -41,7 +41,13 @@ pub(super) async fn claim(
     let wait = store.claim_wait;
     let inserted = MySql::raw(
         &mut tx,
-        &sql.claim(key.as_str(), fingerprint.as_bytes(), wait, store.bound),
+        &sql.claim(
+            key.as_str(),
+            fingerprint.as_bytes(),
+            wait,
+            store.bound,
+            store.claim_lifetime_ms()?,
+        ),
     )
     .await;
     let error = match inserted {
@@ -100,7 +106,12 @@ async fn found(
             Ok(TxClaim::Found(row))
         }
         Some(_) => {
-            let take_over = sql.take_over(key.as_str(), fingerprint.as_bytes(), wait, store.bound);
+            let take_over = sql.take_over(
+                key.as_str(),
+                fingerprint.as_bytes(),
+                wait,
+                store.claim_lifetime_ms()?,
+            );
             let taken = {
                 let on: &mut sqlx::MySqlConnection = &mut tx;
                 sqlx::Executor::execute(on, sqlx::raw_sql(&take_over)).await

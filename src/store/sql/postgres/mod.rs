@@ -53,7 +53,11 @@
 //! and PostgreSQL ends a transaction that sits idle longer than
 //! [`transaction_timeout`](SqlStoreBuilder::transaction_timeout)
 //! (default 30 s): a paused or partitioned process holds its keys at most
-//! that long, and cannot commit afterwards. Each request in flight holds
+//! that long, and cannot commit afterwards. The store sets
+//! `idle_in_transaction_session_timeout` and `statement_timeout` to it for
+//! the session of each connection it claims on, once, before its first
+//! claim: a pool given with `with_pool` should serve this store alone (the
+//! bounds apply to whatever else runs on its connections). Each request in flight holds
 //! one pooled connection for the duration of its handler: size the pool
 //! for your concurrency. A connection whose transaction is dropped
 //! unfinished is closed, not returned to the pool.

@@ -102,7 +102,8 @@ pub(super) struct TxStatements {
     /// table, so two stores on one connection's database never share them.
     prepared: String,
     /// An expired record replaced by this claim's row, which the
-    /// transaction then holds. $1 key, $2 fingerprint, $3 bound ms.
+    /// transaction then holds, `lock_timeout` put back for the handler. $1
+    /// key, $2 fingerprint, $3 lifetime ms, $4 the session's `lock_timeout`.
     pub(super) take_over: String,
 }
 
@@ -116,70 +117,85 @@ impl TxStatements {
             prepared,
             take_over: format!(
                 "UPDATE {table} SET fingerprint = $2, token = NULL, record = NULL, \
-                 expires_at = now() + $3 * interval '1 millisecond' WHERE key = $1 AND expires_at <= now()"
+                 expires_at = now() + $3 * interval '1 millisecond' WHERE key = $1 AND expires_at <= now() \
+                 RETURNING set_config('lock_timeout', $4, true)"
             ),
         }
     }
 
-    /// The transactional claim, inside the request's transaction. First the
-    /// transaction's bounds (`idle_in_transaction_session_timeout` and
-    /// `statement_timeout`, for this transaction only) and the claim's short
-    /// `lock_timeout` (`wait`), set once the table's lock is held — so that
-    /// DDL holding the table (a migration) is waited for under the command
-    /// timeout, an outage (`503`), not taken for a duplicate in flight. Then
-    /// the claim's row inserted, or else the row that holds the key: a row
-    /// another transaction inserted and has not committed makes the insert
-    /// wait for that transaction, for at most `wait`, then fail — the
-    /// in-flight answer. Then `lock_timeout` back to the session's
-    /// (`lock_timeout`), for the handler's statements. Planned once per
-    /// connection ([`prepare`](Self::prepare)), not on every request.
+    /// The transactional claim, the first statements of the request's
+    /// transaction: the claim's row inserted, answering with it; then the
+    /// row that holds the key, read (the first row that comes back is the
+    /// answer: the claimed one, or, when the insert did nothing, the
+    /// holder's, committed before the read's snapshot). A row another
+    /// transaction inserted and has not committed makes the insert wait for
+    /// that transaction, for at most `wait` (`lock_timeout`, set by the
+    /// insert's own source row, once the statement holds the table's lock
+    /// — so that DDL holding the table, a migration, is waited for under
+    /// the command timeout, an outage, not taken for a duplicate in
+    /// flight), then fail: the in-flight answer. The claimed row puts
+    /// `lock_timeout` back to the session's (`lock_timeout`), for the
+    /// handler's statements. The row is written to expire after
+    /// `lifetime_ms` (see `SqlTxStore::claim_lifetime_ms`).
+    /// Sent in the simple protocol (it travels with `BEGIN`), so the values
+    /// are literals, to a statement prepared once per connection
+    /// ([`prepare`](Self::prepare)): planned once, not on every request.
     pub(super) fn claim(
         &self,
         key: &str,
         fingerprint: &Fingerprint,
         wait: Duration,
-        bound: Duration,
+        lifetime_ms: i64,
         lock_timeout: &str,
     ) -> String {
         let mut sql = String::with_capacity(256);
         sql.push_str(&format!(
-            "EXECUTE {names}_begin('{bound}', '{wait}'); EXECUTE {names}_claim({key}, ",
-            names = self.prepared,
-            bound = bound.as_millis(),
-            wait = wait.as_millis().max(1),
-            key = text_literal(key),
+            "EXECUTE {}_claim({}, ",
+            self.prepared,
+            text_literal(key)
         ));
         push_bytea_literal(&mut sql, fingerprint.as_bytes());
         sql.push_str(&format!(
-            ", {}); EXECUTE {}_after({})",
-            bound.as_millis(),
+            ", {lifetime_ms}, '{}', {}); EXECUTE {}_find({})",
+            wait.as_millis().max(1),
+            text_literal(lock_timeout),
             self.prepared,
-            text_literal(lock_timeout)
+            text_literal(key)
         ));
         sql
     }
 
+    /// What a connection does before its first claim, in a round trip of
+    /// its own (a setting made in the transaction that follows would be
+    /// undone with it): the bounds of every request transaction it will
+    /// run, `idle_in_transaction_session_timeout` and `statement_timeout`,
+    /// set for the session — the database enforces them whatever the
+    /// process does.
+    pub(super) fn session(&self, bound: Duration) -> String {
+        let bound = bound.as_millis();
+        format!(
+            "ROLLBACK; SET idle_in_transaction_session_timeout = '{bound}'; SET statement_timeout = '{bound}'"
+        )
+    }
+
     /// The statements [`claim`](Self::claim) and [`complete`](Self::complete)
     /// execute, prepared on a connection the first time it serves a claim.
-    /// The settings are made in a `WHERE` that is never true: only the claim
-    /// answers with a row, a key's row.
     pub(super) fn prepare(&self) -> String {
         let (names, t) = (&self.prepared, &self.table);
         format!(
-            "PREPARE {names}_begin (text, text) AS \
-             SELECT 1 FROM (SELECT 1) AS one LEFT JOIN (SELECT 1 FROM {t} LIMIT 0) AS locked ON true \
-             WHERE (set_config('idle_in_transaction_session_timeout', $1, true) \
-             || set_config('statement_timeout', $1, true) || set_config('lock_timeout', $2, true)) IS NULL; \
-             PREPARE {names}_after (text) AS SELECT 1 WHERE set_config('lock_timeout', $1, true) IS NULL; \
-             PREPARE {names}_claim (text, bytea, bigint) AS \
-             WITH claimed AS (INSERT INTO {t} (key, fingerprint, record, expires_at) \
-             VALUES ($1, $2, NULL, now() + $3 * interval '1 millisecond') ON CONFLICT (key) DO NOTHING RETURNING 1) \
-             SELECT 1::bigint, ''::bytea, NULL::bytea, NULL::bytea, 0::bigint FROM claimed \
-             UNION ALL SELECT 0, fingerprint, token, record, {MS_LEFT} \
-             FROM {t} WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM claimed); \
+            "PREPARE {names}_claim (text, bytea, bigint, text, text) AS \
+             INSERT INTO {t} (key, fingerprint, record, expires_at) \
+             SELECT $1, $2, NULL, now() + $3 * interval '1 millisecond' \
+             FROM (SELECT set_config('lock_timeout', $4, true)) AS wait \
+             ON CONFLICT (key) DO NOTHING \
+             RETURNING 1::bigint, ''::bytea, NULL::bytea, NULL::bytea, 0::bigint, \
+             set_config('lock_timeout', $5, true); \
+             PREPARE {names}_find (text) AS \
+             SELECT 0::bigint, fingerprint, token, record, {MS_LEFT} FROM {t} WHERE key = $1; \
              PREPARE {names}_complete (text, bytea, bigint) AS \
              WITH done AS (UPDATE {t} SET record = $2, \
-             expires_at = clock_timestamp() + $3 * interval '1 millisecond' WHERE key = $1 RETURNING 1) \
+             expires_at = GREATEST(expires_at, clock_timestamp() + $3 * interval '1 millisecond') \
+             WHERE key = $1 RETURNING 1) \
              SELECT 1 / (SELECT count(*)::int FROM done)"
         )
     }
@@ -197,10 +213,14 @@ impl TxStatements {
     }
 
     /// The transactional completion, sent with `COMMIT` in one round trip:
-    /// the record written into the claim's row, its retention counted from
-    /// now (`clock_timestamp()`, the end of the handler, not the
-    /// transaction's start). If the row is gone, the prepared statement's
-    /// division by zero fails, and the `COMMIT` after it never runs.
+    /// the record written into the claim's row. Its expiry, written with the
+    /// claim, is raised only if the retention from now (`clock_timestamp()`,
+    /// the end of the handler, not the transaction's start) outlasts it —
+    /// the transaction outlived its bound — so that the common update
+    /// changes no indexed column: PostgreSQL keeps it on its page (a HOT
+    /// update) and touches no index. If the row is gone, the prepared
+    /// statement's division by zero fails, and the `COMMIT` after it never
+    /// runs.
     pub(super) fn complete(&self, key: &str, record: &[u8], retention_ms: i64) -> String {
         let mut sql = String::with_capacity(2 * record.len() + 128);
         sql.push_str(&format!(

@@ -14,10 +14,7 @@ use crate::{
     fingerprint::Fingerprint,
     store::{
         StorageKey, StoreError,
-        sql::{
-            dialect::{Engine, ErrorClass, KeyRow, TxClaim},
-            millis,
-        },
+        sql::dialect::{Engine, ErrorClass, KeyRow, TxClaim},
     },
 };
 
@@ -106,11 +103,20 @@ async fn begin_claim(
         .as_ref()
         .is_err_and(|e| sqlstate(e).as_deref() == Some(NOT_PREPARED))
     {
-        // A connection's first claim: its statements prepared first, inside
-        // the transaction (a statement before BEGIN would start one at the
+        // A connection's first claim: the session's bounds set, in a round
+        // trip of its own, then its statements prepared, inside the
+        // transaction (a statement before BEGIN would start one at the
         // database's default isolation level).
+        let on: &mut PgConnection = &mut tx;
+        let session = on
+            .execute(sqlx::raw_sql(&state.sql.session(store.bound)))
+            .await;
+        if let Err(error) = session {
+            tx.close_on_drop();
+            return Err(store.base.error(error));
+        }
         let prepare = state.sql.prepare();
-        let sql = format!("ROLLBACK; BEGIN ISOLATION LEVEL READ COMMITTED; {prepare}; {claim}");
+        let sql = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {prepare}; {claim}");
         let on: &mut PgConnection = &mut tx;
         claimed = on.fetch_optional(sqlx::raw_sql(&sql)).await;
     }
@@ -136,7 +142,7 @@ pub(super) async fn claim(
         key.as_str(),
         fingerprint,
         store.claim_wait,
-        store.bound,
+        store.claim_lifetime_ms()?,
         &state.lock_timeout,
     );
     let Some((mut tx, row)) = begin_claim(store, &claim).await? else {
@@ -190,12 +196,13 @@ async fn take_over(
     key: &StorageKey,
     fingerprint: &Fingerprint,
 ) -> Result<TxClaim<Postgres>, StoreError> {
-    let bound = millis(store.bound, "transaction timeout")?;
+    let lifetime = store.claim_lifetime_ms()?;
     let on: &mut PgConnection = &mut tx;
     let taken = sqlx::query(&store.state.sql.take_over)
         .bind(key.as_str())
         .bind(&fingerprint.as_bytes()[..])
-        .bind(bound)
+        .bind(lifetime)
+        .bind(&*store.state.lock_timeout)
         .execute(on)
         .await;
     match taken {

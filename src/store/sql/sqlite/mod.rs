@@ -151,6 +151,10 @@ impl Engine for Sqlite {
         let path = options.get_filename().display().to_string();
         SqlitePoolOptions::new()
             .max_connections(settings.max_connections)
+            // In-process connections do not go stale the way network ones
+            // do: testing each before use would cost every request a trip
+            // to its connection's thread.
+            .test_before_acquire(false)
             .connect_with(options)
             .await
             .map_err(|e| file::open_error(&path, e))
@@ -229,7 +233,7 @@ impl Engine for Sqlite {
             ms: 60_000,
             ..Default::default()
         };
-        Ok(Self::fetch(on, &statements::tx_claim(&sql.table), &args)
+        Ok(Self::fetch(on, &statements::check_claim(&sql.table), &args)
             .await?
             .is_some())
     }

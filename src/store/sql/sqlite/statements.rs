@@ -56,9 +56,32 @@ pub(super) fn statements(table: &str) -> Statements {
     }
 }
 
-/// Inside the request's transaction, which holds the write lock: the
-/// claim's row inserted, or an expired record replaced, held for Ms.
-pub(super) fn tx_claim(table: &str) -> Stmt {
+/// The request's transaction begun (`IMMEDIATE`: the file's write lock)
+/// with the claim's row inserted, or an expired record replaced, expiring
+/// at `expires_at` — in one call: literals, as SQLite runs several
+/// statements only as text. `None` rows: a live row holds the key.
+pub(super) fn tx_claim(
+    table: &str,
+    key: &str,
+    fingerprint: &[u8],
+    now: i64,
+    expires_at: i64,
+) -> String {
+    let mut hex = String::with_capacity(2 * fingerprint.len());
+    crate::fingerprint::push_hex(&mut hex, fingerprint);
+    format!(
+        "BEGIN IMMEDIATE; INSERT INTO {table} AS r (key, fingerprint, token, record, expires_at) \
+         VALUES ('{}', X'{hex}', NULL, NULL, {expires_at}) \
+         ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, token = NULL, \
+         record = NULL, expires_at = excluded.expires_at WHERE r.expires_at <= {now} \
+         RETURNING 1, x'', NULL, NULL, 0",
+        key.replace('\'', "''")
+    )
+}
+
+/// For the start-up check, inside the transaction it began: a claim of
+/// Key held for Ms.
+pub(super) fn check_claim(table: &str) -> Stmt {
     Stmt::new(
         table,
         "INSERT INTO {t} AS r (key, fingerprint, token, record, expires_at) \
@@ -70,8 +93,19 @@ pub(super) fn tx_claim(table: &str) -> Stmt {
     )
 }
 
-/// The record, written into the claim's row, kept for Ms from now.
+/// The record, written into the claim's row, whose expiry already covers
+/// its retention: no index changes.
 pub(super) fn tx_complete(table: &str) -> Stmt {
+    Stmt::new(
+        table,
+        "UPDATE {t} SET record = ?2 WHERE key = ?1",
+        &[Key, Record],
+    )
+}
+
+/// The record, written into the claim's row, kept for Ms from now: for a
+/// transaction that outlived the expiry its claim was written with.
+pub(super) fn tx_complete_later(table: &str) -> Stmt {
     Stmt::new(
         table,
         "UPDATE {t} SET record = ?2, expires_at = ?3 + ?4 WHERE key = ?1",

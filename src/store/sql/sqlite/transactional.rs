@@ -21,7 +21,6 @@ use crate::{
             Base,
             base::now_ms,
             dialect::{Args, Engine, Stmt, TxClaim},
-            millis,
             tx::SqlTx,
         },
     },
@@ -36,8 +35,8 @@ const FORGET_WAIT: Duration = Duration::from_millis(100);
 // Public only as the engine's associated type: nameable by no one.
 #[allow(unreachable_pub)]
 pub struct TxState {
-    claim: Stmt,
     complete: Stmt,
+    complete_later: Stmt,
     in_flight: Arc<Mutex<HashSet<StorageKey>>>,
 }
 
@@ -50,8 +49,8 @@ impl std::fmt::Debug for TxState {
 impl TxState {
     pub(super) fn new(table: &str) -> Self {
         Self {
-            claim: statements::tx_claim(table),
             complete: statements::tx_complete(table),
+            complete_later: statements::tx_complete_later(table),
             in_flight: Arc::default(),
         }
     }
@@ -67,6 +66,8 @@ impl TxState {
 pub struct Held {
     _turn: OwnedMutexGuard<()>,
     _registered: Registered,
+    /// When the claim's row expires, in Unix milliseconds.
+    expires_at: i64,
 }
 
 impl std::fmt::Debug for Held {
@@ -120,10 +121,10 @@ pub(super) async fn claim(
     // transaction. A transaction nobody took closes its connection when
     // dropped, which rolls it back.
     let claim = tokio::spawn({
-        let (base, state) = (store.base.clone(), store.state.clone());
+        let base = store.base.clone();
         let (key, fingerprint) = (key.clone(), *fingerprint);
-        let hold_ms = millis(store.bound, "transaction timeout")?;
-        async move { insert_claim(&base, &state, registered, &key, &fingerprint, hold_ms).await }
+        let lifetime = store.claim_lifetime_ms()?;
+        async move { insert_claim(&base, registered, &key, &fingerprint, lifetime).await }
     });
     match claim
         .await
@@ -145,38 +146,39 @@ pub(super) async fn claim(
 /// transaction holding it, or `None` when a live row holds the key.
 async fn insert_claim(
     base: &Base<Sqlite>,
-    state: &TxState,
     registered: Registered,
     key: &StorageKey,
     fingerprint: &Fingerprint,
-    hold_ms: i64,
+    lifetime: i64,
 ) -> Result<Option<SqliteTx>, StoreError> {
     let began = Instant::now();
     let turn = base.engine.turn(base.timeout).await?;
     let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
-    Sqlite::raw(&mut connection, "BEGIN IMMEDIATE")
-        .await
-        .map_err(|e| base.error(e))?;
+    let now = now_ms();
+    let expires_at = now.saturating_add(lifetime);
+    let claim = statements::tx_claim(
+        &base.sql.table,
+        key.as_str(),
+        fingerprint.as_bytes(),
+        now,
+        expires_at,
+    );
     let held = Held {
         _turn: turn,
         _registered: registered,
+        expires_at,
     };
+    let claimed = sqlx::Executor::fetch_optional(&mut *connection, sqlx::raw_sql(&claim)).await;
     // From here on, dropped unfinished, it closes its connection.
     let mut tx = SqlTx::begun(connection, held, began);
-    let args = Args {
-        key: key.as_str(),
-        fingerprint: fingerprint.as_bytes(),
-        now: now_ms(),
-        ms: hold_ms,
-        ..Args::default()
-    };
-    match Sqlite::fetch(&mut tx, &state.claim, &args).await {
+    match claimed {
         Ok(Some(_)) => Ok(Some(tx)),
         Ok(None) => {
             // Rolled back (or, failing that, closed).
             let _ = tx.end("ROLLBACK").await;
             Ok(None)
         }
+        // Whether `BEGIN` ran is not known: the connection is closed.
         Err(error) => Err(base.error(error)),
     }
 }
@@ -189,15 +191,23 @@ pub(super) async fn complete(
     retention_ms: i64,
 ) -> Result<(), StoreError> {
     let base = &store.base;
-    // Retention counts from now, the end of the handler.
+    // Retention counts from now, the end of the handler. The claim's row
+    // was written to expire later than that, unless the transaction ran
+    // long: then the expiry — an indexed column — is raised too.
+    let now = now_ms();
     let args = Args {
         key: key.as_str(),
         record: &record,
-        now: now_ms(),
+        now,
         ms: retention_ms,
         ..Args::default()
     };
-    let written = match Sqlite::execute(&mut **tx, &store.state.complete, &args).await {
+    let complete = if now.saturating_add(retention_ms) <= tx.held().expires_at {
+        &store.state.complete
+    } else {
+        &store.state.complete_later
+    };
+    let written = match Sqlite::execute(&mut **tx, complete, &args).await {
         Ok(written) => written,
         Err(error) => {
             tx.close_on_drop();
