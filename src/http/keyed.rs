@@ -13,7 +13,7 @@ use crate::{
     http::{
         Inner,
         buffer::{self, Buffered},
-        grpc::Wire,
+        grpc::{self, Wire},
         handler,
         observe::Throttle,
         outcome::Answered,
@@ -68,7 +68,16 @@ where
         Ok(body) => body,
         Err(kind) => return Ok(shared.rejection(kind, wire)),
     };
-    let fingerprint = shared.fingerprint.fingerprint(&parts, &body);
+    // A gRPC call is compared by its messages, decoded: the same message
+    // compressed another way, or not at all, is the same request.
+    let messages = match wire {
+        Wire::Http => body.clone(),
+        Wire::Grpc => match grpc::decoded(&parts.headers, &body, config.max_request_body) {
+            Ok(messages) => messages,
+            Err(kind) => return Ok(shared.rejection(kind, wire)),
+        },
+    };
+    let fingerprint = shared.fingerprint.fingerprint(&parts, &messages);
     let storage_key = StorageKey::new(&scope, &key);
     tracing::Span::current().record(
         "idempotency.storage_key",

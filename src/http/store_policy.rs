@@ -6,7 +6,7 @@
 
 use http::{HeaderMap, StatusCode};
 
-use crate::http::grpc::GrpcCode;
+use crate::http::grpc::{DECODE_FAILURE, GRPC_MESSAGE, GrpcCode};
 
 /// Decides from a response whether it is final and should be stored.
 ///
@@ -37,8 +37,11 @@ pub trait StorePolicy: Clone + Send + Sync + 'static {
     /// holds its trailers (or, for a call answered without a body, its
     /// headers). By default, the codes that say "nothing was done, try
     /// again" are not final — `UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `ABORTED`
-    /// and `DEADLINE_EXCEEDED` (see [`GrpcCode::invites_retry`]) — and
-    /// every other code is.
+    /// and `DEADLINE_EXCEEDED` (see [`GrpcCode::invites_retry`]) — nor what
+    /// the framework answers before any method runs: `UNIMPLEMENTED` (an
+    /// unknown method, a compression the server does not accept) and
+    /// tonic's `INTERNAL` for a message it could not decode ("failed to
+    /// decode Protobuf message"). Every other code is final.
     ///
     /// # Examples
     ///
@@ -65,8 +68,7 @@ pub trait StorePolicy: Clone + Send + Sync + 'static {
     /// assert!(!RetryInternal.should_store_grpc(GrpcCode::UNAVAILABLE, &metadata));
     /// ```
     fn should_store_grpc(&self, code: GrpcCode, metadata: &HeaderMap) -> bool {
-        let _ = metadata;
-        !code.invites_retry()
+        !code.invites_retry() && !framework_answer(code, metadata)
     }
 
     /// Whether a server error (`5xx`; gRPC's `UNKNOWN`, `UNIMPLEMENTED`,
@@ -96,6 +98,18 @@ pub trait StorePolicy: Clone + Send + Sync + 'static {
     fn and<Other: StorePolicy>(self, other: Other) -> And<Self, Other> {
         And(self, other)
     }
+}
+
+/// Whether a gRPC answer is the framework's own, given before any method
+/// ran: storing it would burn the key of a call that did nothing.
+fn framework_answer(code: GrpcCode, metadata: &HeaderMap) -> bool {
+    code == GrpcCode::UNIMPLEMENTED
+        || (code == GrpcCode::INTERNAL
+            && metadata
+                .get(GRPC_MESSAGE)
+                // grpc-message travels percent-encoded.
+                .map(|m| percent_encoding::percent_decode(m.as_bytes()))
+                .is_some_and(|m| m.take(DECODE_FAILURE.len()).eq(DECODE_FAILURE.bytes())))
 }
 
 impl<F> StorePolicy for F
@@ -192,5 +206,32 @@ impl<A: StorePolicy, B: StorePolicy> StorePolicy for And<A, B> {
 
     fn rolls_back_server_errors(&self) -> bool {
         self.0.rolls_back_server_errors() || self.1.rolls_back_server_errors()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(raw: &'static str) -> HeaderMap {
+        HeaderMap::from_iter([(GRPC_MESSAGE, http::HeaderValue::from_static(raw))])
+    }
+
+    #[test]
+    fn the_frameworks_decode_failure_is_not_stored_however_it_is_encoded() {
+        let policy = DefaultStorePolicy;
+        for raw in [
+            "failed to decode Protobuf message: buffer underflow",
+            "failed%20to%20decode%20Protobuf%20message%3A%20buffer%20underflow",
+        ] {
+            assert!(
+                !policy.should_store_grpc(GrpcCode::INTERNAL, &message(raw)),
+                "{raw}"
+            );
+        }
+        // A method's own INTERNAL is its outcome.
+        assert!(policy.should_store_grpc(GrpcCode::INTERNAL, &message("ledger%20corrupt")));
+        assert!(policy.should_store_grpc(GrpcCode::INTERNAL, &HeaderMap::new()));
+        assert!(!policy.should_store_grpc(GrpcCode::UNIMPLEMENTED, &HeaderMap::new()));
     }
 }

@@ -37,6 +37,9 @@ pub struct Settings {
     pub lease: Duration,
     /// How long a reply is replayed.
     pub retention: Duration,
+    /// Whether calls may send gzip-compressed messages (the layer compares
+    /// calls by their messages decompressed).
+    pub accept_gzip: bool,
 }
 
 impl Default for Settings {
@@ -45,6 +48,7 @@ impl Default for Settings {
             processor_latency: Duration::ZERO,
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(24 * 60 * 60),
+            accept_gzip: false,
         }
     }
 }
@@ -274,6 +278,16 @@ pub fn idempotency<St: Store>(
 /// Serves the payments service on `listener` until the process ends:
 /// authentication, then the idempotency layer, then the service. Says
 /// `listening on ADDR` on stdout once the store is ready.
+/// The generated server for `service`, accepting gzip if configured to.
+fn payments(service: PaymentsService, settings: &Settings) -> PaymentsServer<PaymentsService> {
+    let server = PaymentsServer::new(service);
+    if settings.accept_gzip {
+        server.accept_compressed(tonic::codec::CompressionEncoding::Gzip)
+    } else {
+        server
+    }
+}
+
 pub async fn serve<St: Store>(
     listener: TcpListener,
     store: St,
@@ -293,7 +307,7 @@ pub async fn serve<St: Store>(
         .into_inner();
     tonic::transport::Server::builder()
         .layer(layers)
-        .add_service(PaymentsServer::new(service))
+        .add_service(payments(service, settings))
         .serve_with_incoming(TcpIncoming::from(listener))
         .await
 }

@@ -17,7 +17,10 @@
 //! Redis, charges in memory); `IDEMPOTENCY_STORE=memory` (records and
 //! charges in memory: nothing persisted); `PROCESSOR_LATENCY_MS` (default 0);
 //! `IDEMPOTENCY_LEASE_MS` (default 30000); `IDEMPOTENCY_TTL_SECS` (default
-//! 86400).
+//! 86400); `GRPC_ACCEPT_GZIP=1` (accept gzip-compressed requests: a retry
+//! matches whether it is compressed or not, the layer comparing decoded
+//! messages; unset, tonic refuses them with `UNIMPLEMENTED`, which is never
+//! stored).
 //!
 //! Try it with the example's client (or any gRPC client: the service is in
 //! `proto/payments.proto`):
@@ -149,6 +152,7 @@ fn settings() -> Result<Settings, String> {
         processor_latency: Duration::from_millis(number("PROCESSOR_LATENCY_MS", 0)?),
         lease: Duration::from_millis(number("IDEMPOTENCY_LEASE_MS", 30_000)?),
         retention: Duration::from_secs(number("IDEMPOTENCY_TTL_SECS", 86_400)?),
+        accept_gzip: env::var("GRPC_ACCEPT_GZIP").is_ok_and(|v| v == "1"),
     })
 }
 

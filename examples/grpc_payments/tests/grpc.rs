@@ -586,3 +586,98 @@ async fn killed_mid_charge_the_example_leaves_nothing_and_the_retry_charges_once
         "charged once"
     );
 }
+
+/// A server that does not accept gzip: tonic refuses a compressed call with
+/// `UNIMPLEMENTED` before the method runs. That refusal did nothing and is
+/// not stored (it was, for 24 h: the plain retry then got
+/// `FAILED_PRECONDITION`, and nothing was ever charged).
+#[tokio::test]
+async fn a_compressed_call_the_server_refuses_does_not_burn_its_key() {
+    let ledger = memory();
+    let addr = serve(MemoryStore::new(), ledger.clone(), Settings::default()).await;
+    let mut gzip = client(addr)
+        .await
+        .send_compressed(tonic::codec::CompressionEncoding::Gzip);
+    let refused = gzip.charge(charge(Some("order-9"), 900)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unimplemented, "{refused:?}");
+    let plain = client(addr)
+        .await
+        .charge(charge(Some("order-9"), 900))
+        .await
+        .unwrap();
+    assert!(!replayed(&plain), "the retry executes");
+    assert_eq!(charges(&ledger).await.len(), 1);
+}
+
+/// A server that accepts gzip: the layer compares calls by their messages
+/// decompressed, so the retry of a gzip call replays whether it is
+/// compressed or not (the fingerprint covered the compressed bytes: the
+/// same message sent plain was refused as another request).
+#[tokio::test]
+async fn compressed_and_plain_calls_of_one_message_are_one_request() {
+    let ledger = memory();
+    let settings = Settings {
+        accept_gzip: true,
+        ..Settings::default()
+    };
+    let addr = serve(MemoryStore::new(), ledger.clone(), settings).await;
+    let mut gzip = client(addr)
+        .await
+        .send_compressed(tonic::codec::CompressionEncoding::Gzip);
+    let first = gzip.charge(charge(Some("order-10"), 1000)).await.unwrap();
+    assert!(!replayed(&first));
+    let plain = client(addr)
+        .await
+        .charge(charge(Some("order-10"), 1000))
+        .await
+        .unwrap();
+    assert!(replayed(&plain), "the plain retry is the same request");
+    assert_eq!(plain.into_inner(), first.get_ref().clone());
+    let again = gzip.charge(charge(Some("order-10"), 1000)).await.unwrap();
+    assert!(replayed(&again));
+    assert_eq!(charges(&ledger).await.len(), 1);
+}
+
+/// A message tonic cannot decode is answered `INTERNAL` ("failed to decode
+/// Protobuf message") before the method runs: not stored, so the client's
+/// corrected call under the same key executes.
+#[tokio::test]
+async fn a_message_the_framework_cannot_decode_does_not_burn_its_key() {
+    let ledger = memory();
+    let addr = serve(MemoryStore::new(), ledger.clone(), Settings::default()).await;
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    // One frame whose message is not a ChargeRequest: field 1 as a varint
+    // where the schema has an int64 is fine, so use a truncated field.
+    let garbage = Bytes::from_static(b"\x00\x00\x00\x00\x02\x0a\xff");
+    let request = http::Request::post(format!("http://{addr}/payments.v1.Payments/Charge"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("authorization", "Bearer tok_alice")
+        .header("idempotency-key", "order-11")
+        .body(tonic::body::Body::new(Full::new(garbage)))
+        .unwrap();
+    let response = channel.clone().oneshot(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let trailers = body.collect().await.unwrap().trailers().cloned();
+    let status = trailers
+        .as_ref()
+        .and_then(|t| t.get("grpc-status"))
+        .or_else(|| parts.headers.get("grpc-status"))
+        .map(|v| v.to_str().unwrap().to_owned());
+    assert_eq!(
+        status.as_deref(),
+        Some("13"),
+        "INTERNAL: {parts:?} {trailers:?}"
+    );
+    let fixed = client(addr)
+        .await
+        .charge(charge(Some("order-11"), 1100))
+        .await
+        .unwrap();
+    assert!(!replayed(&fixed), "the corrected call executes");
+    assert_eq!(charges(&ledger).await.len(), 1);
+}

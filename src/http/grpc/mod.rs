@@ -7,12 +7,19 @@
 //! `grpc-status` trailer, or the same header in a response without a body
 //! (a "trailers-only" response).
 
+mod frames;
+
 use http::{HeaderMap, HeaderName, HeaderValue, header};
+
+pub(crate) use frames::decoded;
 
 /// The header (or trailer) that carries a gRPC call's status code.
 pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 /// The header (or trailer) that carries a gRPC call's error message.
 pub(crate) const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+/// What a framework answers before any method runs, for a message it
+/// could not decode (tonic's protobuf codec): never a method's outcome.
+pub(crate) const DECODE_FAILURE: &str = "failed to decode Protobuf message";
 /// How long a gRPC client should wait before it retries (gRPC's own
 /// server pushback, in milliseconds).
 pub(crate) const GRPC_RETRY_PUSHBACK_MS: HeaderName =
