@@ -44,7 +44,26 @@ impl IdempotencyKey {
     /// Parses the value of an `Idempotency-Key` header: a bare token or an
     /// RFC 8941 sf-string.
     pub fn from_header(value: &HeaderValue) -> Result<Self, InvalidKey> {
-        let raw = value.as_bytes().trim_ascii();
+        Self::parse_bytes(value.as_bytes())
+    }
+
+    /// Parses a key as a client sends it in the header — a bare token or an
+    /// RFC 8941 sf-string (`"order-42"` is `order-42`) — e.g. one an
+    /// operator copied from a request log.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::IdempotencyKey;
+    ///
+    /// assert_eq!(IdempotencyKey::parse("\"order-42\"").unwrap(), IdempotencyKey::new("order-42").unwrap());
+    /// ```
+    pub fn parse(value: &str) -> Result<Self, InvalidKey> {
+        Self::parse_bytes(value.as_bytes())
+    }
+
+    fn parse_bytes(raw: &[u8]) -> Result<Self, InvalidKey> {
+        let raw = raw.trim_ascii();
         let unquoted = match raw {
             [b'"', inner @ .., b'"'] => unescape_sf_string(inner)?,
             [b'"', ..] => return Err(InvalidKey::MalformedString),

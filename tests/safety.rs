@@ -427,3 +427,58 @@ fn the_payments_example_refuses_an_absurd_ttl_at_start_up() {
         );
     }
 }
+
+/// An operator looks up, and forgets, a tenant's key through the admin
+/// routes, whose path names the account: at any log level the account
+/// appears only hashed, as the layer logs scopes. The key in the path is
+/// read as the layer reads the header: `"order-1"` is `order-1`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_routes_log_the_account_hashed_and_read_quoted_keys() {
+    let payments = Payments::start(
+        free_port(),
+        &[
+            ("IDEMPOTENCY_STORE", "memory"),
+            ("ADMIN_TOKEN", "s3cret"),
+            ("RUST_LOG", "debug"),
+        ],
+    );
+    let account = "acct_tenant_7f3a";
+    let client = HttpClient::default();
+    let charge = Request::post(format!("http://{}/v1/charges", payments.addr))
+        .header("authorization", format!("Bearer {account}"))
+        .header("idempotency-key", "\"order-1\"")
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"amount":500,"currency":"usd"}"#))
+        .unwrap();
+    assert_eq!(client.send(charge).await.status, StatusCode::CREATED);
+    let admin = |method: &str| {
+        Request::builder()
+            .method(method)
+            .uri(format!(
+                "http://{}/admin/idempotency/{account}/%22order-1%22",
+                payments.addr
+            ))
+            .header("authorization", "Bearer s3cret")
+            .body(Body::empty())
+            .unwrap()
+    };
+    let found = client.send(admin("GET")).await;
+    assert_eq!(found.status, StatusCode::OK, "{:?}", found.body);
+    assert_eq!(found.json()["state"], "completed");
+    assert_eq!(
+        client.send(admin("DELETE")).await.status,
+        StatusCode::NO_CONTENT
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let output = payments.output();
+    let hashed = StorageKey::new(
+        account,
+        &tower_idempotency::IdempotencyKey::new("order-1").unwrap(),
+    );
+    let (hash, _) = hashed.as_str().split_once(':').unwrap();
+    assert!(output.contains(hash), "the account, hashed: {output}");
+    assert!(
+        !output.contains("/admin/idempotency/acct_tenant"),
+        "log output: {output}"
+    );
+}

@@ -55,6 +55,8 @@ async fn inspect<St: Store>(
         Ok(key) => key,
         Err(refused) => return refused.into_response(),
     };
+    // The key as the layer logs it: the account only hashed.
+    tracing::info!(%key, "admin: inspecting");
     match store.inspect(&key).await {
         Ok(KeyState::Absent) => nothing(),
         Ok(KeyState::InFlight { retry_after }) => Json(serde_json::json!({
@@ -90,6 +92,7 @@ async fn forget<St: Store>(
         Ok(key) => key,
         Err(refused) => return refused.into_response(),
     };
+    tracing::info!(%key, force, "admin: forgetting");
     match store.forget(&key, force).await {
         Ok(Forgotten::Completed | Forgotten::ForcedInFlight) => {
             StatusCode::NO_CONTENT.into_response()
@@ -125,10 +128,34 @@ fn address(
         return Err(Problem::new(StatusCode::UNAUTHORIZED, "Unauthorized")
             .detail("Send `Authorization: Bearer <ADMIN_TOKEN>`."));
     }
-    let key = IdempotencyKey::new(key).map_err(|why| {
+    // As the layer reads the header: `"k"` and `k` are one key.
+    let key = IdempotencyKey::parse(key).map_err(|why| {
         Problem::new(StatusCode::BAD_REQUEST, "Invalid idempotency key").detail(why.to_string())
     })?;
     Ok(StorageKey::new(account, &key))
+}
+
+/// `path` as logs may show it: an operators' route names the account (the
+/// scope), which, as the layer does, only ever appears hashed.
+pub fn logged_path(path: &str) -> std::borrow::Cow<'_, str> {
+    const ROUTE: &str = "/admin/idempotency/";
+    let Some((account, key)) = path
+        .strip_prefix(ROUTE)
+        .and_then(|rest| rest.split_once('/'))
+    else {
+        return path.into();
+    };
+    // Decoded as axum's `Path` decodes them.
+    let account = percent_encoding::percent_decode_str(account).decode_utf8_lossy();
+    let key = percent_encoding::percent_decode_str(key).decode_utf8_lossy();
+    match IdempotencyKey::parse(&key) {
+        Ok(key) => format!(
+            "{ROUTE}{}",
+            StorageKey::new(&account, &key).as_str().replace(':', "/")
+        )
+        .into(),
+        Err(_) => format!("{ROUTE}<account>/<invalid key>").into(),
+    }
 }
 
 fn nothing() -> Response {

@@ -137,7 +137,11 @@ where
         // and replayed to clients that never asked for gzip.
         .layer(
             ServiceBuilder::new()
-                .layer(TraceLayer::new_for_http().on_response(log_response))
+                .layer(
+                    TraceLayer::new_for_http()
+                        .make_span_with(request_span)
+                        .on_response(log_response),
+                )
                 .layer(CompressionLayer::new())
                 .layer(TimeoutLayer::with_status_code(
                     StatusCode::REQUEST_TIMEOUT,
@@ -145,6 +149,13 @@ where
                 )),
         )
         .with_state(state)
+}
+
+/// The span of a request: its method and path, an operators' route's
+/// account hashed as the layer hashes scopes (it may be a tenant's name).
+fn request_span<B>(request: &http::Request<B>) -> tracing::Span {
+    let path = super::admin::logged_path(request.uri().path());
+    tracing::info_span!("request", method = %request.method(), path = %path)
 }
 
 /// One line per response, with what the idempotency layer did.
