@@ -504,3 +504,71 @@ async fn a_claim_whose_caller_gave_up_does_not_keep_the_write_lock() {
         "the abandoned claim charged nothing"
     );
 }
+
+/// The example's database file deleted while it runs: new connections
+/// would open an empty file, existing ones write into one that no longer
+/// exists. Every charge is refused (`503`) and the log says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_file_deleted_while_running_is_refused_and_said_in_the_log() {
+    let file = TestFile::create();
+    let url = file.url();
+    let payments = Payments::start(
+        free_port(),
+        &[
+            ("DATABASE_URL", url.as_str()),
+            ("RUST_LOG", "tower_idempotency=error"),
+        ],
+    );
+    let client = HttpClient::default();
+    assert_eq!(
+        client.send(charge_request(&payments.addr)).await.status,
+        StatusCode::CREATED
+    );
+    std::fs::remove_file(file.path()).unwrap();
+    let mut next = charge_request(&payments.addr);
+    next.headers_mut()
+        .insert("idempotency-key", "after-delete".parse().unwrap());
+    let refused = client.send(next).await;
+    refused.assert_problem(503);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !payments.output().contains("was deleted or replaced") {
+        assert!(Instant::now() < deadline, "{}", payments.output());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An operator forgets, without force, a key whose charge is in flight in
+/// another process on the same file: its claim is an uncommitted row no
+/// reader sees. The forget must not wait for that commit and then delete
+/// the fresh record (the retry charged again): it is refused as in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forgetting_a_key_in_flight_in_another_process_is_refused() {
+    let file = TestFile::create();
+    let url = file.url();
+    let env = [
+        ("DATABASE_URL", url.as_str()),
+        ("PROCESSOR_LATENCY_MS", "1500"),
+        ("ADMIN_TOKEN", "s3cret"),
+    ];
+    let a = Payments::start(free_port(), &env);
+    let b = Payments::start(free_port(), &env);
+    let client = HttpClient::default();
+    let charge = tokio::spawn({
+        let (client, addr) = (client.clone(), a.addr.clone());
+        async move { client.send(charge_request(&addr)).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let forget = http::Request::delete(format!(
+        "http://{}/admin/idempotency/acct_crash/crash-1",
+        b.addr
+    ))
+    .header("authorization", "Bearer s3cret")
+    .body(axum::body::Body::empty())
+    .unwrap();
+    let refused = client.send(forget).await;
+    refused.assert_problem(409);
+    assert_eq!(charge.await.unwrap().status, StatusCode::CREATED);
+    let replay = client.send(charge_request(&b.addr)).await;
+    assert!(replay.is_replay(), "the record was kept: {}", replay.status);
+    assert_eq!(file.count(CHARGES).await, 1, "charged once");
+}
