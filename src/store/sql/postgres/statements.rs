@@ -123,11 +123,12 @@ impl TxStatements {
         }
     }
 
-    /// The transactional claim, the first statements of the request's
-    /// transaction: the claim's row inserted, answering with it; then the
-    /// row that holds the key, read (the first row that comes back is the
-    /// answer: the claimed one, or, when the insert did nothing, the
-    /// holder's, committed before the read's snapshot). A row another
+    /// The transactional claim, the first statement of the request's
+    /// transaction: the claim's row inserted, answering with it, or, when
+    /// the insert did nothing, the row that holds the key (read only then,
+    /// so a first execution pays for the insert alone; a row committed
+    /// after the statement's snapshot is invisible to it, and nothing comes
+    /// back: the claim asks again). A row another
     /// transaction inserted and has not committed makes the insert wait for
     /// that transaction, for at most `wait` (`lock_timeout`, set by the
     /// insert's own source row, once the statement holds the table's lock
@@ -156,11 +157,9 @@ impl TxStatements {
         ));
         push_bytea_literal(&mut sql, fingerprint.as_bytes());
         sql.push_str(&format!(
-            ", {lifetime_ms}, '{}', {}); EXECUTE {}_find({})",
+            ", {lifetime_ms}, '{}', {})",
             wait.as_millis().max(1),
             text_literal(lock_timeout),
-            self.prepared,
-            text_literal(key)
         ));
         sql
     }
@@ -184,14 +183,14 @@ impl TxStatements {
         let (names, t) = (&self.prepared, &self.table);
         format!(
             "PREPARE {names}_claim (text, bytea, bigint, text, text) AS \
-             INSERT INTO {t} (key, fingerprint, record, expires_at) \
+             WITH claimed AS (INSERT INTO {t} (key, fingerprint, record, expires_at) \
              SELECT $1, $2, NULL, now() + $3 * interval '1 millisecond' \
              FROM (SELECT set_config('lock_timeout', $4, true)) AS wait \
              ON CONFLICT (key) DO NOTHING \
-             RETURNING 1::bigint, ''::bytea, NULL::bytea, NULL::bytea, 0::bigint, \
-             set_config('lock_timeout', $5, true); \
-             PREPARE {names}_find (text) AS \
-             SELECT 0::bigint, fingerprint, token, record, {MS_LEFT} FROM {t} WHERE key = $1; \
+             RETURNING set_config('lock_timeout', $5, true)) \
+             SELECT 1::bigint, ''::bytea, NULL::bytea, NULL::bytea, 0::bigint FROM claimed \
+             UNION ALL SELECT 0, fingerprint, token, record, {MS_LEFT} FROM {t} \
+             WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM claimed); \
              PREPARE {names}_complete (text, bytea, bigint) AS \
              WITH done AS (UPDATE {t} SET record = $2, \
              expires_at = GREATEST(expires_at, clock_timestamp() + $3 * interval '1 millisecond') \
