@@ -376,6 +376,45 @@ async fn a_deadlock_is_never_retried_by_running_the_handler_again() {
     );
 }
 
+/// A handler that deletes its own claim's row, then charges: the record
+/// has nowhere to go, so nothing commits (the batch that writes it stops
+/// before its `COMMIT`); the retry charges once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_deletes_its_claim_commits_nothing_and_the_retry_charges_once() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    let first = Arc::new(AtomicBool::new(true));
+    let app = Router::new()
+        .route(
+            "/charges",
+            post(async move |mut tx: Tx| {
+                if first.swap(false, Ordering::SeqCst) {
+                    sqlx::query("DELETE FROM idempotency_records")
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                }
+                sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                (StatusCode::CREATED, "charged")
+            }),
+        )
+        .layer(IdempotencyLayer::new(store));
+    let lost = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert!(lost.status.is_server_error(), "{lost:?}");
+    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
+    let retry = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.is_replay());
+    let replay = oneshot(&app, request("/charges", "k", CHARGE)).await;
+    assert!(replay.is_replay());
+    assert_eq!(db.count(CHARGES).await, 1, "charged once");
+}
+
 /// A handler's `500` over a broken table (MySQL does not abort a
 /// transaction when a statement fails): not stored, nothing committed;
 /// after the fix the retry charges once.

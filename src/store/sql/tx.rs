@@ -88,6 +88,12 @@ impl<D: Engine> SqlTx<D> {
         ended
     }
 
+    /// The connection of a transaction one of its own statements ended (a
+    /// `ROLLBACK` sent ahead of a read), to be pooled or reused.
+    pub(crate) fn ended(mut self) -> Option<PoolConnection<D::Db>> {
+        self.connection.take()
+    }
+
     /// What the claim holds besides its connection.
     pub(crate) fn held(&self) -> &D::Held {
         &self.held

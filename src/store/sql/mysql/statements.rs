@@ -107,10 +107,6 @@ pub(super) struct TxStatements {
     /// The session's lock wait and idle timeout, restored after a claim on
     /// MySQL (MariaDB scopes the claim's wait to its statement).
     restore: String,
-    /// The record written into the claim's row (prepared, binary
-    /// protocol), kept for Ms from now. Its row count says whether the row
-    /// is still there.
-    pub(super) complete: Stmt,
 }
 
 impl TxStatements {
@@ -124,17 +120,6 @@ impl TxStatements {
                     "autocommit = 1, innodb_lock_wait_timeout = {lock_wait}, wait_timeout = {wait_timeout}"
                 ),
             },
-            // The expiry, written with the claim, is raised only if the
-            // retention from now outlasts it: the common update changes no
-            // indexed column, so InnoDB touches no secondary index.
-            complete: Stmt::new(
-                table,
-                &format!(
-                    "UPDATE {{t}} SET record = ?, expires_at = GREATEST(expires_at, {}) WHERE `key` = ?",
-                    later("?")
-                ),
-                &[Record, Ms, Key],
-            ),
         }
     }
 
@@ -152,13 +137,13 @@ impl TxStatements {
     }
 
     /// Begins the request's transaction with the claim in it, in one round
-    /// trip: the session reads committed data (see below), stops committing
-    /// each statement on its own (so
-    /// that even after a deadlock rolled everything back, nothing a handler
-    /// writes later commits without its record), takes the transaction's
-    /// bound, and inserts the claim's row, expiring after `lifetime_ms`. A row another
-    /// transaction has not committed makes the insert fail at once (1205):
-    /// in flight; a committed one fails it with 1062: read next.
+    /// trip: the session reads committed data (see [`Self::begin`]), stops
+    /// committing each statement on its own (so that even after a deadlock
+    /// rolled everything back, nothing a handler writes later commits
+    /// without its record), takes the transaction's bound, and inserts the
+    /// claim's row, expiring after `lifetime_ms`. A row another transaction
+    /// has not committed makes the insert fail at once (1205): in flight; a
+    /// committed one fails it with 1062: read next.
     pub(super) fn claim(
         &self,
         key: &str,
@@ -167,6 +152,18 @@ impl TxStatements {
         bound: Duration,
         lifetime_ms: i64,
     ) -> String {
+        let insert = format!(
+            "INSERT INTO {} (`key`, fingerprint, token, record, expires_at) VALUES ({}, {}, NULL, NULL, {})",
+            self.table,
+            hex(key.as_bytes()),
+            hex(fingerprint),
+            later(&lifetime_ms.to_string()),
+        );
+        format!("{}; {}", self.begin(bound), self.waiting(wait, &insert))
+    }
+
+    /// What begins a claim's transaction: see [`Self::claim`].
+    fn begin(&self, bound: Duration) -> String {
         let seconds = bound.as_secs_f64().ceil().max(1.0) as u64;
         let session = match self.flavor {
             Flavor::MariaDb => format!(
@@ -182,36 +179,55 @@ impl TxStatements {
         // READ, InnoDB's gap locks made concurrent claims of *different*
         // keys wait for each other, and a claim that may not wait reported
         // a new key in flight.
-        let session = format!("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; {session}");
-        let insert = format!(
-            "INSERT INTO {} (`key`, fingerprint, token, record, expires_at) VALUES ({}, {}, NULL, NULL, {})",
-            self.table,
-            hex(key.as_bytes()),
-            hex(fingerprint),
-            later(&lifetime_ms.to_string()),
-        );
-        format!("{session}; {}", self.waiting(wait, &insert))
+        format!("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; {session}")
     }
 
-    /// The committed row that holds the key, read with a locking read: the
-    /// transaction's snapshot (REPEATABLE READ) would hide a row committed
-    /// after it was taken.
-    pub(super) fn locking_read(&self, key: &str, wait: Duration) -> String {
-        let select = format!(
-            "SELECT CAST(0 AS SIGNED), fingerprint, token, record, {MS_LEFT} FROM {} WHERE `key` = {} LOCK IN SHARE MODE",
+    /// The committed row that holds the key, read once the claim's
+    /// transaction has ended (`ROLLBACK`, in the same round trip): at READ
+    /// COMMITTED a plain read sees the latest commit, and holds no lock a
+    /// concurrent replay would wait for.
+    pub(super) fn read_after_rollback(&self, key: &str) -> String {
+        format!(
+            "{}; SELECT CAST(0 AS SIGNED), fingerprint, token, record, {MS_LEFT} FROM {} WHERE `key` = {}",
+            self.end("ROLLBACK"),
             self.table,
             hex(key.as_bytes())
-        );
-        self.waiting(wait, &select)
+        )
+    }
+
+    /// The record written into the claim's row and committed, in one round
+    /// trip. Its expiry, written with the claim, is raised only if the
+    /// retention from now outlasts it: the common update changes no indexed
+    /// column, so InnoDB touches no secondary index. If the claim's row is
+    /// gone (the handler deleted it, or a deadlock rolled the transaction
+    /// back and the handler went on writing), committing would keep writes
+    /// without their record: the check after the update then fails (1242,
+    /// a scalar subquery of two rows, evaluated only then), and the
+    /// `COMMIT` after it never runs.
+    pub(super) fn complete(&self, key: &str, record: &[u8], retention_ms: i64) -> String {
+        let mut sql = String::with_capacity(2 * record.len() + 256);
+        sql.push_str("UPDATE ");
+        sql.push_str(&self.table);
+        sql.push_str(" SET record = ");
+        push_hex_literal(&mut sql, record);
+        sql.push_str(&format!(
+            ", expires_at = GREATEST(expires_at, {}) WHERE `key` = {}; \
+             SELECT IF(ROW_COUNT() = 1, 0, (SELECT 1 UNION ALL SELECT 2)); {}",
+            later(&retention_ms.to_string()),
+            hex(key.as_bytes()),
+            self.end("COMMIT"),
+        ));
+        sql
     }
 
     /// An expired record replaced by this claim's row, expiring after
-    /// `lifetime_ms`.
+    /// `lifetime_ms`, in a transaction begun as [`Self::claim`]'s.
     pub(super) fn take_over(
         &self,
         key: &str,
         fingerprint: &[u8],
         wait: Duration,
+        bound: Duration,
         lifetime_ms: i64,
     ) -> String {
         let update = format!(
@@ -222,7 +238,7 @@ impl TxStatements {
             later(&lifetime_ms.to_string()),
             hex(key.as_bytes()),
         );
-        self.waiting(wait, &update)
+        format!("{}; {}", self.begin(bound), self.waiting(wait, &update))
     }
 
     /// Ends the transaction with `end` (`COMMIT`, `ROLLBACK`), the session
@@ -260,8 +276,14 @@ pub(super) fn probe(table: &str, flavor: Flavor, key: &str) -> String {
 /// backslashes.
 fn hex(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(3 + 2 * bytes.len());
-    out.push_str("X'");
-    push_hex(&mut out, bytes);
-    out.push('\'');
+    push_hex_literal(&mut out, bytes);
     out
+}
+
+/// Appends `bytes` as a hex literal (see [`hex`]): a record's can run to
+/// megabytes.
+fn push_hex_literal(out: &mut String, bytes: &[u8]) {
+    out.push_str("X'");
+    push_hex(out, bytes);
+    out.push('\'');
 }

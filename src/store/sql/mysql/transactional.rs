@@ -1,18 +1,16 @@
 //! MySQL's transactional claim: the claim's row inserted with the session's
-//! settings in one round trip; a duplicate of a committed key read with a
-//! locking read; the record written and committed in two more.
+//! settings in one round trip; a duplicate of a committed key read, at READ
+//! COMMITTED and after its transaction's rollback, in one more; the record
+//! written and committed in one.
 
 use std::time::{Duration, Instant};
 
-use super::{MySql, MySqlTx, MySqlTxStore, statements::TxStatements};
+use super::{MySql, MySqlTx, MySqlTxStore, number, statements::TxStatements};
 use crate::{
     fingerprint::Fingerprint,
     store::{
         StorageKey, StoreError,
-        sql::{
-            base::now_ms,
-            dialect::{Args, Engine, ErrorClass, TxClaim},
-        },
+        sql::dialect::{Engine, ErrorClass, TxClaim},
     },
 };
 
@@ -71,7 +69,8 @@ pub(super) async fn claim(
 }
 
 /// The committed row that holds the key: a replay, a mismatch, or an
-/// expired record this claim takes over.
+/// expired record this claim takes over. The claim's transaction ends in
+/// the read's round trip; a take-over begins another.
 async fn found(
     store: &MySqlTxStore,
     mut tx: MySqlTx,
@@ -80,7 +79,7 @@ async fn found(
     wait: Duration,
 ) -> Result<TxClaim<MySql>, StoreError> {
     let (base, sql) = (&store.base, &store.state.sql);
-    let read = sql.locking_read(key.as_str(), wait);
+    let read = sql.read_after_rollback(key.as_str());
     let row = {
         let on: &mut sqlx::MySqlConnection = &mut tx;
         sqlx::Executor::fetch_optional(on, sqlx::raw_sql(&read)).await
@@ -88,28 +87,22 @@ async fn found(
     let row = match row.map(|row| row.as_ref().map(MySql::key_row).transpose()) {
         Ok(Ok(row)) => row,
         Ok(Err(error)) | Err(error) => {
-            return match MySql::classify(&error) {
-                ErrorClass::LockTimeout | ErrorClass::Conflict => {
-                    roll_back(store, tx);
-                    Ok(TxClaim::InFlight)
-                }
-                _ => {
-                    tx.close_on_drop();
-                    Err(base.error(error))
-                }
-            };
+            tx.close_on_drop();
+            return Err(base.error(error));
         }
     };
+    let Some(connection) = tx.ended() else {
+        return Err(base.error(sqlx::Error::PoolClosed));
+    };
     match row {
-        Some(row) if row.ms_left > 0 => {
-            roll_back(store, tx);
-            Ok(TxClaim::Found(row))
-        }
+        Some(row) if row.ms_left > 0 => Ok(TxClaim::Found(row)),
         Some(_) => {
+            let mut tx = MySqlTx::begun(connection, (), Instant::now());
             let take_over = sql.take_over(
                 key.as_str(),
                 fingerprint.as_bytes(),
                 wait,
+                store.bound,
                 store.claim_lifetime_ms()?,
             );
             let taken = {
@@ -118,6 +111,7 @@ async fn found(
             };
             match taken {
                 Ok(done) if done.rows_affected() == 1 => Ok(TxClaim::Acquired(tx)),
+                // Taken over, or deleted, by another request since the read.
                 Ok(_) => {
                     roll_back(store, tx);
                     Ok(TxClaim::InFlight)
@@ -135,10 +129,7 @@ async fn found(
             }
         }
         // Deleted since the insert met it: asked again by the retry.
-        None => {
-            roll_back(store, tx);
-            Ok(TxClaim::InFlight)
-        }
+        None => Ok(TxClaim::InFlight),
     }
 }
 
@@ -160,34 +151,24 @@ pub(super) async fn complete(
     retention_ms: i64,
 ) -> Result<(), StoreError> {
     let (base, sql) = (&store.base, &store.state.sql);
-    // Retention counts from now, the end of the handler.
-    let args = Args {
-        key: key.as_str(),
-        record: &record,
-        ms: retention_ms,
-        now: now_ms(),
-        ..Args::default()
-    };
-    let written = match MySql::execute(&mut **tx, &sql.complete, &args).await {
-        Ok(written) => written,
-        Err(error) => {
-            tx.close_on_drop();
-            return Err(base.error(error));
-        }
-    };
-    if written != 1 {
-        // The claim's row is gone (the handler deleted it, or a deadlock
-        // rolled the transaction back and the handler went on writing):
-        // committing now would keep writes without their record.
-        tx.close_on_drop();
-        return Err(StoreError::Refused(
+    // Retention counts from now, the end of the handler. On a multi-node
+    // cluster, a duplicate committed on another node first fails this
+    // COMMIT's certification (1213): nothing of this request commits.
+    match tx
+        .end(&sql.complete(key.as_str(), &record, retention_ms))
+        .await
+    {
+        Ok(()) => Ok(()),
+        // The check after the update: the claim's row is gone (the handler
+        // deleted it, or a deadlock rolled the transaction back and the
+        // handler went on writing). Committing would keep writes without
+        // their record; the failed batch never reached its COMMIT, and the
+        // closed connection rolls the rest back.
+        Err(error) if number(&error) == Some(1242) => Err(StoreError::Refused(
             "the claim's row is no longer in the transaction".into(),
-        ));
+        )),
+        Err(error) => Err(base.error(error)),
     }
-    // On a multi-node cluster, a duplicate committed on another node first
-    // fails this COMMIT's certification (1213): nothing of this request
-    // commits.
-    tx.end(&sql.end("COMMIT")).await.map_err(|e| base.error(e))
 }
 
 pub(super) async fn release(store: &MySqlTxStore, mut tx: MySqlTx) -> Result<(), StoreError> {
