@@ -14,7 +14,8 @@
 //! (default 0: how long the work takes after inserting its row, before its
 //! commit — the payment processor); `ACK_DELAY_MS` (default 0: a pause
 //! between the commit and the acknowledgement, to widen that crash window);
-//! `IDEMPOTENCY_LEASE_MS` (default 30000).
+//! `IDEMPOTENCY_LEASE_MS` (default 30000); `IDEMPOTENCY_TX_TIMEOUT_MS`
+//! (default 30000: the bound on the work's transaction).
 //!
 //! A message is JSON `{"order_id": string, "amount": integer > 0, "currency":
 //! string}`; the order id is the business key. Each execution inserts one row
@@ -27,7 +28,17 @@
 //! not a valid key). Rejected, refused and invalid messages are rejected
 //! without requeue (dead-lettered where the queue has a dead-letter
 //! exchange): one bad message never holds up the orders behind it. Store
-//! outages requeue the message after a pause.
+//! outages requeue the message after a back-off.
+//!
+//! Long work: RabbitMQ cannot extend a delivery (its `consumer_timeout`,
+//! 30 minutes by default, closes the channel of a consumer that holds one
+//! unacknowledged longer, and the message is redelivered). The work's
+//! transaction is bounded instead (`IDEMPOTENCY_TX_TIMEOUT_MS`, keep it well
+//! under `consumer_timeout`): work that outlives it is rolled back and
+//! requeued, and after three deliveries it is rejected (`rejected
+//! <order_id>`), with a log line naming the bound to raise. The count of
+//! deliveries is this process's own (classic queues do not count them):
+//! a restart starts it again.
 //!
 //! The process exits with status 2 and a message when the broker ends the
 //! consumer (the queue deleted, a connection forced closed), so a
@@ -42,7 +53,7 @@
 //! sqlite3 orders.db 'SELECT * FROM order_charges'   # one row
 //! ```
 
-use std::{env, io::Write, time::Duration};
+use std::{collections::HashMap, time::Duration};
 
 use futures_util::StreamExt;
 use lapin::{
@@ -54,314 +65,101 @@ use lapin::{
     },
     types::FieldTable,
 };
-use serde::{Deserialize, Serialize};
-use tower_idempotency::{
-    IdempotencyKey, PostgresStore, PostgresTxStore, SqliteStore, SqliteTxStore,
-    message::{IdempotencyProcessor, ProcessError, ProcessOutcome},
-    sqlx::{self, error::ErrorKind},
-    store::Store,
-};
+use tower_idempotency::message::{Disposition, IdempotencyProcessor};
 
-#[derive(Deserialize, Serialize)]
-struct Order {
-    order_id: String,
-    amount: i64,
-    currency: String,
-}
+#[path = "orders/mod.rs"]
+mod orders;
 
-struct Settings {
-    amqp_url: String,
-    queue: String,
-    database_url: String,
-    work_delay: Duration,
-    ack_delay: Duration,
-    lease: Duration,
-}
-
-impl Settings {
-    fn from_env() -> Result<Self, String> {
-        let millis = |name: &str, default: u64| -> Result<Duration, String> {
-            match env::var(name) {
-                Err(_) => Ok(Duration::from_millis(default)),
-                Ok(v) => v.parse().map(Duration::from_millis).map_err(|_| {
-                    format!("{name} must be a whole number of milliseconds, got {v:?}")
-                }),
-            }
-        };
-        let lease = millis("IDEMPOTENCY_LEASE_MS", 30_000)?;
-        if !(Duration::from_millis(30)..=tower_idempotency::MAX_LEASE).contains(&lease) {
-            return Err("IDEMPOTENCY_LEASE_MS must be from 30 to 86400000".into());
-        }
-        Ok(Self {
-            amqp_url: env::var("AMQP_URL")
-                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
-            queue: env::var("QUEUE").unwrap_or_else(|_| "orders".into()),
-            database_url: env::var("DATABASE_URL").map_err(|_| {
-                "DATABASE_URL is required, e.g. sqlite://orders.db or postgres://postgres@127.0.0.1:5432/orders"
-                    .to_owned()
-            })?,
-            work_delay: millis("WORK_DELAY_MS", 0)?,
-            ack_delay: millis("ACK_DELAY_MS", 0)?,
-            lease,
-        })
-    }
-}
+use orders::{Ledger, Settings, exit_with, say};
 
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "orders_consumer=info,tower_idempotency=info".into()),
-        )
-        .init();
+    orders::init_tracing("orders_consumer");
     let settings = Settings::from_env().unwrap_or_else(|why| exit_with(&why));
-
-    // The URLs may carry passwords: they are never logged.
-    let url = settings.database_url.clone();
-    if url.starts_with("sqlite:") {
-        let store = SqliteStore::builder().transactional().connect(&url).await;
-        consume(open(store).await, settings).await
-    } else {
-        let store = PostgresStore::builder().transactional().connect(&url).await;
-        consume(open(store).await, settings).await
-    }
+    let amqp_url =
+        std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let queue = std::env::var("QUEUE").unwrap_or_else(|_| "orders".into());
+    orders::run(Rabbit { amqp_url, queue }, "orders_consumer", settings).await
 }
 
-/// The idempotency table and `order_charges`, created if missing.
-async fn open<St: Ledger>(store: Result<St, tower_idempotency::store::StoreError>) -> St {
-    let store = store.unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
-    St::create_tables(&store)
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("creating the tables: {e}")));
-    store
+struct Rabbit {
+    amqp_url: String,
+    queue: String,
 }
 
-/// A transactional store the orders are charged in.
-trait Ledger: Store {
-    fn create_tables(&self) -> impl Future<Output = Result<(), Box<dyn std::error::Error>>>;
-    /// Inserts the order's charge in the claim's transaction.
-    fn charge(
-        tx: &mut Self::Granted,
-        order: &Order,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
-}
+impl orders::Consumer for Rabbit {
+    /// Consumes the queue until the broker ends it.
+    async fn run<St: Ledger>(self, orders: IdempotencyProcessor<St>, settings: Settings) {
+        let connection = Connection::connect(&self.amqp_url, ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| exit_with(&format!("AMQP_URL: {e}")));
+        let channel = connection
+            .create_channel()
+            .await
+            .unwrap_or_else(|e| exit_with(&format!("opening a channel: {e}")));
+        // One unacknowledged delivery at a time.
+        channel
+            .basic_qos(1, BasicQosOptions::default())
+            .await
+            .unwrap_or_else(|e| exit_with(&format!("basic_qos: {e}")));
+        channel
+            .queue_declare(
+                self.queue.as_str().into(),
+                QueueDeclareOptions::durable(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| exit_with(&format!("declaring queue {}: {e}", self.queue)));
+        let mut deliveries = channel
+            .basic_consume(
+                self.queue.as_str().into(),
+                "orders_consumer".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| exit_with(&format!("consuming {}: {e}", self.queue)));
+        println!("consuming {}", self.queue);
 
-impl Ledger for PostgresTxStore {
-    async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
-        self.migrate().await?;
-        sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS order_charges (
-                order_id text NOT NULL, amount bigint NOT NULL, currency text NOT NULL,
-                charged_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .execute(self.pool())
-        .await?;
-        Ok(())
-    }
-
-    async fn charge(tx: &mut Self::Granted, order: &Order) -> Result<(), sqlx::Error> {
-        sqlx::query("INSERT INTO order_charges (order_id, amount, currency) VALUES ($1, $2, $3)")
-            .bind(&order.order_id)
-            .bind(order.amount)
-            .bind(&order.currency)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
-    }
-}
-
-impl Ledger for SqliteTxStore {
-    async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
-        self.migrate().await?;
-        sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS order_charges (
-                order_id TEXT NOT NULL, amount INTEGER NOT NULL, currency TEXT NOT NULL,
-                charged_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)",
-        )
-        .execute(self.pool())
-        .await?;
-        Ok(())
-    }
-
-    async fn charge(tx: &mut Self::Granted, order: &Order) -> Result<(), sqlx::Error> {
-        sqlx::query("INSERT INTO order_charges (order_id, amount, currency) VALUES (?1, ?2, ?3)")
-            .bind(&order.order_id)
-            .bind(order.amount)
-            .bind(&order.currency)
-            .execute(&mut **tx)
-            .await?;
-        Ok(())
-    }
-}
-
-/// Consumes the queue until the broker ends it.
-async fn consume<St: Ledger>(store: St, settings: Settings) -> ! {
-    let orders = IdempotencyProcessor::new(store)
-        .scope("orders_consumer")
-        .lease(settings.lease);
-
-    let connection = Connection::connect(&settings.amqp_url, ConnectionProperties::default())
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("AMQP_URL: {e}")));
-    let channel = connection
-        .create_channel()
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("opening a channel: {e}")));
-    // One unacknowledged delivery at a time.
-    channel
-        .basic_qos(1, BasicQosOptions::default())
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("basic_qos: {e}")));
-    channel
-        .queue_declare(
-            settings.queue.as_str().into(),
-            QueueDeclareOptions::durable(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("declaring queue {}: {e}", settings.queue)));
-    let mut deliveries = channel
-        .basic_consume(
-            settings.queue.as_str().into(),
-            "orders_consumer".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("consuming {}: {e}", settings.queue)));
-    println!("consuming {}", settings.queue);
-
-    while let Some(delivery) = deliveries.next().await {
-        match delivery {
-            Ok(delivery) => {
-                if let Err(e) = handle(&orders, &settings, delivery).await {
-                    tracing::error!(error = %e, "the broker failed an acknowledgement");
+        // Deliveries of each message not yet settled for good, by body.
+        let mut seen: HashMap<Vec<u8>, u32> = HashMap::new();
+        while let Some(delivery) = deliveries.next().await {
+            match delivery {
+                Ok(delivery) => {
+                    if let Err(e) = handle(&orders, &settings, &mut seen, delivery).await {
+                        tracing::error!(error = %e, "the broker failed an acknowledgement");
+                    }
                 }
+                Err(e) => exit_with(&format!("the broker connection failed: {e}")),
             }
-            Err(e) => exit_with(&format!("the broker connection failed: {e}")),
         }
+        // The broker cancelled the consumer: a supervisor must see a failure.
+        exit_with(&format!(
+            "the broker ended the consumer of {} (queue deleted or consumer cancelled)",
+            self.queue
+        ))
     }
-    // The broker cancelled the consumer: a supervisor must see a failure.
-    exit_with(&format!(
-        "the broker ended the consumer of {} (queue deleted or consumer cancelled)",
-        settings.queue
-    ))
-}
-
-/// What to tell the broker about a delivery.
-enum Answer {
-    Ack,
-    /// Put it back after a pause: a later delivery may succeed.
-    Requeue(Duration),
-    /// Never requeue: no delivery of this message can succeed.
-    Reject,
 }
 
 /// Processes one delivery and answers the broker: ack, requeue or reject.
 async fn handle<St: Ledger>(
     orders: &IdempotencyProcessor<St>,
     settings: &Settings,
+    seen: &mut HashMap<Vec<u8>, u32>,
     delivery: Delivery,
 ) -> Result<(), lapin::Error> {
-    // What can be checked up front is: a message that fails it can never
-    // succeed, so it is rejected, not requeued.
-    let order = match parse(&delivery.data) {
-        Ok(order) => order,
-        Err(why) => {
-            tracing::warn!(tag = delivery.delivery_tag, %why, "invalid order message");
-            say(&format!("invalid {}", delivery.delivery_tag));
-            return answer(&delivery, Answer::Reject).await;
-        }
-    };
-    let work_delay = settings.work_delay;
-    let id = order.order_id.clone();
-    let processed = orders
-        .process(&id, &delivery.data, async move |tx: &mut St::Granted| {
-            St::charge(tx, &order).await?;
-            // The payment processor, before the commit.
-            tokio::time::sleep(work_delay).await;
-            Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
-        })
-        .await;
-    let (line, then) = match processed {
-        // Committed: a crash from here to the ack is a redelivery that finds
-        // the record.
-        Ok(ProcessOutcome::Executed(_)) => {
-            tokio::time::sleep(settings.ack_delay).await;
-            ("executed", Answer::Ack)
-        }
-        Ok(ProcessOutcome::Duplicate(_) | ProcessOutcome::DuplicateUnreadable { .. }) => {
-            ("duplicate", Answer::Ack)
-        }
-        // Another consumer runs it now: put it back, after a pause so the
-        // requeued message does not spin.
-        Ok(ProcessOutcome::InFlight { retry_after }) => (
-            "in-flight",
-            Answer::Requeue(retry_after.clamp(Duration::from_millis(100), Duration::from_secs(1))),
-        ),
-        Ok(ProcessOutcome::Mismatch) => ("rejected", Answer::Reject),
-        Err(ProcessError::Work(error)) if refuses_the_data(&error) => {
-            tracing::warn!(order = %id, %error, "the database refused the order; rejected");
-            ("refused", Answer::Reject)
-        }
-        Err(
-            error @ (ProcessError::Panicked
-            | ProcessError::Refused(_)
-            | ProcessError::InvalidKey(_)),
-        ) => {
-            tracing::warn!(order = %id, %error, "the order cannot be processed; rejected");
-            ("refused", Answer::Reject)
-        }
-        Err(
-            error @ (ProcessError::Work(_)
-            | ProcessError::Unavailable(_)
-            | ProcessError::NotCommitted(_)),
-        ) => {
-            // Nothing took effect (or the redelivery finds the record): try
-            // again later.
-            tracing::warn!(order = %id, %error, "order not processed; requeued");
-            answer(&delivery, Answer::Requeue(Duration::from_millis(500))).await?;
-            return Ok(());
-        }
-    };
-    answer(&delivery, then).await?;
-    say(&format!("{line} {id}"));
-    Ok(())
-}
-
-/// An order as the work needs it: JSON of the right shape, a positive
-/// amount, and an order id that is a valid idempotency key.
-fn parse(data: &[u8]) -> Result<Order, String> {
-    let order: Order = serde_json::from_slice(data).map_err(|e| e.to_string())?;
-    if order.amount <= 0 {
-        return Err("amount must be positive".into());
+    let count = seen.entry(delivery.data.clone()).or_default();
+    *count += 1;
+    // RabbitMQ cannot extend a delivery: no hold to keep.
+    let hold = tower_idempotency::message::extend_every(Duration::MAX, || async { Ok(()) });
+    let handled = orders::handle(orders, settings, &delivery.data, *count, &hold).await;
+    if !matches!(handled.disposition, Disposition::Retry { .. }) {
+        seen.remove(&delivery.data);
     }
-    IdempotencyKey::new(&order.order_id).map_err(|e| format!("order_id: {e}"))?;
-    Ok(order)
-}
-
-/// Whether the database refused the order's data itself, which no
-/// redelivery changes: a constraint it breaks, or (PostgreSQL's SQLSTATE
-/// class 22) data it cannot store, such as a NUL byte in text. Anything else
-/// — a lost connection, a deadlock, a serialization failure — may pass next
-/// time.
-fn refuses_the_data(error: &sqlx::Error) -> bool {
-    let Some(error) = error.as_database_error() else {
-        return false;
-    };
-    let data_exception = error
-        .code()
-        .is_some_and(|code| code.len() == 5 && code.starts_with("22"));
-    data_exception || !matches!(error.kind(), ErrorKind::Other)
-}
-
-async fn answer(delivery: &Delivery, answer: Answer) -> Result<(), lapin::Error> {
     // Each returns whether the delivery was still unsettled, which it is.
-    let _ = match answer {
-        Answer::Ack => delivery.ack(BasicAckOptions::default()).await,
-        Answer::Requeue(after) => {
+    let _ = match handled.disposition {
+        Disposition::Ack => delivery.ack(BasicAckOptions::default()).await,
+        Disposition::Retry { after } => {
             tokio::time::sleep(after).await;
             let requeue = BasicNackOptions {
                 requeue: true,
@@ -369,19 +167,12 @@ async fn answer(delivery: &Delivery, answer: Answer) -> Result<(), lapin::Error>
             };
             delivery.nack(requeue).await
         }
-        Answer::Reject => delivery.reject(BasicRejectOptions { requeue: false }).await,
+        Disposition::DeadLetter => delivery.reject(BasicRejectOptions { requeue: false }).await,
     }?;
+    if handled.invalid {
+        say(&format!("invalid {}", delivery.delivery_tag));
+    } else if let Some(line) = handled.line {
+        say(&line);
+    }
     Ok(())
-}
-
-/// One line per delivery on stdout, flushed at once (tests read it).
-fn say(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
-}
-
-fn exit_with(message: &str) -> ! {
-    eprintln!("orders_consumer: {message}");
-    std::process::exit(2)
 }

@@ -402,22 +402,53 @@ async fn one_malformed_order_never_holds_up_the_orders_behind_it() {
     queue.publish(&order("order-1", 500)).await;
 
     consumer.wait_for(|l| l == "executed order-1").await;
-    consumer.wait_for(|l| l == "refused order-nul").await;
     drained(&queue).await;
+    // Rejected for good: no redelivery comes back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let lines = consumer.lines();
     assert_eq!(
         lines.iter().filter(|l| l.starts_with("invalid ")).count(),
-        4,
-        "each invalid order id rejected once: {lines:?}"
+        5,
+        "each invalid order (a NUL in its text included) rejected once: {lines:?}"
     );
-    // Rejected for good: no redelivery comes back.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let refused = consumer.lines();
-    assert_eq!(
-        refused.iter().filter(|l| *l == "refused order-nul").count(),
-        1,
-        "{refused:?}"
-    );
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
+}
+
+/// Work longer than its transaction's bound can never commit: it is
+/// rolled back on each delivery, and after a bounded number of them
+/// rejected for good (`rejected <order_id>`) instead of looping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_longer_than_its_transaction_bound_is_rejected_after_bounded_deliveries() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let consumer = OrdersConsumer::start(&[
+        ("DATABASE_URL", db.url()),
+        ("QUEUE", &queue.name),
+        ("WORK_DELAY_MS", "1500"),
+        ("IDEMPOTENCY_TX_TIMEOUT_MS", "500"),
+    ])
+    .await;
+    queue.publish(&order("order-slow", 500)).await;
+    consumer
+        .wait_for_within(|l| l == "rejected order-slow", Duration::from_secs(40))
+        .await;
+    drained(&queue).await;
+    // Not redelivered again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(consumer.lines()[1..], ["rejected order-slow"]);
+    assert_eq!(charges(&db).await, 0, "nothing ever committed");
+    // The bound raised, the order (published again) is charged.
+    drop(consumer);
+    let consumer = OrdersConsumer::start(&[
+        ("DATABASE_URL", db.url()),
+        ("QUEUE", &queue.name),
+        ("WORK_DELAY_MS", "1500"),
+        ("IDEMPOTENCY_TX_TIMEOUT_MS", "5000"),
+    ])
+    .await;
+    queue.publish(&order("order-slow", 500)).await;
+    consumer.wait_for(|l| l == "executed order-slow").await;
     assert_eq!(charges(&db).await, 1);
     queue.delete().await;
 }

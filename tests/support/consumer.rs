@@ -45,13 +45,19 @@ impl OrdersConsumer {
 
     /// Waits (up to 20 s) for a line that satisfies `f`.
     pub async fn wait_for(&self, f: impl Fn(&str) -> bool) -> String {
-        for _ in 0..200 {
+        self.wait_for_within(f, Duration::from_secs(20)).await
+    }
+
+    /// Waits up to `within` for a line that satisfies `f`.
+    pub async fn wait_for_within(&self, f: impl Fn(&str) -> bool, within: Duration) -> String {
+        let deadline = std::time::Instant::now() + within;
+        while std::time::Instant::now() < deadline {
             if let Some(line) = self.lines().into_iter().find(|l| f(l)) {
                 return line;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        panic!("no such line within 20 s; got {:?}", self.lines());
+        panic!("no such line within {within:?}; got {:?}", self.lines());
     }
 
     /// SIGKILL, as in a crash.

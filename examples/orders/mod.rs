@@ -1,0 +1,324 @@
+//! What the orders consumers share, whatever their broker (`orders_consumer`
+//! on RabbitMQ, `sqs_orders`, `nats_orders`): the order message, the ledger
+//! it is charged in (SQLite or PostgreSQL, the idempotency record in the
+//! charge's transaction), and how one delivery is processed and answered.
+#![allow(dead_code)]
+
+use std::{env, io::Write, time::Duration};
+
+use serde::{Deserialize, Serialize};
+use tower_idempotency::{
+    IdempotencyKey, PostgresStore, PostgresTxStore, SqliteStore, SqliteTxStore,
+    message::{DeliveryLease, Disposition, IdempotencyProcessor, ProcessError, ProcessOutcome},
+    sqlx::{self, error::ErrorKind},
+    store::{Store, StoreError},
+};
+
+/// A message: `{"order_id": string, "amount": integer > 0, "currency":
+/// string}`; the order id is the business key.
+#[derive(Deserialize, Serialize)]
+pub struct Order {
+    pub order_id: String,
+    pub amount: i64,
+    pub currency: String,
+}
+
+/// An order as the work needs it: JSON of the right shape, a positive
+/// amount, text without NUL (PostgreSQL refuses it, SQLite would store it:
+/// the order is invalid either way), and an order id that is a valid key.
+pub fn parse(data: &[u8]) -> Result<Order, String> {
+    let order: Order = serde_json::from_slice(data).map_err(|e| e.to_string())?;
+    if order.amount <= 0 {
+        return Err("amount must be positive".into());
+    }
+    if order.order_id.contains('\0') || order.currency.contains('\0') {
+        return Err("a text field holds U+0000".into());
+    }
+    IdempotencyKey::new(&order.order_id).map_err(|e| format!("order_id: {e}"))?;
+    Ok(order)
+}
+
+/// The settings every consumer reads.
+pub struct Settings {
+    /// `DATABASE_URL`: `sqlite://PATH` or `postgres://…` (required).
+    pub database_url: String,
+    /// `WORK_DELAY_MS` (default 0): how long the work takes after
+    /// inserting its row, before its commit — the payment processor.
+    pub work_delay: Duration,
+    /// `ACK_DELAY_MS` (default 0): a pause between the commit and the
+    /// acknowledgement, to widen that crash window.
+    pub ack_delay: Duration,
+    /// `IDEMPOTENCY_LEASE_MS` (default 30000).
+    pub lease: Duration,
+    /// `IDEMPOTENCY_TX_TIMEOUT_MS` (default 30000): the bound on the work's
+    /// transaction. Work that outlives it on every delivery is
+    /// dead-lettered.
+    pub tx_timeout: Duration,
+}
+
+impl Settings {
+    pub fn from_env() -> Result<Self, String> {
+        let lease = millis("IDEMPOTENCY_LEASE_MS", 30_000)?;
+        if !(Duration::from_millis(30)..=tower_idempotency::MAX_LEASE).contains(&lease) {
+            return Err("IDEMPOTENCY_LEASE_MS must be from 30 to 86400000".into());
+        }
+        let tx_timeout = millis("IDEMPOTENCY_TX_TIMEOUT_MS", 30_000)?;
+        if tx_timeout < Duration::from_millis(100) {
+            return Err("IDEMPOTENCY_TX_TIMEOUT_MS must be at least 100".into());
+        }
+        Ok(Self {
+            database_url: env::var("DATABASE_URL").map_err(|_| {
+                "DATABASE_URL is required, e.g. sqlite://orders.db or postgres://postgres@127.0.0.1:5432/orders"
+                    .to_owned()
+            })?,
+            work_delay: millis("WORK_DELAY_MS", 0)?,
+            ack_delay: millis("ACK_DELAY_MS", 0)?,
+            lease,
+            tx_timeout,
+        })
+    }
+}
+
+/// A duration in milliseconds from the environment.
+pub fn millis(name: &str, default: u64) -> Result<Duration, String> {
+    match env::var(name) {
+        Err(_) => Ok(Duration::from_millis(default)),
+        Ok(v) => v
+            .parse()
+            .map(Duration::from_millis)
+            .map_err(|_| format!("{name} must be a whole number of milliseconds, got {v:?}")),
+    }
+}
+
+/// A broker's consumer loop, run over whichever ledger `DATABASE_URL` names.
+pub trait Consumer {
+    fn run<St: Ledger>(
+        self,
+        orders: IdempotencyProcessor<St>,
+        settings: Settings,
+    ) -> impl Future<Output = ()>;
+}
+
+/// Opens the ledger `DATABASE_URL` names (its tables created if missing)
+/// and runs `consumer` over it, with the processor scoped to `scope`.
+pub async fn run<C: Consumer>(consumer: C, scope: &str, settings: Settings) {
+    // The URLs may carry passwords: they are never logged.
+    let url = settings.database_url.clone();
+    let bound = settings.tx_timeout;
+    if url.starts_with("sqlite:") {
+        let store = SqliteStore::builder()
+            .transactional()
+            .transaction_timeout(bound)
+            .connect(&url)
+            .await;
+        let orders = processor(open(store).await, scope, &settings);
+        consumer.run(orders, settings).await
+    } else {
+        let store = PostgresStore::builder()
+            .transactional()
+            .transaction_timeout(bound)
+            .connect(&url)
+            .await;
+        let orders = processor(open(store).await, scope, &settings);
+        consumer.run(orders, settings).await
+    }
+}
+
+fn processor<St: Ledger>(store: St, scope: &str, settings: &Settings) -> IdempotencyProcessor<St> {
+    IdempotencyProcessor::new(store)
+        .scope(scope)
+        .lease(settings.lease)
+}
+
+/// The idempotency table and `order_charges`, created if missing.
+async fn open<St: Ledger>(store: Result<St, StoreError>) -> St {
+    let store = store.unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
+    St::create_tables(&store)
+        .await
+        .unwrap_or_else(|e| exit_with(&format!("creating the tables: {e}")));
+    store
+}
+
+/// A transactional store the orders are charged in.
+pub trait Ledger: Store + Clone {
+    fn create_tables(&self) -> impl Future<Output = Result<(), Box<dyn std::error::Error>>>;
+    /// Inserts the order's charge in the claim's transaction.
+    fn charge(
+        tx: &mut Self::Granted,
+        order: &Order,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+}
+
+impl Ledger for PostgresTxStore {
+    async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
+        self.migrate().await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS order_charges (
+                order_id text NOT NULL, amount bigint NOT NULL, currency text NOT NULL,
+                charged_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    async fn charge(tx: &mut Self::Granted, order: &Order) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO order_charges (order_id, amount, currency) VALUES ($1, $2, $3)")
+            .bind(&order.order_id)
+            .bind(order.amount)
+            .bind(&order.currency)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+impl Ledger for SqliteTxStore {
+    async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
+        self.migrate().await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS order_charges (
+                order_id TEXT NOT NULL, amount INTEGER NOT NULL, currency TEXT NOT NULL,
+                charged_at TEXT NOT NULL DEFAULT CURRENT_TIMESTAMP)",
+        )
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    async fn charge(tx: &mut Self::Granted, order: &Order) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO order_charges (order_id, amount, currency) VALUES (?1, ?2, ?3)")
+            .bind(&order.order_id)
+            .bind(order.amount)
+            .bind(&order.currency)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
+    }
+}
+
+/// What became of one delivery, and what to tell the broker.
+pub struct Handled {
+    /// The stdout line (`executed order-42`), if the delivery gets one: an
+    /// outage's retry does not. An invalid message's line names the
+    /// broker's message: the caller writes it.
+    pub line: Option<String>,
+    /// Whether the message was invalid (its line is the caller's).
+    pub invalid: bool,
+    pub disposition: Disposition,
+}
+
+/// Processes one delivery of `data`, the `delivery`-th (1 for the first),
+/// keeping the broker's `hold` on it while the work runs.
+pub async fn handle<St: Ledger, L: DeliveryLease>(
+    orders: &IdempotencyProcessor<St>,
+    settings: &Settings,
+    data: &[u8],
+    delivery: u32,
+    hold: &L,
+) -> Handled {
+    // What can be checked up front is: a message that fails it can never
+    // succeed, so it is dead-lettered, not retried.
+    let order = match parse(data) {
+        Ok(order) => order,
+        Err(why) => {
+            tracing::warn!(%why, "invalid order message");
+            return Handled {
+                line: None,
+                invalid: true,
+                disposition: Disposition::DeadLetter,
+            };
+        }
+    };
+    let work_delay = settings.work_delay;
+    let id = order.order_id.clone();
+    let processed = orders
+        .process_delivery(&id, data, hold, async move |tx: &mut St::Granted| {
+            St::charge(tx, &order).await?;
+            // The payment processor, before the commit.
+            tokio::time::sleep(work_delay).await;
+            Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
+        })
+        .await;
+    let disposition = Disposition::of(&processed, delivery, |error| {
+        if refuses_the_data(error) {
+            Disposition::DeadLetter
+        } else {
+            Disposition::backoff(delivery)
+        }
+    });
+    let word = match (&processed, disposition) {
+        // Committed: a crash from here to the acknowledgement is a
+        // redelivery that finds the record.
+        (Ok(ProcessOutcome::Executed(_)), _) => {
+            tokio::time::sleep(settings.ack_delay).await;
+            Some("executed")
+        }
+        (Ok(ProcessOutcome::Duplicate(_) | ProcessOutcome::DuplicateUnreadable { .. }), _) => {
+            Some("duplicate")
+        }
+        (Ok(ProcessOutcome::InFlight { .. }), _) => Some("in-flight"),
+        (Ok(ProcessOutcome::Mismatch), _) => Some("rejected"),
+        (Err(ProcessError::NotCommitted(StoreError::TransactionTimedOut { .. })), Disposition::DeadLetter) => {
+            tracing::error!(order = %id, bound = ?settings.tx_timeout, "the work outlived its transaction on every delivery: dead-lettered; raise IDEMPOTENCY_TX_TIMEOUT_MS above the work's duration");
+            Some("rejected")
+        }
+        (Err(error), Disposition::DeadLetter) => {
+            tracing::warn!(order = %id, %error, "the order cannot be processed; dead-lettered");
+            Some("refused")
+        }
+        // Nothing took effect (or the redelivery finds the record): later.
+        (Err(error), _) => {
+            tracing::warn!(order = %id, %error, "order not processed; retried later");
+            None
+        }
+    };
+    Handled {
+        line: word.map(|word| format!("{word} {id}")),
+        invalid: false,
+        disposition,
+    }
+}
+
+/// Whether the database refused the order's data itself, which no
+/// redelivery changes: a constraint it breaks, or (PostgreSQL's SQLSTATE
+/// class 22) data it cannot store. Anything else — a lost connection, a
+/// deadlock, a serialization failure — may pass next time.
+fn refuses_the_data(error: &sqlx::Error) -> bool {
+    let Some(error) = error.as_database_error() else {
+        return false;
+    };
+    let data_exception = error
+        .code()
+        .is_some_and(|code| code.len() == 5 && code.starts_with("22"));
+    data_exception || !matches!(error.kind(), ErrorKind::Other)
+}
+
+/// One line per delivery on stdout, flushed at once (tests read it).
+pub fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+/// Logging to stderr, `RUST_LOG` or `info` for the example and the crate.
+pub fn init_tracing(example: &str) {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| format!("{example}=info,tower_idempotency=info").into()),
+        )
+        .init();
+}
+
+/// Exits with status 2 and `message` on stderr, so a supervisor restarts
+/// the consumer.
+pub fn exit_with(message: &str) -> ! {
+    let name = env::args()
+        .next()
+        .and_then(|p| p.rsplit('/').next().map(str::to_owned))
+        .unwrap_or_default();
+    eprintln!("{name}: {message}");
+    std::process::exit(2)
+}

@@ -1,0 +1,195 @@
+//! The broker's hold on a delivery, kept while its work runs: without it, a
+//! job longer than the broker's timeout (SQS's visibility timeout,
+//! JetStream's `AckWait`) is handed to a second consumer mid-work.
+
+use std::{future::Future, time::Duration};
+
+use futures_util::future::{Either, select};
+
+/// What `extend` fails with: the broker's own error, boxed.
+pub type ExtendError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A broker's hold on one delivery, which
+/// [`IdempotencyProcessor::process_delivery`](super::IdempotencyProcessor::process_delivery)
+/// extends every [`interval`](Self::interval) while the message's work
+/// runs: on SQS, `ChangeMessageVisibility` back to the visibility timeout;
+/// on JetStream, an "in progress" acknowledgement (`AckKind::Progress`),
+/// which restarts `AckWait`.
+///
+/// Choose an interval well inside the broker's timeout (a third of it
+/// leaves room for two late or failed extensions). An extension that fails
+/// is logged and the work goes on: the store's claim still keeps a second
+/// delivery from running it alongside, it only answers
+/// [`InFlight`](super::ProcessOutcome::InFlight).
+///
+/// [`extend_every`] makes one from a closure.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::message::{DeliveryLease, ExtendError};
+///
+/// /// A JetStream-like delivery: `AckWait` of 30 s.
+/// struct Delivery;
+///
+/// impl DeliveryLease for Delivery {
+///     fn interval(&self) -> Duration {
+///         Duration::from_secs(10)
+///     }
+///
+///     async fn extend(&self) -> Result<(), ExtendError> {
+///         // message.ack_with(AckKind::Progress).await
+///         Ok(())
+///     }
+/// }
+/// ```
+pub trait DeliveryLease: Send + Sync {
+    /// How often to extend the hold while the work runs; `Duration::MAX`
+    /// for never (a broker that cannot extend a delivery, such as
+    /// RabbitMQ).
+    fn interval(&self) -> Duration;
+
+    /// Extends the hold by the broker's timeout, from now.
+    fn extend(&self) -> impl Future<Output = Result<(), ExtendError>> + Send;
+}
+
+/// A [`DeliveryLease`] made of a closure: see [`extend_every`].
+#[derive(Clone, Debug)]
+pub struct ExtendEvery<F> {
+    interval: Duration,
+    extend: F,
+}
+
+/// A [`DeliveryLease`] that calls `extend` every `interval` while the work
+/// runs.
+///
+/// # Examples
+///
+/// ```
+/// # async fn demo(orders: tower_idempotency::message::IdempotencyProcessor<tower_idempotency::MemoryStore>) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use tower_idempotency::message::extend_every;
+///
+/// // An SQS message received with a 30 s visibility timeout.
+/// let hold = extend_every(Duration::from_secs(10), || async {
+///     // sqs.change_message_visibility().receipt_handle(…).visibility_timeout(30).send().await?;
+///     Ok(())
+/// });
+/// let payload = br#"{"order_id":"order-42","amount":1999}"#;
+/// orders
+///     .process_delivery("order-42", payload, &hold, async |_: &mut _| {
+///         Ok::<_, std::io::Error>("charged")
+///     })
+///     .await?;
+/// # Ok(()) }
+/// ```
+///
+/// # Panics
+///
+/// When `interval` is zero.
+pub fn extend_every<F, Fut>(interval: Duration, extend: F) -> ExtendEvery<F>
+where
+    F: Fn() -> Fut + Send + Sync,
+    Fut: Future<Output = Result<(), ExtendError>> + Send,
+{
+    assert!(!interval.is_zero(), "extend_every: the interval must not be zero");
+    ExtendEvery { interval, extend }
+}
+
+impl<F, Fut> DeliveryLease for ExtendEvery<F>
+where
+    F: Fn() -> Fut + Send + Sync,
+    Fut: Future<Output = Result<(), ExtendError>> + Send,
+{
+    fn interval(&self) -> Duration {
+        self.interval
+    }
+
+    fn extend(&self) -> impl Future<Output = Result<(), ExtendError>> + Send {
+        (self.extend)()
+    }
+}
+
+/// No hold to keep: [`IdempotencyProcessor::process`](super::IdempotencyProcessor::process).
+pub(super) struct NoLease;
+
+impl DeliveryLease for NoLease {
+    fn interval(&self) -> Duration {
+        Duration::MAX
+    }
+
+    async fn extend(&self) -> Result<(), ExtendError> {
+        Ok(())
+    }
+}
+
+/// Runs `work`, extending `lease` every interval until it ends; the
+/// extensions run beside the work, never pausing it.
+pub(super) async fn keeping<L: DeliveryLease, F: Future>(lease: &L, key: &str, work: F) -> F::Output {
+    let interval = lease.interval();
+    if interval == Duration::MAX {
+        return work.await;
+    }
+    let extending = async {
+        loop {
+            tokio::time::sleep(interval).await;
+            if let Err(error) = lease.extend().await {
+                tracing::warn!(%key, %error, "idempotency: the broker's hold on a delivery could not be extended; the work goes on under its claim");
+            }
+        }
+    };
+    let (work, extending) = (std::pin::pin!(work), std::pin::pin!(extending));
+    match select(work, extending).await {
+        Either::Left((output, _)) => output,
+        Either::Right(((), _)) => unreachable!("the extensions never end"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use super::*;
+
+    /// The extensions run beside the work (they do not pause it) and stop
+    /// when it ends.
+    #[tokio::test(start_paused = true)]
+    async fn the_hold_is_extended_every_interval_while_the_work_runs_and_not_after() {
+        let extended = AtomicU32::new(0);
+        let hold = extend_every(Duration::from_secs(10), || async {
+            extended.fetch_add(1, Ordering::SeqCst);
+            // A slow broker: the work does not wait for it.
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            Ok(())
+        });
+        let started = tokio::time::Instant::now();
+        let out = keeping(&hold, "k", async {
+            tokio::time::sleep(Duration::from_secs(95)).await;
+            "done"
+        })
+        .await;
+        assert_eq!(out, "done");
+        assert_eq!(started.elapsed(), Duration::from_secs(95));
+        // At 10, 23, 36, 49, 62, 75, 88 s (each 3 s extension, then 10 s).
+        assert_eq!(extended.load(Ordering::SeqCst), 7);
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert_eq!(extended.load(Ordering::SeqCst), 7, "not after the work");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_extension_does_not_stop_the_work() {
+        let tried = AtomicU32::new(0);
+        let hold = extend_every(Duration::from_secs(1), || async {
+            tried.fetch_add(1, Ordering::SeqCst);
+            Err::<(), ExtendError>("receipt handle expired".into())
+        });
+        let out = keeping(&hold, "k", async {
+            tokio::time::sleep(Duration::from_millis(3500)).await;
+            7
+        })
+        .await;
+        assert_eq!(out, 7);
+        assert_eq!(tried.load(Ordering::SeqCst), 3);
+    }
+}
