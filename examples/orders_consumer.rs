@@ -76,8 +76,8 @@ use orders::{Ledger, Settings, exit_with, say};
 async fn main() {
     orders::init_tracing("orders_consumer");
     let settings = Settings::from_env().unwrap_or_else(|why| exit_with(&why));
-    let amqp_url =
-        std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+    let amqp_url = std::env::var("AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let queue = std::env::var("QUEUE").unwrap_or_else(|_| "orders".into());
     orders::run(Rabbit { amqp_url, queue }, "orders_consumer", settings).await
 }

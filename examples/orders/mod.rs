@@ -259,7 +259,10 @@ pub async fn handle<St: Ledger, L: DeliveryLease>(
         }
         (Ok(ProcessOutcome::InFlight { .. }), _) => Some("in-flight"),
         (Ok(ProcessOutcome::Mismatch), _) => Some("rejected"),
-        (Err(ProcessError::NotCommitted(StoreError::TransactionTimedOut { .. })), Disposition::DeadLetter) => {
+        (
+            Err(ProcessError::NotCommitted(StoreError::TransactionTimedOut { .. })),
+            Disposition::DeadLetter,
+        ) => {
             tracing::error!(order = %id, bound = ?settings.tx_timeout, "the work outlived its transaction on every delivery: dead-lettered; raise IDEMPOTENCY_TX_TIMEOUT_MS above the work's duration");
             Some("rejected")
         }

@@ -8,10 +8,12 @@ pub mod amqp;
 pub mod cluster;
 pub mod galera;
 pub mod mysql;
+pub mod nats;
 pub mod postgres;
 pub mod redis_server;
 pub mod relay;
 pub mod sqlite;
+pub mod sqs;
 pub mod tmpfs;
 
 /// Runs `f` on its own thread and runtime: set-up and tear-down happen

@@ -93,7 +93,10 @@ where
     F: Fn() -> Fut + Send + Sync,
     Fut: Future<Output = Result<(), ExtendError>> + Send,
 {
-    assert!(!interval.is_zero(), "extend_every: the interval must not be zero");
+    assert!(
+        !interval.is_zero(),
+        "extend_every: the interval must not be zero"
+    );
     ExtendEvery { interval, extend }
 }
 
@@ -126,7 +129,11 @@ impl DeliveryLease for NoLease {
 
 /// Runs `work`, extending `lease` every interval until it ends; the
 /// extensions run beside the work, never pausing it.
-pub(super) async fn keeping<L: DeliveryLease, F: Future>(lease: &L, key: &str, work: F) -> F::Output {
+pub(super) async fn keeping<L: DeliveryLease, F: Future>(
+    lease: &L,
+    key: &str,
+    work: F,
+) -> F::Output {
     let interval = lease.interval();
     if interval == Duration::MAX {
         return work.await;

@@ -110,9 +110,9 @@ impl Disposition {
             Err(ProcessError::Unavailable(_) | ProcessError::NotCommitted(_)) => {
                 Self::backoff(delivery)
             }
-            Err(ProcessError::Refused(_) | ProcessError::Panicked | ProcessError::InvalidKey(_)) => {
-                Self::DeadLetter
-            }
+            Err(
+                ProcessError::Refused(_) | ProcessError::Panicked | ProcessError::InvalidKey(_),
+            ) => Self::DeadLetter,
         }
     }
 
@@ -147,16 +147,21 @@ mod tests {
     }
 
     fn timed_out() -> Processed {
-        Err(ProcessError::NotCommitted(StoreError::TransactionTimedOut {
-            bound: Duration::from_secs(30),
-            source: "ended by the server".into(),
-        }))
+        Err(ProcessError::NotCommitted(
+            StoreError::TransactionTimedOut {
+                bound: Duration::from_secs(30),
+                source: "ended by the server".into(),
+            },
+        ))
     }
 
     #[test]
     fn work_past_its_bound_is_retried_a_bounded_number_of_times_then_dead_lettered() {
         for delivery in 1..Disposition::TIMED_OUT_DELIVERIES {
-            assert!(matches!(of(timed_out(), delivery), Disposition::Retry { .. }));
+            assert!(matches!(
+                of(timed_out(), delivery),
+                Disposition::Retry { .. }
+            ));
         }
         for delivery in Disposition::TIMED_OUT_DELIVERIES..Disposition::TIMED_OUT_DELIVERIES + 3 {
             assert_eq!(of(timed_out(), delivery), Disposition::DeadLetter);
@@ -165,7 +170,11 @@ mod tests {
 
     #[test]
     fn outages_retry_with_a_growing_capped_backoff_and_never_dead_letter() {
-        let outage = || Err(ProcessError::Unavailable(StoreError::Timeout(Duration::from_secs(1))));
+        let outage = || {
+            Err(ProcessError::Unavailable(StoreError::Timeout(
+                Duration::from_secs(1),
+            )))
+        };
         let waits: Vec<_> = (1..=12)
             .map(|n| match of(outage(), n) {
                 Disposition::Retry { after } => after,
@@ -181,15 +190,26 @@ mod tests {
     fn what_can_never_succeed_is_dead_lettered_and_the_work_judges_its_own_errors() {
         assert_eq!(of(Ok(ProcessOutcome::Mismatch), 1), Disposition::DeadLetter);
         assert_eq!(of(Err(ProcessError::Panicked), 1), Disposition::DeadLetter);
-        let refused = Err(ProcessError::Refused(StoreError::Refused("constraint".into())));
+        let refused = Err(ProcessError::Refused(StoreError::Refused(
+            "constraint".into(),
+        )));
         assert_eq!(of(refused, 1), Disposition::DeadLetter);
         let work: Processed = Err(ProcessError::Work("down"));
         assert_eq!(
             Disposition::of(&work, 2, |_| Disposition::backoff(2)),
-            Disposition::Retry { after: Duration::from_secs(1) }
+            Disposition::Retry {
+                after: Duration::from_secs(1)
+            }
         );
         assert_eq!(of(Ok(ProcessOutcome::Executed(())), 9), Disposition::Ack);
-        let in_flight = Ok(ProcessOutcome::InFlight { retry_after: Duration::from_secs(30) });
-        assert_eq!(of(in_flight, 1), Disposition::Retry { after: Duration::from_secs(5) });
+        let in_flight = Ok(ProcessOutcome::InFlight {
+            retry_after: Duration::from_secs(30),
+        });
+        assert_eq!(
+            of(in_flight, 1),
+            Disposition::Retry {
+                after: Duration::from_secs(5)
+            }
+        );
     }
 }

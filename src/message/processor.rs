@@ -245,7 +245,8 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         // Held until settled: if this future is dropped while the work runs,
         // the claim is released (and a transaction rolled back).
         let outcome = {
-            let work = hold.run(async |granted| AssertUnwindSafe(work(granted)).catch_unwind().await);
+            let work =
+                hold.run(async |granted| AssertUnwindSafe(work(granted)).catch_unwind().await);
             delivery::keeping(broker, name, work).await
         };
         let value = match outcome {

@@ -1,5 +1,6 @@
-//! The `orders_consumer` example as a child process: its stdout lines, one
-//! per delivery, read as they come.
+//! The orders consumer examples (`orders_consumer`, `sqs_orders`,
+//! `nats_orders`) as child processes: their stdout lines, one per
+//! delivery, read as they come.
 
 use super::payments::example_binary;
 use std::{
@@ -15,9 +16,14 @@ pub struct OrdersConsumer {
 }
 
 impl OrdersConsumer {
-    /// Starts the consumer and waits until it consumes.
+    /// Starts the RabbitMQ consumer and waits until it consumes.
     pub async fn start(env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(example_binary("orders_consumer"))
+        Self::start_example("orders_consumer", env, "consuming ").await
+    }
+
+    /// Starts `example` and waits for its line starting with `ready`.
+    pub async fn start_example(example: &str, env: &[(&str, &str)], ready: &str) -> Self {
+        let mut child = Command::new(example_binary(example))
             .env("RUST_LOG", "off")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
@@ -35,8 +41,32 @@ impl OrdersConsumer {
             }
         });
         let consumer = Self { child, lines };
-        consumer.wait_for(|l| l.starts_with("consuming ")).await;
+        consumer.wait_for(|l| l.starts_with(ready)).await;
         consumer
+    }
+
+    /// SIGTERM, as a supervisor stops it.
+    pub fn terminate(&self) {
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success());
+    }
+
+    /// Waits up to `within` for the process to exit.
+    pub async fn exited(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still running after {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     pub fn lines(&self) -> Vec<String> {

@@ -12,5 +12,5 @@ pub mod logs;
 pub mod payments;
 
 pub use tower_idempotency_harness::{
-    amqp, cluster, galera, mysql, postgres, redis_server, relay, sqlite, tmpfs,
+    amqp, cluster, galera, mysql, nats, postgres, redis_server, relay, sqlite, sqs, tmpfs,
 };

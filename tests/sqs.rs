@@ -1,0 +1,282 @@
+//! The `sqs_orders` example against a real SQS-compatible server (moto's
+//! `moto_server`, started on a free port for each test) and real
+//! databases (SQLite files, PostgreSQL), counting rows of `order_charges`
+//! (no unique constraint: a double execution shows).
+
+mod support;
+
+use std::time::Duration;
+
+use support::{
+    consumer::OrdersConsumer,
+    postgres::TestDatabase,
+    relay::Relay,
+    sqlite::TestFile,
+    sqs::{SqsServer, TestQueue},
+};
+
+const CHARGES: &str = "SELECT count(*) FROM order_charges";
+
+fn order(id: &str, amount: u32) -> String {
+    format!(r#"{{"order_id":"{id}","amount":{amount},"currency":"eur"}}"#)
+}
+
+/// The consumer on `queue`, with `DATABASE_URL` and `extra` settings.
+async fn consumer(
+    server: &SqsServer,
+    queue: &TestQueue,
+    db: &str,
+    extra: &[(&str, &str)],
+) -> OrdersConsumer {
+    let sqs = server.env();
+    let mut env: Vec<(&str, &str)> = sqs.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    env.extend([("SQS_QUEUE_URL", queue.url.as_str()), ("DATABASE_URL", db)]);
+    env.extend_from_slice(extra);
+    OrdersConsumer::start_example("sqs_orders", &env, "receiving from ").await
+}
+
+fn count(consumers: &[&OrdersConsumer], f: impl Fn(&str) -> bool) -> usize {
+    consumers
+        .iter()
+        .flat_map(|c| c.lines())
+        .filter(|l| f(l))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_charge_once_and_what_can_never_succeed_is_dead_lettered_at_once() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 30).await;
+    let file = TestFile::create();
+    let c = consumer(&server, &queue, &file.url(), &[]).await;
+    for _ in 0..3 {
+        queue.send(&order("order-1", 500)).await;
+    }
+    c.wait_for(|l| l == "executed order-1").await;
+    queue.drained().await;
+    // The same order id, another amount; not an order; a NUL in its text.
+    queue.send(&order("order-1", 900)).await;
+    queue.send("{not json").await;
+    queue
+        .send(r#"{"order_id":"order-nul","amount":5,"currency":"e\u0000r"}"#)
+        .await;
+    c.wait_for(|l| l == "rejected order-1").await;
+    queue.drained().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let lines = c.lines();
+    assert_eq!(count(&[&c], |l| l == "duplicate order-1"), 2, "{lines:?}");
+    assert_eq!(count(&[&c], |l| l.starts_with("invalid ")), 2, "{lines:?}");
+    assert_eq!(
+        count(&[&c], |l| l == "rejected order-1"),
+        1,
+        "never looped: {lines:?}"
+    );
+    let mut dead = queue.dead_lettered().await;
+    dead.sort();
+    assert_eq!(dead.len(), 3, "{dead:?}");
+    assert!(dead.contains(&order("order-1", 900)));
+    assert!(dead.contains(&"{not json".to_owned()));
+    assert_eq!(file.count(CHARGES).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_without_a_dead_letter_queue_deletes_what_can_never_succeed() {
+    let server = SqsServer::start();
+    let queue = TestQueue::without_dead_letters(&server, 30).await;
+    let file = TestFile::create();
+    let c = consumer(&server, &queue, &file.url(), &[]).await;
+    queue.send("{not json").await;
+    queue.send(&order("order-2", 500)).await;
+    c.wait_for(|l| l == "executed order-2").await;
+    c.wait_for(|l| l.starts_with("invalid ")).await;
+    queue.drained().await;
+    assert_eq!(file.count(CHARGES).await, 1);
+}
+
+/// The work takes three visibility timeouts, with a second consumer
+/// waiting: the visibility is extended while it runs, so the message is
+/// never delivered to the other consumer mid-work (it would print
+/// `in-flight`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_three_times_the_visibility_timeout_is_never_redelivered_mid_work() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 2).await;
+    let file = TestFile::create();
+    let extra = [("WORK_DELAY_MS", "6000")];
+    let first = consumer(&server, &queue, &file.url(), &extra).await;
+    let second = consumer(&server, &queue, &file.url(), &extra).await;
+    queue.send(&order("order-long", 500)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while count(&[&first, &second], |l| l == "executed order-long") == 0 {
+        assert!(std::time::Instant::now() < deadline, "never executed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    queue.drained().await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let lines: Vec<_> = [&first, &second].iter().flat_map(|c| c.lines()).collect();
+    assert_eq!(
+        count(&[&first, &second], |l| l.ends_with("order-long")),
+        1,
+        "delivered once: {lines:?}"
+    );
+    assert_eq!(file.count(CHARGES).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_commit_and_delete_the_redelivery_is_a_duplicate() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 2).await;
+    let db = TestDatabase::create();
+    let mut c = consumer(&server, &queue, db.url(), &[("ACK_DELAY_MS", "10000")]).await;
+    queue.send(&order("order-1", 500)).await;
+    db.wait_for_count(CHARGES, |n| n == 1, "the order was never charged")
+        .await;
+    c.kill();
+    let c = consumer(&server, &queue, db.url(), &[]).await;
+    c.wait_for(|l| l == "duplicate order-1").await;
+    queue.drained().await;
+    assert_eq!(db.count(CHARGES).await, 1, "still one charge");
+    assert_eq!(count(&[&c], |l| l.starts_with("executed")), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_work_nothing_commits_and_the_redelivery_executes_once() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 2).await;
+    let db = TestDatabase::create();
+    let mut c = consumer(&server, &queue, db.url(), &[("WORK_DELAY_MS", "10000")]).await;
+    queue.send(&order("order-1", 500)).await;
+    let inserted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                    AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
+    db.wait_for_count(inserted, |n| n == 1, "the work never inserted its row")
+        .await;
+    c.kill();
+    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
+    let c = consumer(&server, &queue, db.url(), &[]).await;
+    c.wait_for(|l| l == "executed order-1").await;
+    queue.drained().await;
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+/// Two consumers, each order sent three times in quick succession (SQS
+/// batches them): one charge per order, every message deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_consumers_and_batched_duplicates_one_charge_per_order() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 5).await;
+    let db = TestDatabase::create();
+    let extra = [("WORK_DELAY_MS", "20")];
+    let first = consumer(&server, &queue, db.url(), &extra).await;
+    let second = consumer(&server, &queue, db.url(), &extra).await;
+    let orders = 20;
+    let sends = (0..orders * 3).map(|i| {
+        let queue = &queue;
+        async move {
+            queue
+                .send(&order(&format!("order-{}", i % orders), 500))
+                .await
+        }
+    });
+    futures_util::future::join_all(sends).await;
+    queue.drained().await;
+    let twice = db
+        .count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
+        .await;
+    assert_eq!(twice, 0, "no order charged twice");
+    assert_eq!(db.count(CHARGES).await, orders);
+    assert_eq!(
+        count(&[&first, &second], |l| l.starts_with("executed")),
+        orders as usize
+    );
+}
+
+/// The database unreachable: the message stays in the queue (visible again
+/// after a back-off), nothing is charged; once the database is back, the
+/// order is charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_database_unreachable_an_order_waits_and_is_charged_once_it_returns() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 5).await;
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let url = db.url_via(relay.port());
+    let c = consumer(&server, &queue, &url, &[]).await;
+    relay.cut();
+    queue.send(&order("order-1", 500)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        !c.lines().iter().any(|l| l.ends_with("order-1")),
+        "{:?}",
+        c.lines()
+    );
+    assert_eq!(queue.depth().await, 1, "kept, not lost");
+    relay.restore();
+    c.wait_for_within(|l| l == "executed order-1", Duration::from_secs(60))
+        .await;
+    queue.drained().await;
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+/// SIGTERM while a message's work runs: the consumer stops receiving,
+/// finishes and deletes it, and exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_and_deletes_the_work_in_hand_then_exits_zero() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 30).await;
+    let db = TestDatabase::create();
+    let mut c = consumer(&server, &queue, db.url(), &[("WORK_DELAY_MS", "2000")]).await;
+    queue.send(&order("order-1", 500)).await;
+    let inserted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                    AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
+    db.wait_for_count(inserted, |n| n == 1, "the work never started")
+        .await;
+    c.terminate();
+    let status = c.exited(Duration::from_secs(15)).await;
+    assert!(status.success(), "{status}");
+    assert_eq!(
+        c.lines().last().map(String::as_str),
+        Some("executed order-1")
+    );
+    assert_eq!(queue.depth().await, 0, "deleted before exiting");
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+/// A FIFO queue: a group's messages are charged in order, and a producer's
+/// retry with a new deduplication id — which FIFO deduplication cannot
+/// catch — is charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_fifo_queue_a_group_runs_in_order_and_a_resend_is_charged_once() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create_fifo(&server, 30).await;
+    let file = TestFile::create();
+    let c = consumer(&server, &queue, &file.url(), &[]).await;
+    for i in 1..=6 {
+        queue
+            .send_in(&order(&format!("order-{i}"), 500), "customer-1", None)
+            .await;
+    }
+    // The producer timed out on order-3 and sent it again, with a new id.
+    queue
+        .send_in(&order("order-3", 500), "customer-1", None)
+        .await;
+    c.wait_for(|l| l == "duplicate order-3").await;
+    queue.drained().await;
+    let lines: Vec<_> = c.lines().into_iter().skip(1).collect();
+    let expected: Vec<_> = (1..=6)
+        .map(|i| format!("executed order-{i}"))
+        .chain(["duplicate order-3".to_owned()])
+        .collect();
+    assert_eq!(lines, expected);
+    assert_eq!(file.count(CHARGES).await, 6);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_exits_non_zero_naming_the_queue_when_it_is_deleted() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 30).await;
+    let file = TestFile::create();
+    let mut c = consumer(&server, &queue, &file.url(), &[]).await;
+    queue.delete().await;
+    let status = c.exited(Duration::from_secs(40)).await;
+    assert!(!status.success(), "{status}");
+}
