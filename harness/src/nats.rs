@@ -140,27 +140,18 @@ impl TestStream {
             .expect("the stream's acknowledgement");
     }
 
-    /// Messages the stream holds on `subject`.
+    /// Messages the stream holds on `subject`, read through an ephemeral
+    /// consumer of that subject alone.
     pub async fn count(&self, subject: &str) -> u64 {
-        let mut stream = self.js.get_stream(&self.name).await.expect("the stream");
-        let info = stream.info().await.expect("stream info");
-        if subject == self.subject && info.state.messages == 0 {
-            return 0;
-        }
-        let mut consumer_count = 0;
-        let cfg = jetstream::consumer::pull::Config {
-            filter_subject: subject.to_owned(),
-            ..Default::default()
-        };
-        let consumer = stream
-            .create_consumer(cfg)
+        let stream = self.js.get_stream(&self.name).await.expect("the stream");
+        let mut consumer: jetstream::consumer::PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config {
+                filter_subject: subject.to_owned(),
+                ..Default::default()
+            })
             .await
             .expect("an ephemeral consumer");
-        let mut info = consumer;
-        if let Ok(i) = info.info().await {
-            consumer_count = i.num_pending;
-        }
-        consumer_count
+        consumer.info().await.expect("consumer info").num_pending
     }
 
     /// Waits (up to 30 s) until the durable consumer `durable` has nothing

@@ -1,0 +1,235 @@
+//! The `nats_orders` example against a real `nats-server -js` (started on a
+//! free port for each test) and real databases (SQLite files,
+//! PostgreSQL), counting rows of `order_charges` (no unique constraint: a
+//! double execution shows).
+
+mod support;
+
+use std::time::Duration;
+
+use support::{
+    consumer::OrdersConsumer,
+    nats::{NatsServer, TestStream},
+    postgres::TestDatabase,
+    relay::Relay,
+    sqlite::TestFile,
+};
+
+const CHARGES: &str = "SELECT count(*) FROM order_charges";
+const DURABLE: &str = "orders_test";
+const IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+     AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
+
+fn order(id: &str, amount: u32) -> String {
+    format!(r#"{{"order_id":"{id}","amount":{amount},"currency":"eur"}}"#)
+}
+
+fn dead(stream: &TestStream) -> String {
+    format!("{}.dead", stream.subject)
+}
+
+/// The consumer on `stream`'s orders, with `DATABASE_URL` and `extra`.
+async fn consumer(
+    server: &NatsServer,
+    stream: &TestStream,
+    db: &str,
+    extra: &[(&str, &str)],
+) -> OrdersConsumer {
+    let (url, dead) = (server.url(), dead(stream));
+    let mut env = vec![
+        ("NATS_URL", url.as_str()),
+        ("STREAM", stream.name.as_str()),
+        ("SUBJECT", stream.subject.as_str()),
+        ("DURABLE", DURABLE),
+        ("DEAD_LETTER_SUBJECT", dead.as_str()),
+        ("DATABASE_URL", db),
+    ];
+    env.extend_from_slice(extra);
+    OrdersConsumer::start_example("nats_orders", &env, "receiving from ").await
+}
+
+fn count(consumers: &[&OrdersConsumer], f: impl Fn(&str) -> bool) -> usize {
+    consumers
+        .iter()
+        .flat_map(|c| c.lines())
+        .filter(|l| f(l))
+        .count()
+}
+
+/// JetStream drops a resend with the same `Nats-Msg-Id`; a resend with a
+/// new id is delivered, and charged once all the same. What can never
+/// succeed goes to the dead-letter subject and is terminated, never looped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_with_a_new_message_id_is_delivered_twice_and_charged_once() {
+    let server = NatsServer::start();
+    let stream = TestStream::create(&server).await;
+    let file = TestFile::create();
+    let c = consumer(&server, &stream, &file.url(), &[]).await;
+    stream.publish(&order("order-1", 500), Some("send-1")).await;
+    stream.publish(&order("order-1", 500), Some("send-1")).await;
+    stream.publish(&order("order-1", 500), Some("send-2")).await;
+    c.wait_for(|l| l == "executed order-1").await;
+    c.wait_for(|l| l == "duplicate order-1").await;
+    stream.publish(&order("order-1", 900), None).await;
+    stream.publish("{not json", None).await;
+    c.wait_for(|l| l == "rejected order-1").await;
+    c.wait_for(|l| l.starts_with("invalid ")).await;
+    stream.drained(DURABLE).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let lines = c.lines();
+    // The two deliveries may have met in flight: one of them then came back.
+    assert_eq!(count(&[&c], |l| l == "executed order-1"), 1, "{lines:?}");
+    assert_eq!(count(&[&c], |l| l == "rejected order-1"), 1, "{lines:?}");
+    assert_eq!(stream.count(&stream.subject).await, 4, "one send-1 dropped");
+    assert_eq!(stream.count(&dead(&stream)).await, 2);
+    assert_eq!(file.count(CHARGES).await, 1);
+}
+
+/// The work takes three `AckWait`s, with a second consumer pulling from the
+/// same durable: progress acknowledgements keep it from being redelivered
+/// mid-work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_three_times_ack_wait_is_never_redelivered_mid_work() {
+    let server = NatsServer::start();
+    let stream = TestStream::create(&server).await;
+    let file = TestFile::create();
+    let extra = [("WORK_DELAY_MS", "3000"), ("ACK_WAIT_MS", "1000")];
+    let first = consumer(&server, &stream, &file.url(), &extra).await;
+    let second = consumer(&server, &stream, &file.url(), &extra).await;
+    stream.publish(&order("order-long", 500), None).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while count(&[&first, &second], |l| l == "executed order-long") == 0 {
+        assert!(std::time::Instant::now() < deadline, "never executed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    stream.drained(DURABLE).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let lines: Vec<_> = [&first, &second].iter().flat_map(|c| c.lines()).collect();
+    assert_eq!(
+        count(&[&first, &second], |l| l.ends_with("order-long")),
+        1,
+        "delivered once: {lines:?}"
+    );
+    assert_eq!(file.count(CHARGES).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_commit_and_ack_the_redelivery_is_a_duplicate() {
+    let server = NatsServer::start();
+    let stream = TestStream::create(&server).await;
+    let db = TestDatabase::create();
+    let extra = [("ACK_DELAY_MS", "10000"), ("ACK_WAIT_MS", "1000")];
+    let mut c = consumer(&server, &stream, db.url(), &extra).await;
+    stream.publish(&order("order-1", 500), None).await;
+    db.wait_for_count(CHARGES, |n| n == 1, "the order was never charged")
+        .await;
+    c.kill();
+    let c = consumer(&server, &stream, db.url(), &[("ACK_WAIT_MS", "1000")]).await;
+    c.wait_for(|l| l == "duplicate order-1").await;
+    stream.drained(DURABLE).await;
+    assert_eq!(db.count(CHARGES).await, 1);
+    assert_eq!(count(&[&c], |l| l.starts_with("executed")), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_work_nothing_commits_and_the_redelivery_executes_once() {
+    let server = NatsServer::start();
+    let stream = TestStream::create(&server).await;
+    let db = TestDatabase::create();
+    let extra = [("WORK_DELAY_MS", "10000"), ("ACK_WAIT_MS", "1000")];
+    let mut c = consumer(&server, &stream, db.url(), &extra).await;
+    stream.publish(&order("order-1", 500), None).await;
+    db.wait_for_count(
+        IN_TRANSACTION,
+        |n| n == 1,
+        "the work never inserted its row",
+    )
+    .await;
+    c.kill();
+    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
+    let c = consumer(&server, &stream, db.url(), &[("ACK_WAIT_MS", "1000")]).await;
+    c.wait_for(|l| l == "executed order-1").await;
+    stream.drained(DURABLE).await;
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_consumers_and_concurrent_duplicates_one_charge_per_order() {
+    let server = NatsServer::start();
+    let stream = TestStream::create(&server).await;
+    let db = TestDatabase::create();
+    let extra = [("WORK_DELAY_MS", "20")];
+    let first = consumer(&server, &stream, db.url(), &extra).await;
+    let second = consumer(&server, &stream, db.url(), &extra).await;
+    let orders = 20;
+    for i in 0..orders * 3 {
+        stream
+            .publish(&order(&format!("order-{}", i % orders), 500), None)
+            .await;
+    }
+    stream.drained(DURABLE).await;
+    let twice = db
+        .count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
+        .await;
+    assert_eq!(twice, 0, "no order charged twice");
+    assert_eq!(db.count(CHARGES).await, orders);
+    assert_eq!(
+        count(&[&first, &second], |l| l.starts_with("executed")),
+        orders as usize
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_database_unreachable_an_order_waits_and_is_charged_once_it_returns() {
+    let server = NatsServer::start();
+    let stream = TestStream::create(&server).await;
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let url = db.url_via(relay.port());
+    let c = consumer(&server, &stream, &url, &[]).await;
+    relay.cut();
+    stream.publish(&order("order-1", 500), None).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        !c.lines().iter().any(|l| l.ends_with("order-1")),
+        "{:?}",
+        c.lines()
+    );
+    relay.restore();
+    c.wait_for_within(|l| l == "executed order-1", Duration::from_secs(60))
+        .await;
+    stream.drained(DURABLE).await;
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_and_acknowledges_the_work_in_hand_then_exits_zero() {
+    let server = NatsServer::start();
+    let stream = TestStream::create(&server).await;
+    let db = TestDatabase::create();
+    let mut c = consumer(&server, &stream, db.url(), &[("WORK_DELAY_MS", "2000")]).await;
+    stream.publish(&order("order-1", 500), None).await;
+    db.wait_for_count(IN_TRANSACTION, |n| n == 1, "the work never started")
+        .await;
+    c.terminate();
+    let status = c.exited(Duration::from_secs(15)).await;
+    assert!(status.success(), "{status}");
+    assert_eq!(
+        c.lines().last().map(String::as_str),
+        Some("executed order-1")
+    );
+    stream.drained(DURABLE).await;
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_exits_non_zero_when_its_consumer_is_deleted() {
+    let server = NatsServer::start();
+    let stream = TestStream::create(&server).await;
+    let file = TestFile::create();
+    let mut c = consumer(&server, &stream, &file.url(), &[]).await;
+    let js_stream = stream.js.get_stream(&stream.name).await.unwrap();
+    js_stream.delete_consumer(DURABLE).await.unwrap();
+    let status = c.exited(Duration::from_secs(40)).await;
+    assert!(!status.success(), "{status}");
+}
