@@ -3,8 +3,15 @@
 //! business key per message, for `MSG_SECS` (default 3) per variant and
 //! `MSG_ROUNDS` rounds (default 3); ratios are medians of per-round ratios.
 //!
+//! Then the brokers: messages per second through the SQS and JetStream
+//! consumers' processing path (receive a batch, charge each message in a
+//! PostgreSQL transaction, delete or acknowledge), with the crate and
+//! without it, side by side per round, each variant on a fresh queue or
+//! stream filled beforehand.
+//!
 //! Run with: `cargo bench --all-features --bench messages` (needs
-//! `redis-server` on PATH and PostgreSQL, as the tests do).
+//! `redis-server`, `moto_server` and `nats-server` on PATH and PostgreSQL,
+//! as the tests do). `MSG_BROKERS=0` leaves the brokers out.
 
 use std::{
     env,
@@ -231,4 +238,318 @@ async fn main() {
         );
     }
     drop(redis);
+
+    if number("MSG_BROKERS", 1) == 1 {
+        brokers::run(secs, rounds, &pool, transactional_pool_store(&pool).await).await;
+    }
+}
+
+/// A transactional store on a table of its own, for the broker variants.
+async fn transactional_pool_store(pool: &PgPool) -> tower_idempotency::PostgresTxStore {
+    let store = PostgresStore::builder()
+        .table("broker_records")
+        .transactional()
+        .with_pool(pool.clone())
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+mod brokers {
+    //! The broker variants: each round fills a fresh queue (stream) with
+    //! more messages than a run can drain, then `CONSUMERS / 8` consumer
+    //! tasks receive batches of 10 and process a batch's messages
+    //! concurrently until the time is up.
+
+    use std::{
+        sync::{
+            Arc,
+            atomic::{AtomicU64, Ordering},
+        },
+        time::{Duration, Instant},
+    };
+
+    use async_nats::jetstream::{self, consumer::pull};
+    use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
+    use futures_util::{StreamExt, future::join_all};
+    use tower_idempotency::{
+        PostgresTx, PostgresTxStore,
+        message::{IdempotencyProcessor, ProcessOutcome, extend_every},
+        sqlx::{self, PgPool},
+    };
+    use tower_idempotency_harness::{
+        nats::{NatsServer, TestStream},
+        sqs::{SqsServer, TestQueue},
+    };
+
+    const RECEIVERS: usize = 4;
+
+    /// The charge, as the examples write it.
+    async fn charge(on: &mut sqlx::PgConnection, order_id: &str) {
+        sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES ($1, 1999)")
+            .bind(order_id)
+            .execute(on)
+            .await
+            .unwrap();
+    }
+
+    fn order_id(body: &[u8]) -> String {
+        let order: serde_json::Value = serde_json::from_slice(body).unwrap();
+        order["order_id"].as_str().unwrap().to_owned()
+    }
+
+    /// The message's work: by hand (its own transaction) or through the
+    /// processor (the record in the same transaction), the broker's hold
+    /// extended while it runs.
+    async fn work(
+        pool: &PgPool,
+        orders: Option<&IdempotencyProcessor<PostgresTxStore>>,
+        body: &[u8],
+    ) {
+        let id = order_id(body);
+        match orders {
+            None => {
+                let mut tx = pool.begin().await.unwrap();
+                charge(&mut tx, &id).await;
+                tx.commit().await.unwrap();
+            }
+            Some(orders) => {
+                let hold = extend_every(Duration::from_secs(10), || async { Ok(()) });
+                // moto may hand one message to two receivers at once: a
+                // duplicate or an in-flight answer is the crate doing its job.
+                let done = orders
+                    .process_delivery(&id, body, &hold, async |tx: &mut PostgresTx| {
+                        charge(tx, &id).await;
+                        Ok::<_, String>(())
+                    })
+                    .await;
+                assert!(matches!(
+                    done,
+                    Ok(ProcessOutcome::Executed(())
+                        | ProcessOutcome::Duplicate(())
+                        | ProcessOutcome::InFlight { .. })
+                ));
+            }
+        }
+    }
+
+    fn body(variant: &str, round: u64, i: u64) -> String {
+        format!(r#"{{"order_id":"{variant}-{round}-{i}","amount":1999,"currency":"eur"}}"#)
+    }
+
+    async fn sqs_fill(queue: &TestQueue, variant: &str, round: u64, n: u64) {
+        let batches = (0..n.div_ceil(10)).map(|b| {
+            let entries = (b * 10..(b * 10 + 10).min(n))
+                .map(|i| {
+                    SendMessageBatchRequestEntry::builder()
+                        .id(i.to_string())
+                        .message_body(body(variant, round, i))
+                        .build()
+                        .unwrap()
+                })
+                .collect();
+            let (client, url) = (queue.client.clone(), queue.url.clone());
+            async move {
+                client
+                    .send_message_batch()
+                    .queue_url(url)
+                    .set_entries(Some(entries))
+                    .send()
+                    .await
+                    .unwrap();
+            }
+        });
+        // 16 sends at a time.
+        futures_util::stream::iter(batches)
+            .buffer_unordered(16)
+            .collect::<Vec<_>>()
+            .await;
+    }
+
+    async fn sqs_rate(
+        queue: &TestQueue,
+        pool: &PgPool,
+        orders: Option<&IdempotencyProcessor<PostgresTxStore>>,
+        secs: u64,
+    ) -> f64 {
+        let done = AtomicU64::new(0);
+        let started = Instant::now();
+        let last = std::sync::Mutex::new(started);
+        let deadline = started + Duration::from_secs(secs);
+        let receiver = async || {
+            while Instant::now() < deadline {
+                let got = queue
+                    .client
+                    .receive_message()
+                    .queue_url(&queue.url)
+                    .max_number_of_messages(10)
+                    .wait_time_seconds(1)
+                    .send()
+                    .await
+                    .unwrap();
+                let messages = got.messages.unwrap_or_default();
+                join_all(
+                    messages
+                        .iter()
+                        .map(|m| work(pool, orders, m.body().unwrap().as_bytes())),
+                )
+                .await;
+                let entries: Vec<_> = messages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| {
+                        DeleteMessageBatchRequestEntry::builder()
+                            .id(i.to_string())
+                            .receipt_handle(m.receipt_handle().unwrap())
+                            .build()
+                            .unwrap()
+                    })
+                    .collect();
+                if entries.is_empty() {
+                    continue;
+                }
+                let n = entries.len() as u64;
+                queue
+                    .client
+                    .delete_message_batch()
+                    .queue_url(&queue.url)
+                    .set_entries(Some(entries))
+                    .send()
+                    .await
+                    .unwrap();
+                done.fetch_add(n, Ordering::Relaxed);
+                *last.lock().unwrap() = Instant::now();
+            }
+        };
+        join_all((0..RECEIVERS).map(|_| receiver())).await;
+        rate(&done, started, &last)
+    }
+
+    /// Messages per second up to the last one processed: a queue drained
+    /// before the time is up does not count the idle end.
+    fn rate(done: &AtomicU64, started: Instant, last: &std::sync::Mutex<Instant>) -> f64 {
+        let elapsed = last.lock().unwrap().duration_since(started).as_secs_f64();
+        done.load(Ordering::Relaxed) as f64 / elapsed.max(1e-3)
+    }
+
+    async fn nats_rate(
+        stream: &TestStream,
+        durable: &str,
+        pool: &PgPool,
+        orders: Option<&IdempotencyProcessor<PostgresTxStore>>,
+        secs: u64,
+    ) -> f64 {
+        let js_stream = stream.js.get_stream(&stream.name).await.unwrap();
+        let consumer: jetstream::consumer::PullConsumer = js_stream
+            .get_or_create_consumer(
+                durable,
+                pull::Config {
+                    durable_name: Some(durable.to_owned()),
+                    filter_subject: stream.subject.clone(),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        let done = AtomicU64::new(0);
+        let started = Instant::now();
+        let last = std::sync::Mutex::new(started);
+        let deadline = started + Duration::from_secs(secs);
+        let receiver = async || {
+            while Instant::now() < deadline {
+                let mut batch = consumer.fetch().max_messages(10).messages().await.unwrap();
+                let mut messages = Vec::new();
+                while let Some(message) = batch.next().await {
+                    messages.push(message.unwrap());
+                }
+                join_all(messages.iter().map(|m| async move {
+                    work(pool, orders, &m.payload).await;
+                    m.ack().await.unwrap();
+                }))
+                .await;
+                if !messages.is_empty() {
+                    done.fetch_add(messages.len() as u64, Ordering::Relaxed);
+                    *last.lock().unwrap() = Instant::now();
+                }
+            }
+        };
+        join_all((0..RECEIVERS).map(|_| receiver())).await;
+        rate(&done, started, &last)
+    }
+
+    fn number(name: &str, default: u64) -> u64 {
+        std::env::var(name).map_or(default, |v| v.parse().expect(name))
+    }
+
+    pub async fn run(secs: u64, rounds: u64, pool: &PgPool, store: PostgresTxStore) {
+        let sqs = SqsServer::start();
+        let nats = NatsServer::start();
+        let orders = Arc::new(IdempotencyProcessor::new(store).scope("brokers"));
+        // Enough for a run: well over what one drains in `secs`.
+        let (sqs_fill_n, nats_fill_n) = (
+            number("MSG_SQS_FILL", 300),
+            number("MSG_NATS_FILL", 5_000 * secs),
+        );
+        println!(
+            "\nbrokers: SQS (moto_server) and JetStream (nats-server), {RECEIVERS} receivers x batches of 10, {rounds} rounds x {secs}s, charge in PostgreSQL"
+        );
+        let names = ["sqs-bare", "sqs-tx", "nats-bare", "nats-tx"];
+        let mut rates = vec![Vec::new(); names.len()];
+        for round in 1..=rounds {
+            println!("\nround {round}");
+            for (i, name) in names.iter().enumerate() {
+                let with = name.ends_with("-tx").then_some(&*orders);
+                let rate = if name.starts_with("sqs") {
+                    let queue = TestQueue::without_dead_letters(&sqs, 30).await;
+                    sqs_fill(&queue, name, round, sqs_fill_n).await;
+                    let rate = sqs_rate(&queue, pool, with, secs).await;
+                    queue.delete().await;
+                    rate
+                } else {
+                    let stream = TestStream::create(&nats).await;
+                    // Each publish acknowledged by the stream, 64 at a time.
+                    let publishes = (0..nats_fill_n).map(|j| {
+                        let (js, subject) = (stream.js.clone(), stream.subject.clone());
+                        let body = body(name, round, j);
+                        async move {
+                            js.publish(subject, body.into())
+                                .await
+                                .unwrap()
+                                .await
+                                .unwrap()
+                        }
+                    });
+                    futures_util::stream::iter(publishes)
+                        .buffer_unordered(64)
+                        .collect::<Vec<_>>()
+                        .await;
+                    nats_rate(&stream, "bench", pool, with, secs).await
+                };
+                rates[i].push(rate);
+                let reference = rates[i & !1][round as usize - 1];
+                println!(
+                    "{name:<16} {rate:>12.0} msg/s {:>8.4} x {}",
+                    rate / reference,
+                    names[i & !1]
+                );
+            }
+        }
+        println!("\nmedian over {rounds} rounds");
+        for (i, name) in names.iter().enumerate() {
+            let ratio = super::median(
+                rates[i]
+                    .iter()
+                    .zip(&rates[i & !1])
+                    .map(|(a, b)| a / b)
+                    .collect(),
+            );
+            println!(
+                "{name:<16} {:>12.0} msg/s {ratio:>8.4} x {}",
+                super::median(rates[i].clone()),
+                names[i & !1]
+            );
+        }
+    }
 }

@@ -79,7 +79,7 @@ pub struct ExtendEvery<F> {
 /// let payload = br#"{"order_id":"order-42","amount":1999}"#;
 /// orders
 ///     .process_delivery("order-42", payload, &hold, async |_: &mut _| {
-///         Ok::<_, std::io::Error>("charged")
+///         Ok::<_, std::io::Error>("charged".to_owned())
 ///     })
 ///     .await?;
 /// # Ok(()) }

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::{key::InvalidKey, store::StoreError};
 
-/// What [`IdempotencyProcessor::process`] did with a message — the sibling
+/// What [`IdempotencyProcessor::process`](super::IdempotencyProcessor::process) did with a message — the sibling
 /// of [`IdempotencyOutcome`](crate::IdempotencyOutcome): each variant says what to
 /// tell the broker. Match it exhaustively.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,7 +35,7 @@ pub enum ProcessOutcome<T> {
     Mismatch,
 }
 
-/// Why [`IdempotencyProcessor::process`] could not process a message. Each variant says
+/// Why [`IdempotencyProcessor::process`](super::IdempotencyProcessor::process) could not process a message. Each variant says
 /// whether a redelivery can succeed, so the consumer knows what to tell the
 /// broker: requeue (after a pause) what may succeed later, reject
 /// (dead-letter) what never will — one message requeued forever stops every

@@ -24,7 +24,7 @@ use crate::{
 
 /// Runs each message's work at most once per business key: the queue
 /// consumer's sibling of [`IdempotencyLayer`](crate::IdempotencyLayer). See
-/// the [module docs](self).
+/// the [module docs](crate::message).
 ///
 /// Cloning is cheap when the store's is; clones share the store.
 #[derive(Clone, Debug)]
@@ -180,7 +180,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
     ///
     /// # Examples
     ///
-    /// See the [module docs](self).
+    /// See the [module docs](crate::message).
     pub async fn process<T, E, W>(
         &self,
         key: &str,
