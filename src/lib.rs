@@ -132,6 +132,9 @@
 // the leaves they share below them (`record`, `fingerprint`, `key`,
 // `observe`). Imports run one way, from the doors down. lib.rs only
 // re-exports.
+#[cfg(feature = "client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "client")))]
+pub mod client;
 mod fingerprint;
 mod http;
 mod key;

@@ -20,6 +20,13 @@ pub(crate) mod names {
     /// Histogram, label `operation` (`claim`, `extend`, `complete`,
     /// `release`): store latency in seconds.
     pub(crate) const STORE_SECONDS: &str = "idempotency_store_duration_seconds";
+    /// Counter: HTTP requests the client layer sent.
+    pub(crate) const CLIENT_ATTEMPTS: &str = "idempotency_client_attempts_total";
+    /// Counter, label `reason`: attempts the client layer retried.
+    pub(crate) const CLIENT_RETRIES: &str = "idempotency_client_retries_total";
+    /// Counter, label `outcome` (`success`, `failed`, `no_answer`): calls
+    /// through the client layer, by their end.
+    pub(crate) const CLIENT_CALLS: &str = "idempotency_client_calls_total";
 }
 
 /// A metric whose one label takes its value from a known set. `metrics`

@@ -681,3 +681,106 @@ async fn a_message_the_framework_cannot_decode_does_not_burn_its_key() {
     assert!(!replayed(&fixed), "the corrected call executes");
     assert_eq!(charges(&ledger).await.len(), 1);
 }
+
+// The client layer below a tonic client: the key set once per call, the
+// retryable statuses retried after their pushback, the others not.
+
+/// A tonic client whose calls go through `IdempotentClientLayer`.
+async fn idempotent_client(
+    addr: SocketAddr,
+) -> PaymentsClient<
+    impl tonic::client::GrpcService<
+        tonic::body::Body,
+        ResponseBody = impl http_body::Body<Data = Bytes, Error = impl Into<tonic::codegen::StdError>>
+                       + Send
+                       + 'static,
+        Error = impl Into<tonic::codegen::StdError>,
+    > + Clone,
+> {
+    use tower_idempotency::client::IdempotentClientLayer;
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let service = tower::ServiceBuilder::new()
+        .layer(
+            IdempotentClientLayer::new()
+                .backoff(Duration::from_millis(50), Duration::from_millis(200)),
+        )
+        .map_request(|r: http::Request<Full<Bytes>>| r.map(tonic::body::Body::new))
+        .service(channel);
+    PaymentsClient::new(service)
+}
+
+/// Serves `service` behind the layer, counting the requests that reach it.
+async fn serve_counted<P: Payments>(service: P) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let requests = Arc::new(AtomicUsize::new(0));
+    let counting = requests.clone();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(tower::util::MapRequestLayer::new(
+                move |r: http::Request<_>| {
+                    counting.fetch_add(1, Ordering::SeqCst);
+                    r
+                },
+            ))
+            .layer(IdempotencyLayer::new(MemoryStore::new()))
+            .add_service(PaymentsServer::new(service))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    (addr, requests)
+}
+
+#[tokio::test]
+async fn the_client_layer_retries_unavailable_under_one_key_and_not_failed_precondition() {
+    let executions = Arc::new(AtomicUsize::new(0));
+    let flaky = Flaky {
+        executions: executions.clone(),
+        failures: 2,
+        in_transaction: false,
+    };
+    let (addr, requests) = serve_counted(flaky).await;
+    let mut client = idempotent_client(addr).await;
+    // No key given: the layer sets one, the same on the three attempts.
+    let reply = client.charge(charge(None, 1)).await.unwrap();
+    assert_eq!(
+        reply.get_ref().id,
+        "ch_2",
+        "UNAVAILABLE twice, then the charge"
+    );
+    assert_eq!(requests.load(Ordering::SeqCst), 3);
+    // The key reused with another amount: FAILED_PRECONDITION, not retried.
+    let reused = client.charge(charge(Some("k-1"), 1)).await.unwrap();
+    assert_eq!(reused.get_ref().id, "ch_3");
+    let before = requests.load(Ordering::SeqCst);
+    let refused = client.charge(charge(Some("k-1"), 2)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    assert_eq!(requests.load(Ordering::SeqCst), before + 1, "sent once");
+}
+
+#[tokio::test]
+async fn the_client_layer_retries_aborted_in_flight_into_the_replay() {
+    let ledger = memory();
+    let settings = Settings {
+        processor_latency: Duration::from_millis(600),
+        ..Settings::default()
+    };
+    let addr = serve(MemoryStore::new(), ledger.clone(), settings).await;
+    let client = idempotent_client(addr).await;
+    let (mut a, mut b) = (client.clone(), client);
+    let (first, second) = tokio::join!(a.charge(charge(Some("order-race"), 700)), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        b.charge(charge(Some("order-race"), 700)).await
+    });
+    let (first, second) = (first.unwrap(), second.unwrap());
+    assert!(!replayed(&first));
+    assert!(
+        replayed(&second),
+        "ABORTED while in flight, retried after its pushback: the replay"
+    );
+    assert_eq!(first.into_inner(), second.into_inner());
+    assert_eq!(charges(&ledger).await.len(), 1);
+}

@@ -90,6 +90,7 @@ impl<D: Engine> SqlTx<D> {
 
     /// The connection of a transaction one of its own statements ended (a
     /// `ROLLBACK` sent ahead of a read), to be pooled or reused.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) fn ended(mut self) -> Option<PoolConnection<D::Db>> {
         self.connection.take()
     }

@@ -1,0 +1,238 @@
+//! Whether an attempt's answer ends the call or is retried, and how long to
+//! wait first: the one place the client's retry rules live.
+
+use std::time::Duration;
+
+use http::{HeaderMap, StatusCode, header::RETRY_AFTER};
+
+/// Why an attempt is tried again (the `reason` label of the retry metric).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reason {
+    /// No answer: the connection failed, before or after the request was
+    /// sent — exactly when the client cannot know whether the server acted.
+    Connection,
+    /// No answer within the attempt's timeout.
+    Timeout,
+    /// `409` with `Retry-After`: the first request with this key still runs.
+    InFlight,
+    /// `429`.
+    RateLimited,
+    /// `502`, `503`, `504`: the server, or a proxy before it, could not
+    /// answer now.
+    Unavailable,
+    /// gRPC `UNAVAILABLE` or `ABORTED`.
+    Grpc,
+}
+
+impl Reason {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Reason::Connection => "connection",
+            Reason::Timeout => "timeout",
+            Reason::InFlight => "in_flight",
+            Reason::RateLimited => "rate_limited",
+            Reason::Unavailable => "unavailable",
+            Reason::Grpc => "grpc",
+        }
+    }
+}
+
+/// What to do with an answer.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// The call's answer: a 2xx, a client error, anything not listed.
+    Final,
+    /// Try again, waiting at least `floor` (the server's `Retry-After` or
+    /// `grpc-retry-pushback-ms`) besides the back-off.
+    Retry {
+        reason: Reason,
+        floor: Option<Duration>,
+    },
+}
+
+/// Judges an answer by its status and headers (and, for gRPC, the trailers
+/// that carry `grpc-status` after a body).
+pub(crate) fn verdict(
+    status: StatusCode,
+    headers: &HeaderMap,
+    trailers: Option<&HeaderMap>,
+) -> Verdict {
+    if is_grpc(headers) {
+        return grpc_verdict(headers, trailers);
+    }
+    let retry_after = retry_after(headers);
+    let reason = match status.as_u16() {
+        // A 409 without `Retry-After` is the application's own conflict.
+        409 if retry_after.is_some() => Reason::InFlight,
+        429 => Reason::RateLimited,
+        502..=504 => Reason::Unavailable,
+        _ => return Verdict::Final,
+    };
+    Verdict::Retry {
+        reason,
+        floor: retry_after,
+    }
+}
+
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"))
+}
+
+/// `UNAVAILABLE` (14) and `ABORTED` (10) are retried, after the server's
+/// pushback when it gives one; a negative or unreadable pushback means "do
+/// not retry" (gRFC A6).
+fn grpc_verdict(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Verdict {
+    let status = headers
+        .get("grpc-status")
+        .or_else(|| trailers.and_then(|t| t.get("grpc-status")))
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u32>().ok());
+    if !matches!(status, Some(10 | 14)) {
+        return Verdict::Final;
+    }
+    let pushback = headers
+        .get("grpc-retry-pushback-ms")
+        .or_else(|| trailers.and_then(|t| t.get("grpc-retry-pushback-ms")));
+    let floor = match pushback {
+        None => None,
+        Some(value) => match value.to_str().ok().and_then(|v| v.parse::<u64>().ok()) {
+            Some(ms) => Some(Duration::from_millis(ms)),
+            None => return Verdict::Final,
+        },
+    };
+    Verdict::Retry {
+        reason: Reason::Grpc,
+        floor,
+    }
+}
+
+/// `Retry-After` in seconds (the form servers send with `409`, `429` and
+/// `503`; an HTTP date is read as absent).
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?;
+    value.trim().parse::<u64>().ok().map(Duration::from_secs)
+}
+
+/// The back-off before attempt `attempt + 1`: `first`, doubling, at most
+/// `cap`, each within ±25 % (so that clients that failed together do not
+/// retry together).
+pub(crate) fn backoff(attempt: u32, first: Duration, cap: Duration) -> Duration {
+    let doublings = attempt.saturating_sub(1).min(30);
+    let base = first.saturating_mul(1 << doublings).min(cap);
+    base.mul_f64(0.75 + fastrand::f64() * 0.5)
+}
+
+#[cfg(test)]
+mod tests {
+    use http::HeaderValue;
+
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(k, v)| {
+                (
+                    http::HeaderName::from_static(k),
+                    HeaderValue::from_static(v),
+                )
+            })
+            .collect()
+    }
+
+    fn retried(status: u16, pairs: &[(&'static str, &'static str)]) -> Verdict {
+        verdict(StatusCode::from_u16(status).unwrap(), &headers(pairs), None)
+    }
+
+    #[test]
+    fn what_is_retried_and_what_is_not() {
+        for final_status in [200, 201, 400, 401, 404, 409, 422, 500, 501] {
+            assert_eq!(retried(final_status, &[]), Verdict::Final, "{final_status}");
+        }
+        assert_eq!(
+            retried(409, &[("retry-after", "1")]),
+            Verdict::Retry {
+                reason: Reason::InFlight,
+                floor: Some(Duration::from_secs(1))
+            }
+        );
+        assert_eq!(
+            retried(429, &[]),
+            Verdict::Retry {
+                reason: Reason::RateLimited,
+                floor: None
+            }
+        );
+        assert_eq!(
+            retried(503, &[("retry-after", "7")]),
+            Verdict::Retry {
+                reason: Reason::Unavailable,
+                floor: Some(Duration::from_secs(7))
+            }
+        );
+        assert_eq!(retried(422, &[("retry-after", "1")]), Verdict::Final);
+    }
+
+    #[test]
+    fn grpc_unavailable_and_aborted_are_retried_after_their_pushback() {
+        let grpc = |status: &'static str, pushback: Option<&'static str>| {
+            let mut pairs = vec![
+                ("content-type", "application/grpc"),
+                ("grpc-status", status),
+            ];
+            pairs.extend(pushback.map(|p| ("grpc-retry-pushback-ms", p)));
+            retried(200, &pairs)
+        };
+        assert_eq!(
+            grpc("14", Some("250")),
+            Verdict::Retry {
+                reason: Reason::Grpc,
+                floor: Some(Duration::from_millis(250))
+            }
+        );
+        assert_eq!(
+            grpc("10", None),
+            Verdict::Retry {
+                reason: Reason::Grpc,
+                floor: None
+            }
+        );
+        assert_eq!(
+            grpc("14", Some("-1")),
+            Verdict::Final,
+            "a negative pushback says do not retry"
+        );
+        for final_code in ["0", "3", "9", "13"] {
+            assert_eq!(grpc(final_code, None), Verdict::Final, "{final_code}");
+        }
+        // The status in the trailers, after a body.
+        let trailers = headers(&[("grpc-status", "14")]);
+        assert_eq!(
+            verdict(
+                StatusCode::OK,
+                &headers(&[("content-type", "application/grpc+proto")]),
+                Some(&trailers)
+            ),
+            Verdict::Retry {
+                reason: Reason::Grpc,
+                floor: None
+            }
+        );
+    }
+
+    #[test]
+    fn the_backoff_doubles_from_about_half_a_second_to_its_cap() {
+        let (first, cap) = (Duration::from_millis(500), Duration::from_secs(8));
+        for attempt in 1..=10 {
+            let base = first.saturating_mul(1 << (attempt - 1)).min(cap);
+            let wait = backoff(attempt, first, cap);
+            assert!(
+                wait >= base.mul_f64(0.75) && wait <= base.mul_f64(1.25),
+                "{attempt}: {wait:?}"
+            );
+        }
+    }
+}
