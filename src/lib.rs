@@ -161,6 +161,7 @@ pub use fingerprint::{
 pub use http::future::ResponseFuture;
 pub use http::grpc::GrpcCode;
 pub use http::layer::IdempotencyLayer;
+pub use http::opt_out::NoReplay;
 pub use http::outcome::{BypassReason, Completion, IdempotencyOutcome};
 pub use http::problem::Problem;
 pub use http::rejection::{Rejection, RejectionKind};

@@ -22,6 +22,7 @@ use crate::{
         Inner,
         buffer::{self, Buffered},
         grpc::{self, GrpcCode, Wire},
+        opt_out,
         outcome::{Answered, Completion, IdempotencyOutcome},
         rejection::RejectionKind,
         shared::Shared,
@@ -40,6 +41,9 @@ enum Handled<E> {
     BodyFailed,
     /// Not final per the store policy.
     NotFinal(Response<Body>),
+    /// Marked by the handler not to be replayed: sent, not stored; `true`
+    /// when a transaction rolls back, `false` when it commits unrecorded.
+    OptedOut(Response<Body>, bool),
     /// Final, with its whole body and its trailers.
     Final(Parts, Bytes, Option<HeaderMap>),
     /// Final, but the body outgrew the storable limit: what was read, and the rest.
@@ -167,6 +171,10 @@ async fn run<S: Inner, P: StorePolicy>(
             Err(error) => return Handled::Failed(error),
         };
         let status = response.status();
+        if let Some(marker) = opt_out::of(&response) {
+            let roll_back = marker.rolls_back() || (roll_back_errors && status.is_server_error());
+            return Handled::OptedOut(response, roll_back);
+        }
         if !policy.should_store(status, response.headers())
             || (roll_back_errors && status.is_server_error())
         {
@@ -235,6 +243,15 @@ where
         Handled::NotFinal(response) => {
             tracing::debug!(key = %hold.key(), status = %response.status(), "idempotency: response not final; key released");
             hold.release().await;
+            return Ok(executed(response, Completion::Released));
+        }
+        Handled::OptedOut(response, roll_back) => {
+            tracing::debug!(key = %hold.key(), status = %response.status(), roll_back, "idempotency: the handler opted out of replay; key released");
+            if roll_back {
+                hold.release().await;
+            } else {
+                hold.release_keeping_writes().await;
+            }
             return Ok(executed(response, Completion::Released));
         }
         Handled::Final(parts, body, trailers) => {

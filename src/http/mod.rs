@@ -8,6 +8,7 @@ pub(crate) mod handler;
 pub(crate) mod keyed;
 pub(crate) mod layer;
 pub(crate) mod observe;
+pub(crate) mod opt_out;
 pub(crate) mod outcome;
 pub(crate) mod problem;
 pub(crate) mod rejection;

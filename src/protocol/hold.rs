@@ -8,7 +8,7 @@ use tokio::time::{Instant, sleep};
 use crate::{
     fingerprint::Fingerprint,
     observe,
-    store::{Granted, LeaseToken, StorageKey, Store},
+    store::{Granted, LeaseToken, StorageKey, Store, StoreError},
 };
 
 /// A granted claim, held. Dropped before it is released or finished (its
@@ -104,7 +104,23 @@ impl<St: Store> Hold<St> {
         };
         // Boxed: rare, and a store's future can be large.
         let release = self.store.release(&self.key, granted);
-        match Box::pin(observe::store_call("release", release)).await {
+        self.released(Box::pin(observe::store_call("release", release)).await);
+    }
+
+    /// Releases the claim without a record, keeping what the work wrote (a
+    /// transaction commits): an answer the handler marked not to be
+    /// replayed.
+    pub(crate) async fn release_keeping_writes(mut self) {
+        self.held = false;
+        let Some(granted) = self.granted.take() else {
+            return;
+        };
+        let release = self.store.release_keeping_writes(&self.key, granted);
+        self.released(Box::pin(observe::store_call("release", release)).await);
+    }
+
+    fn released(&self, released: Result<bool, StoreError>) {
+        match released {
             Ok(true) => {}
             Ok(false) => {
                 tracing::warn!(key = %self.key, "idempotency: release refused, the lease was already lost")

@@ -213,6 +213,14 @@ impl<St: Store> Store for CachedStore<St> {
         self.inner.release(key, granted).await
     }
 
+    async fn release_keeping_writes(
+        &self,
+        key: &StorageKey,
+        granted: St::Granted,
+    ) -> Result<bool, StoreError> {
+        self.inner.release_keeping_writes(key, granted).await
+    }
+
     /// Asks the store, not the cache.
     async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
         self.inner.inspect(key).await

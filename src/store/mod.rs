@@ -189,6 +189,18 @@ pub trait Store: Clone + Send + Sync + 'static {
         granted: Self::Granted,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send;
 
+    /// Gives the claim up without a record but keeping what the handler
+    /// wrote: a transaction deletes its claim's row and commits; any other
+    /// claim is [released](Self::release) (the default). For an answer the
+    /// handler marked not to be replayed ([`NoReplay`](crate::NoReplay)).
+    fn release_keeping_writes(
+        &self,
+        key: &StorageKey,
+        granted: Self::Granted,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        self.release(key, granted)
+    }
+
     /// What the store holds for `key`, for an operator answering "what
     /// happened to this request?": nothing, a claim in flight, or a
     /// completed record (its status, when it expires, the stored body).

@@ -552,3 +552,65 @@ async fn killed_mid_charge_on_mysql_leaves_nothing_and_the_retry_charges_once() 
     assert!(replay.is_replay(), "{}", replay.status);
     assert_eq!(db.count(CHARGES).await, 1, "exactly one charge");
 }
+
+/// A handler's answer marked not to be replayed: its writes commit without
+/// a record (`Cache-Control: no-store`, `NoReplay::new`) or roll back
+/// (`NoReplay::rolling_back`), and the key is released either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_that_opts_out_commits_or_rolls_back_as_the_handler_chose() {
+    use tower_idempotency::NoReplay;
+
+    async fn write(tx: &mut tower_idempotency::IdempotentTx<MySqlTx>) {
+        sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+    }
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    let app = Router::new()
+        .route(
+            "/no-store",
+            post(async |mut tx: tower_idempotency::IdempotentTx<MySqlTx>| {
+                write(&mut tx).await;
+                (
+                    StatusCode::CREATED,
+                    [(http::header::CACHE_CONTROL, "no-store")],
+                    "kept",
+                )
+            }),
+        )
+        .route(
+            "/rolled-back",
+            post(async |mut tx: tower_idempotency::IdempotentTx<MySqlTx>| {
+                write(&mut tx).await;
+                (
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    NoReplay::rolling_back(),
+                    "undone",
+                )
+            }),
+        )
+        .layer(IdempotencyLayer::new(store));
+    for _ in 0..2 {
+        let kept = oneshot(&app, request("/no-store", "kept", CHARGE)).await;
+        assert_eq!(kept.status, StatusCode::CREATED);
+        assert!(!kept.is_replay());
+    }
+    assert_eq!(
+        db.count(CHARGES).await,
+        2,
+        "each execution's write committed"
+    );
+    for _ in 0..2 {
+        let undone = oneshot(&app, request("/rolled-back", "undone", CHARGE)).await;
+        assert_eq!(undone.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(!undone.is_replay());
+    }
+    assert_eq!(db.count(CHARGES).await, 2, "rolled back");
+    assert_eq!(
+        db.count("SELECT count(*) FROM idempotency_records").await,
+        0,
+        "no record, no claim left"
+    );
+}

@@ -737,3 +737,66 @@ async fn the_handlers_statements_do_not_inherit_the_claims_short_lock_wait() {
     let reply = reply.await.unwrap();
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
 }
+
+/// A handler's answer marked not to be replayed: its writes commit without
+/// a record (`Cache-Control: no-store`, `NoReplay::new`) or roll back
+/// (`NoReplay::rolling_back`), and the key is released either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_that_opts_out_commits_or_rolls_back_as_the_handler_chose() {
+    use tower_idempotency::NoReplay;
+
+    async fn write(tx: &mut tower_idempotency::IdempotentTx<tower_idempotency::PostgresTx>) {
+        sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+    }
+    let db = TestDatabase::create();
+    let store = transactional(&db).await;
+    let app = Router::new()
+        .route(
+            "/no-store",
+            post(
+                async |mut tx: tower_idempotency::IdempotentTx<tower_idempotency::PostgresTx>| {
+                    write(&mut tx).await;
+                    (
+                        StatusCode::CREATED,
+                        [(http::header::CACHE_CONTROL, "no-store")],
+                        "kept",
+                    )
+                },
+            ),
+        )
+        .route(
+            "/rolled-back",
+            post(
+                async |mut tx: tower_idempotency::IdempotentTx<tower_idempotency::PostgresTx>| {
+                    write(&mut tx).await;
+                    (
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        NoReplay::rolling_back(),
+                        "undone",
+                    )
+                },
+            ),
+        )
+        .layer(IdempotencyLayer::new(store));
+    for _ in 0..2 {
+        let kept = oneshot(&app, request("/no-store", "kept", CHARGE)).await;
+        assert_eq!(kept.status, StatusCode::CREATED);
+        assert!(!kept.is_replay());
+    }
+    assert_eq!(charges(&db).await, 2, "each execution's write committed");
+    for _ in 0..2 {
+        let undone = oneshot(&app, request("/rolled-back", "undone", CHARGE)).await;
+        assert_eq!(undone.status, StatusCode::UNPROCESSABLE_ENTITY);
+        assert!(!undone.is_replay());
+    }
+    assert_eq!(charges(&db).await, 2, "rolled back");
+    let rows: Vec<(String, bool)> =
+        sqlx::query_as("SELECT key, record IS NULL FROM idempotency_records")
+            .fetch_all(&mut db.connect().await)
+            .await
+            .unwrap();
+    assert!(rows.is_empty(), "no record, no claim left: {rows:?}");
+}

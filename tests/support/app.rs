@@ -39,6 +39,8 @@ pub fn routes(counter: Counter) -> Router {
         .route("/slow", post(slow))
         .route("/panic-once", post(panic_once))
         .route("/status/{code}", post(status))
+        .route("/no-store", post(no_store))
+        .route("/no-replay", post(no_replay))
         .route("/big/{bytes}", post(big))
         .route("/orders", post(order))
         .with_state(counter)
@@ -106,6 +108,28 @@ async fn status(State(c): State<Counter>, Path(code): Path<u16>) -> Response {
     (
         StatusCode::from_u16(code).unwrap(),
         format!("status {code}, execution {n}"),
+    )
+        .into_response()
+}
+
+/// A 201 marked `Cache-Control: no-store`: not to be replayed.
+async fn no_store(State(c): State<Counter>) -> Response {
+    let n = c.incr();
+    (
+        StatusCode::CREATED,
+        [(header::CACHE_CONTROL, "private, no-store")],
+        format!("execution {n}"),
+    )
+        .into_response()
+}
+
+/// A 422 the handler marks not to be replayed.
+async fn no_replay(State(c): State<Counter>) -> Response {
+    let n = c.incr();
+    (
+        StatusCode::UNPROCESSABLE_ENTITY,
+        tower_idempotency::NoReplay::new(),
+        format!("execution {n}"),
     )
         .into_response()
 }

@@ -165,6 +165,13 @@ pub(crate) trait Engine: Dialect {
         tx: SqlTx<Self>,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
+    /// Commits the transaction as it is (the claim's row already deleted
+    /// from it).
+    fn tx_commit(
+        store: &SqlTxStore<Self>,
+        tx: SqlTx<Self>,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
     /// Whether a transaction (in any process) holds `key` in flight: an
     /// uncommitted row other sessions cannot read.
     fn tx_in_flight(
@@ -331,6 +338,9 @@ pub(crate) struct Statements {
     pub(crate) forget_completed: Stmt,
     /// A live claim in flight (a lease's row) deleted.
     pub(crate) forget_in_flight: Stmt,
+    /// The key's row deleted, whatever it holds: a transaction's own claim,
+    /// given up while its writes commit. Key.
+    pub(crate) delete_claim: Stmt,
     /// Up to Batch expired rows deleted.
     pub(crate) delete_expired: Stmt,
 }

@@ -14,7 +14,7 @@ use std::{
 use super::{
     Base,
     decide::decide,
-    dialect::{Dialect, Engine, TxClaim},
+    dialect::{Args, Dialect, Engine, TxClaim},
     millis,
     tx::SqlTx,
 };
@@ -201,6 +201,28 @@ impl<D: Engine> Store for SqlTxStore<D> {
 
     async fn release(&self, _: &StorageKey, tx: SqlTx<D>) -> Result<bool, StoreError> {
         self.base.bounded(D::tx_release(self, tx)).await?;
+        Ok(true)
+    }
+
+    /// The claim's row deleted in the transaction, then `COMMIT`: the
+    /// handler's writes stay, no record does. A transaction the database
+    /// already aborted (a failed statement) rolls back instead.
+    async fn release_keeping_writes(
+        &self,
+        key: &StorageKey,
+        mut tx: SqlTx<D>,
+    ) -> Result<bool, StoreError> {
+        let args = Args {
+            key: key.as_str(),
+            ..Args::default()
+        };
+        if let Err(error) = D::execute(&mut tx, &self.base.sql.delete_claim, &args).await {
+            // Dropped, the connection closes: the transaction rolls back.
+            tracing::warn!(%key, %error, "idempotency: the claim could not be removed; the handler's writes roll back");
+            tx.close_on_drop();
+            return Ok(true);
+        }
+        self.base.bounded(D::tx_commit(self, tx)).await?;
         Ok(true)
     }
 

@@ -36,6 +36,7 @@ macro_rules! behaviour_cases {
             scopes_are_isolated,
             scope_encoding_cannot_collide,
             non_final_responses_release_the_key,
+            a_response_that_opts_out_is_sent_not_stored,
             store_all_keeps_every_status,
             a_fixed_request_executes_under_its_key_only_if_client_errors_are_released,
             handler_error_releases_the_key,

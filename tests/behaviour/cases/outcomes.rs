@@ -17,6 +17,28 @@ use crate::support::{
     http::{Server, oneshot, post},
 };
 
+/// A handler's own "do not replay": `Cache-Control: no-store` on a 201, the
+/// `NoReplay` marker on a 422, whatever the store policy says (it would
+/// store both): sent, not stored, the key released — every retry runs the
+/// handler.
+pub async fn a_response_that_opts_out_is_sent_not_stored<B: Backend>(b: &B) {
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(StoreAllPolicy));
+    for (path, status) in [("/no-store", 201), ("/no-replay", 422)] {
+        let before = runs.get();
+        for attempt in 1..=3 {
+            let reply = oneshot(&app, post(path, "k", "")).await;
+            assert_eq!(reply.status.as_u16(), status, "{path}");
+            assert!(!reply.is_replay(), "{path}");
+            assert_eq!(
+                reply.outcome,
+                Some(IdempotencyOutcome::Executed(Completion::Released)),
+                "{path}"
+            );
+            assert_eq!(runs.get(), before + attempt, "{path}: run again");
+        }
+    }
+}
+
 pub async fn non_final_responses_release_the_key<B: Backend>(b: &B) {
     let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
     for (i, code) in [408u16, 425, 429, 502, 503, 504].into_iter().enumerate() {

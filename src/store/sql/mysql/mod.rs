@@ -316,6 +316,11 @@ impl Engine for MySql {
         transactional::release(store, tx)
     }
 
+    async fn tx_commit(store: &MySqlTxStore, mut tx: MySqlTx) -> Result<(), StoreError> {
+        let end = store.state.sql.end("COMMIT");
+        tx.end(&end).await.map_err(|e| store.base.error(e))
+    }
+
     fn tx_in_flight(
         store: &MySqlTxStore,
         key: &StorageKey,

@@ -85,6 +85,7 @@ pub(super) fn statements(table: &str, flavor: Flavor) -> Statements {
             ),
             &[Key],
         ),
+        delete_claim: s("DELETE FROM {t} WHERE `key` = ?", &[Key]),
         forget_in_flight: s(
             &format!(
                 "{short_wait}DELETE FROM {{t}} WHERE `key` = ? AND expires_at > UTC_TIMESTAMP(3) AND record IS NULL"

@@ -298,6 +298,10 @@ impl Engine for Postgres {
         tx.end("ROLLBACK").await.map_err(|e| store.base.error(e))
     }
 
+    async fn tx_commit(store: &PostgresTxStore, mut tx: PostgresTx) -> Result<(), StoreError> {
+        tx.end("COMMIT").await.map_err(|e| store.base.error(e))
+    }
+
     fn tx_in_flight(
         store: &PostgresTxStore,
         key: &StorageKey,

@@ -69,6 +69,7 @@ pub(super) fn statements(table: &str) -> Statements {
             "DELETE FROM {t} WHERE key = $1 AND expires_at > now() AND record IS NOT NULL",
             &[Key],
         ),
+        delete_claim: s("DELETE FROM {t} WHERE key = $1", &[Key]),
         forget_in_flight: s(
             "DELETE FROM {t} WHERE key = $1 AND expires_at > now() AND record IS NULL",
             &[Key],

@@ -267,6 +267,10 @@ impl Engine for Sqlite {
         tx.end("ROLLBACK").await.map_err(|e| store.base.error(e))
     }
 
+    async fn tx_commit(store: &SqliteTxStore, mut tx: SqliteTx) -> Result<(), StoreError> {
+        tx.end("COMMIT").await.map_err(|e| store.base.error(e))
+    }
+
     async fn tx_in_flight(
         store: &SqliteTxStore,
         key: &crate::store::StorageKey,

@@ -45,6 +45,7 @@ pub(super) fn statements(table: &str) -> Statements {
             "DELETE FROM {t} WHERE key = ?1 AND expires_at > ?2 AND record IS NOT NULL",
             &[Key, Now],
         ),
+        delete_claim: s("DELETE FROM {t} WHERE key = ?1", &[Key]),
         forget_in_flight: s(
             "DELETE FROM {t} WHERE key = ?1 AND expires_at > ?2 AND record IS NULL",
             &[Key, Now],
