@@ -14,7 +14,7 @@
 //! default 30000, and `MaxDeliver` from `MAX_DELIVER`, default 20);
 //! `DEAD_LETTER_SUBJECT` (none by default; `orders.dead`, say: where what
 //! can never succeed is published before it is terminated); `DATABASE_URL`
-//! (required: `sqlite://PATH` or `postgres://…`; the tables are created if
+//! (required: `sqlite://PATH`, `postgres://…` or `mysql://…`; the tables are created if
 //! missing); `WORK_DELAY_MS`, `ACK_DELAY_MS`, `IDEMPOTENCY_LEASE_MS`,
 //! `IDEMPOTENCY_TX_TIMEOUT_MS` as in `orders_consumer`.
 //!

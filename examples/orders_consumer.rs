@@ -9,8 +9,8 @@
 //!
 //! Environment: `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`);
 //! `QUEUE` (default `orders`, declared durable); `DATABASE_URL` (required:
-//! `sqlite://PATH`, the file created if missing, or `postgres://…`, an
-//! existing database; the tables are created if missing); `WORK_DELAY_MS`
+//! `sqlite://PATH`, the file created if missing, `postgres://…` or
+//! `mysql://…`, an existing database; the tables are created if missing); `WORK_DELAY_MS`
 //! (default 0: how long the work takes after inserting its row, before its
 //! commit — the payment processor); `ACK_DELAY_MS` (default 0: a pause
 //! between the commit and the acknowledgement, to widen that crash window);

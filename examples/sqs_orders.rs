@@ -13,7 +13,7 @@
 //! Environment: `SQS_QUEUE_URL` (required; a standard or a FIFO queue); the
 //! SDK's own `AWS_ENDPOINT_URL`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`,
 //! `AWS_SECRET_ACCESS_KEY` (or any other source of credentials the SDK
-//! reads); `DATABASE_URL` (required: `sqlite://PATH` or `postgres://…`; the
+//! reads); `DATABASE_URL` (required: `sqlite://PATH`, `postgres://…` or `mysql://…`; the
 //! tables are created if missing); `WORK_DELAY_MS` (default 0: how long the
 //! work takes inside its transaction); `ACK_DELAY_MS` (default 0: a pause
 //! between the commit and the delete); `IDEMPOTENCY_LEASE_MS` (default

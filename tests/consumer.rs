@@ -689,6 +689,33 @@ async fn on_sqlite_an_order_published_twice_charges_once() {
     queue.delete().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql_an_order_published_twice_charges_once_and_a_kill_mid_work_commits_nothing() {
+    let db = support::mysql::TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let env = [("DATABASE_URL", db.url()), ("QUEUE", queue.name.as_str())];
+    let mut consumer = OrdersConsumer::start(&[env[0], env[1], ("WORK_DELAY_MS", "5000")]).await;
+    queue.publish(&order("order-1", 500)).await;
+    // Killed while the work's row is inserted, uncommitted.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while db.count_uncommitted(CHARGES).await == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the work never inserted its row"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    consumer.kill();
+    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
+    let consumer = OrdersConsumer::start(&env).await;
+    consumer.wait_for(|l| l == "executed order-1").await;
+    queue.publish(&order("order-1", 500)).await;
+    consumer.wait_for(|l| l == "duplicate order-1").await;
+    drained(&queue).await;
+    assert_eq!(db.count(CHARGES).await, 1);
+    queue.delete().await;
+}
+
 /// The consumer's fingerprint takes the same rules: a resent order with a
 /// new `sent_at` is still the same order; another amount is not.
 #[tokio::test]

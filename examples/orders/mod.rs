@@ -8,7 +8,8 @@ use std::{env, io::Write, time::Duration};
 
 use serde::{Deserialize, Serialize};
 use tower_idempotency::{
-    IdempotencyKey, PostgresStore, PostgresTxStore, SqliteStore, SqliteTxStore,
+    IdempotencyKey, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, SqliteStore,
+    SqliteTxStore,
     message::{DeliveryLease, Disposition, IdempotencyProcessor, ProcessError, ProcessOutcome},
     sqlx::{self, error::ErrorKind},
     store::{Store, StoreError},
@@ -40,7 +41,8 @@ pub fn parse(data: &[u8]) -> Result<Order, String> {
 
 /// The settings every consumer reads.
 pub struct Settings {
-    /// `DATABASE_URL`: `sqlite://PATH` or `postgres://…` (required).
+    /// `DATABASE_URL`: `sqlite://PATH`, `postgres://…` or `mysql://…`
+    /// (required).
     pub database_url: String,
     /// `WORK_DELAY_MS` (default 0): how long the work takes after
     /// inserting its row, before its commit — the payment processor.
@@ -68,7 +70,7 @@ impl Settings {
         }
         Ok(Self {
             database_url: env::var("DATABASE_URL").map_err(|_| {
-                "DATABASE_URL is required, e.g. sqlite://orders.db or postgres://postgres@127.0.0.1:5432/orders"
+                "DATABASE_URL is required, e.g. sqlite://orders.db, postgres://postgres@127.0.0.1:5432/orders or mysql://root@127.0.0.1:3306/orders"
                     .to_owned()
             })?,
             work_delay: millis("WORK_DELAY_MS", 0)?,
@@ -107,6 +109,14 @@ pub async fn run<C: Consumer>(consumer: C, scope: &str, settings: Settings) {
     let bound = settings.tx_timeout;
     if url.starts_with("sqlite:") {
         let store = SqliteStore::builder()
+            .transactional()
+            .transaction_timeout(bound)
+            .connect(&url)
+            .await;
+        let orders = processor(open(store).await, scope, &settings);
+        consumer.run(orders, settings).await
+    } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
+        let store = MySqlStore::builder()
             .transactional()
             .transaction_timeout(bound)
             .connect(&url)
@@ -280,6 +290,30 @@ pub async fn handle<St: Ledger, L: DeliveryLease>(
         line: word.map(|word| format!("{word} {id}")),
         invalid: false,
         disposition,
+    }
+}
+
+impl Ledger for MySqlTxStore {
+    async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
+        self.migrate().await?;
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS order_charges (
+                order_id VARCHAR(255) NOT NULL, amount BIGINT NOT NULL, currency VARCHAR(16) NOT NULL,
+                charged_at TIMESTAMP(3) NOT NULL DEFAULT CURRENT_TIMESTAMP(3)) ENGINE = InnoDB",
+        )
+        .execute(self.pool())
+        .await?;
+        Ok(())
+    }
+
+    async fn charge(tx: &mut Self::Granted, order: &Order) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO order_charges (order_id, amount, currency) VALUES (?, ?, ?)")
+            .bind(&order.order_id)
+            .bind(order.amount)
+            .bind(&order.currency)
+            .execute(&mut **tx)
+            .await?;
+        Ok(())
     }
 }
 
