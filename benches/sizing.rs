@@ -5,8 +5,8 @@
 //! the CPU the codec spends per record, and why zstd.
 //!
 //! Run with: `cargo bench --all-features --bench sizing` (needs
-//! `redis-server` on PATH and PostgreSQL at `DATABASE_URL` or locally, as
-//! the tests do; SQLite is built in). `SIZING_RECORDS` (default 2000) sets
+//! `redis-server` on PATH, PostgreSQL at `DATABASE_URL` and MySQL/MariaDB at
+//! `MYSQL_URL` or locally, as the tests do; SQLite is built in). `SIZING_RECORDS` (default 2000) sets
 //! how many records each measurement writes.
 //!
 //! - Redis: `MEMORY USAGE` of each record's key (key, value, TTL and
@@ -29,8 +29,8 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, StatusCode, header};
 use serde_json::Value;
 use tower_idempotency::{
-    CompletedRecord, Fingerprint, IdempotencyKey, PostgresStore, RedisStore, SqliteStore,
-    StoredResponse,
+    CompletedRecord, Fingerprint, IdempotencyKey, MySqlStore, PostgresStore, RedisStore,
+    SqliteStore, StoredResponse,
     codec::{self, Compression},
     store::{Claim, StorageKey, Store, redis::KeyNames},
 };
@@ -273,6 +273,51 @@ async fn main() {
         }
     }
 
+    let database = tower_idempotency_harness::mysql::TestDatabase::create();
+    let mut admin = database.connect().await;
+    for (variant, compression) in &variants {
+        for transactional in [false, true] {
+            if transactional && !variant.is_empty() {
+                continue;
+            }
+            for (size, body) in BODIES {
+                let table = format!(
+                    "sizing_{}_{}_{}",
+                    u8::from(transactional),
+                    variant.len(),
+                    body.len()
+                );
+                let builder = MySqlStore::builder()
+                    .table(&table)
+                    .compression(compression.clone());
+                let before;
+                if transactional {
+                    let store = builder
+                        .transactional()
+                        .connect(database.url())
+                        .await
+                        .unwrap();
+                    store.migrate().await.unwrap();
+                    before = innodb_size(&mut admin, &table).await;
+                    fill(&store, size, body, records).await;
+                } else {
+                    let store = builder.connect(database.url()).await.unwrap();
+                    store.migrate().await.unwrap();
+                    before = innodb_size(&mut admin, &table).await;
+                    fill(&store, size, body, records).await;
+                }
+                let after = innodb_size(&mut admin, &table).await;
+                let store = format!("MariaDB (InnoDB){}{variant}", mode(transactional));
+                rows.push(Row {
+                    store,
+                    size,
+                    body: body.len(),
+                    bytes: (after - before) as f64 / records as f64,
+                });
+            }
+        }
+    }
+
     println!("bytes per record, {records} records per measurement");
     println!(
         "| store | response body | bytes per record | overhead | GB per 1 000 req/s over 24 h |"
@@ -291,6 +336,23 @@ async fn main() {
     }
     println!();
     cpu(&variants);
+}
+
+/// The table's pages, data and index, as InnoDB counts them once its
+/// statistics are refreshed (16 KiB pages: measure many records).
+async fn innodb_size(admin: &mut sqlx::MySqlConnection, table: &str) -> i64 {
+    sqlx::raw_sql(&format!("ANALYZE TABLE {table}"))
+        .execute(&mut *admin)
+        .await
+        .unwrap();
+    sqlx::query_scalar(
+        "SELECT CAST(data_length + index_length AS SIGNED) FROM information_schema.TABLES \
+         WHERE table_schema = DATABASE() AND table_name = ?",
+    )
+    .bind(table)
+    .fetch_one(admin)
+    .await
+    .unwrap()
 }
 
 async fn relation_size(admin: &mut sqlx::PgConnection, table: &str) -> i64 {
