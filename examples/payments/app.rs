@@ -22,7 +22,7 @@ use tower_idempotency::{
     },
 };
 
-use super::ledger::{Charge, Charges, InsertCharge};
+use super::ledger::{Charge, Charges, Event, LedgerWrites};
 
 /// The example's configuration, read from the environment.
 pub struct Settings {
@@ -112,6 +112,20 @@ where
         .admin_token
         .clone()
         .map(|token| super::admin::routes(store.clone(), token));
+    // The processor's webhooks: keyed by the event's id in the body, one
+    // scope of their own, no bearer token (the provider calls them).
+    let webhooks = IdempotencyLayer::new(store.clone())
+        .key_from_body("/id")
+        .require_key(true)
+        .scope_with(|_: &Parts| Some("webhooks:processor".to_owned()))
+        .lease(settings.lease)
+        .retention(settings.retention);
+    let webhooks = Router::new()
+        .route(
+            "/v1/webhooks/processor",
+            St::Granted::webhook_route().get(list_events),
+        )
+        .route_layer(webhooks);
     let mut idempotency = IdempotencyLayer::new(store)
         .require_key(true)
         .scope_with(|parts: &Parts| parts.extensions.get::<Account>().map(|a| a.0.clone()))
@@ -132,6 +146,7 @@ where
         .layer(middleware::from_fn(authenticate))
         // The operators' routes, outside both: they check `ADMIN_TOKEN`.
         .merge(admin.unwrap_or_default())
+        .merge(webhooks)
         // Outermost first. Whatever rewrites the body (compression) must sit
         // outside the idempotency layer: inside, a gzip body would be stored
         // and replayed to clients that never asked for gzip.
@@ -179,20 +194,29 @@ pub struct AppState {
 /// own; a transaction, in it.
 pub trait Recording: Send + Sync + 'static {
     fn create_route() -> MethodRouter<AppState>;
+    fn webhook_route() -> MethodRouter<AppState>;
 }
 
 impl Recording for LeaseToken {
     fn create_route() -> MethodRouter<AppState> {
         post(create_charge)
     }
+
+    fn webhook_route() -> MethodRouter<AppState> {
+        post(record_event)
+    }
 }
 
 impl<D: Dialect> Recording for SqlTx<D>
 where
-    <D::Db as sqlx::Database>::Connection: InsertCharge,
+    <D::Db as sqlx::Database>::Connection: LedgerWrites,
 {
     fn create_route() -> MethodRouter<AppState> {
         post(create_charge_in_transaction::<SqlTx<D>>)
+    }
+
+    fn webhook_route() -> MethodRouter<AppState> {
+        post(record_event_in_transaction::<SqlTx<D>>)
     }
 }
 
@@ -254,7 +278,7 @@ async fn create_charge_in_transaction<T>(
     body: Result<Json<NewCharge>, JsonRejection>,
 ) -> Response
 where
-    T: std::ops::DerefMut<Target: InsertCharge> + Send + Sync + 'static,
+    T: std::ops::DerefMut<Target: LedgerWrites> + Send + Sync + 'static,
 {
     let charge = match new_charge(account, body) {
         Ok(charge) => charge,
@@ -318,6 +342,86 @@ fn created(charge: Charge) -> Response {
         Json(charge),
     )
         .into_response()
+}
+
+/// A webhook event: `{"id": string, "type": string, …}` (the layer has
+/// checked the id).
+#[derive(Deserialize)]
+struct NewEvent {
+    id: String,
+    #[serde(rename = "type")]
+    kind: Option<String>,
+}
+
+/// Records an event on its own, then answers `200 {"received": id}`.
+async fn record_event(
+    State(state): State<AppState>,
+    body: Result<Json<NewEvent>, JsonRejection>,
+) -> Response {
+    let event = match new_event(body) {
+        Ok(event) => event,
+        Err(invalid) => return invalid.into_response(),
+    };
+    let recorded = state.charges.insert_event(&event).await;
+    received(event, recorded)
+}
+
+/// Records an event in the request's transaction: the event and the
+/// idempotency record commit together, or neither does.
+async fn record_event_in_transaction<T>(
+    mut tx: IdempotentTx<T>,
+    body: Result<Json<NewEvent>, JsonRejection>,
+) -> Response
+where
+    T: std::ops::DerefMut<Target: LedgerWrites> + Send + Sync + 'static,
+{
+    let event = match new_event(body) {
+        Ok(event) => event,
+        Err(invalid) => return invalid.into_response(),
+    };
+    let recorded = tx.insert_event(&event).await;
+    received(event, recorded)
+}
+
+fn new_event(body: Result<Json<NewEvent>, JsonRejection>) -> Result<Event, Problem> {
+    match body {
+        Ok(Json(new)) => Ok(Event {
+            id: new.id,
+            kind: new.kind,
+        }),
+        Err(rejection) => {
+            Err(Problem::new(StatusCode::BAD_REQUEST, "Invalid event")
+                .detail(rejection.body_text()))
+        }
+    }
+}
+
+fn received(event: Event, recorded: Result<(), sqlx::Error>) -> Response {
+    match recorded {
+        Ok(()) => Json(serde_json::json!({ "received": event.id })).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot record the event");
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Event not recorded",
+                "The event could not be recorded; deliver it again.",
+            )
+        }
+    }
+}
+
+async fn list_events(State(state): State<AppState>) -> Response {
+    match state.charges.list_events().await {
+        Ok(events) => Json(events).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "cannot list events");
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Listing failed",
+                "The events could not be read.",
+            )
+        }
+    }
 }
 
 async fn list_charges(
@@ -551,5 +655,100 @@ mod tests {
             response.headers()[header::CONTENT_TYPE],
             "application/problem+json"
         );
+    }
+
+    fn event(body: &str, signature: &str) -> Request {
+        Request::post("/v1/webhooks/processor")
+            .header("content-type", "application/json")
+            .header("webhook-signature", signature)
+            .body(Body::from(body.to_owned()))
+            .unwrap()
+    }
+
+    async fn events(app: &Router) -> serde_json::Value {
+        let list = Request::get("/v1/webhooks/processor")
+            .body(Body::empty())
+            .unwrap();
+        let response = app.clone().oneshot(list).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        serde_json::from_slice(&body(response).await).unwrap()
+    }
+
+    /// A processor redelivers one event many times, concurrently and after a
+    /// restart: one row, every redelivery answered with the stored answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_webhook_redelivered_many_times_records_its_event_once() {
+        use tower_idempotency::SqliteStore;
+
+        let dir = std::env::temp_dir().join(format!("payments-webhooks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("sqlite://{}", dir.join("ledger.db").display());
+        let open = async || {
+            let store = SqliteStore::builder()
+                .transactional()
+                .connect(&url)
+                .await
+                .unwrap();
+            store.migrate().await.unwrap();
+            crate::ledger::create_tables(store.pool()).await.unwrap();
+            let charges = Charges::Sqlite(store.pool().clone());
+            app(store, charges, &settings())
+        };
+        let payload = r#"{"id":"evt_1","type":"charge.succeeded","data":{"amount":1999}}"#;
+        let app1 = open().await;
+        let deliveries = (0..16).map(|n| {
+            let app = app1.clone();
+            tokio::spawn(async move {
+                loop {
+                    let response = app
+                        .clone()
+                        .oneshot(event(payload, &format!("v1,{n}")))
+                        .await
+                        .unwrap();
+                    if response.status() != StatusCode::CONFLICT {
+                        break response;
+                    }
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+        });
+        let mut replays = 0;
+        for delivery in deliveries {
+            let response = delivery.await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK);
+            replays += usize::from(response.headers().contains_key("idempotent-replayed"));
+            let answer: serde_json::Value = serde_json::from_slice(&body(response).await).unwrap();
+            assert_eq!(answer, serde_json::json!({"received": "evt_1"}));
+        }
+        assert_eq!(replays, 15, "one execution, fifteen replays");
+        assert_eq!(
+            events(&app1).await,
+            serde_json::json!([{"id": "evt_1", "type": "charge.succeeded"}])
+        );
+        drop(app1);
+
+        // After a restart, a redelivery is still the stored answer.
+        let app2 = open().await;
+        let again = app2
+            .clone()
+            .oneshot(event(payload, "v1,late"))
+            .await
+            .unwrap();
+        assert_eq!(again.status(), StatusCode::OK);
+        assert!(again.headers().contains_key("idempotent-replayed"));
+        let other = app2
+            .clone()
+            .oneshot(event(r#"{"id":"evt_1","type":"charge.refunded"}"#, "s"))
+            .await
+            .unwrap();
+        assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        let no_id = app2
+            .clone()
+            .oneshot(event(r#"{"type":"charge.succeeded"}"#, "s"))
+            .await
+            .unwrap();
+        assert_eq!(no_id.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(events(&app2).await.as_array().unwrap().len(), 1, "one row");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

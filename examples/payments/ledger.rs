@@ -1,6 +1,6 @@
-//! Where the example keeps its charges: one row (or entry) per execution of
-//! a charge — in memory, or in SQLite, PostgreSQL or MySQL, whose SQL
-//! differs only in its text.
+//! Where the example keeps its charges and the payment processor's webhook
+//! events: one row (or entry) per execution — in memory, or in SQLite,
+//! PostgreSQL or MySQL, whose SQL differs only in its text.
 
 use std::{
     collections::HashMap,
@@ -23,6 +23,14 @@ pub struct Charge {
     pub description: Option<String>,
 }
 
+/// A webhook event from the payment processor, as recorded and listed.
+#[derive(Clone, Serialize)]
+pub struct Event {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+}
+
 /// An engine's SQL for the example's tables.
 pub trait Engine: Database {
     /// The tables, created if missing.
@@ -31,36 +39,50 @@ pub trait Engine: Database {
     const INSERT_CHARGE: &'static str;
     /// An account's charges, in the order they were made.
     const LIST_CHARGES: &'static str;
+    /// An event: id, type (no unique constraint: a double execution shows).
+    const INSERT_EVENT: &'static str;
+    /// The events, in the order they were recorded.
+    const LIST_EVENTS: &'static str;
 }
 
 impl Engine for Sqlite {
     const TABLES: &'static str = "CREATE TABLE IF NOT EXISTS charges (
         id TEXT PRIMARY KEY, account TEXT NOT NULL, amount INTEGER NOT NULL,
-        currency TEXT NOT NULL, description TEXT)";
+        currency TEXT NOT NULL, description TEXT);
+        CREATE TABLE IF NOT EXISTS processor_events (id TEXT NOT NULL, type TEXT)";
     const INSERT_CHARGE: &'static str = "INSERT INTO charges (id, account, amount, currency, description) VALUES (?1, ?2, ?3, ?4, ?5)";
     const LIST_CHARGES: &'static str = "SELECT id, account, amount, currency, description \
         FROM charges WHERE account = ?1 ORDER BY rowid";
+    const INSERT_EVENT: &'static str = "INSERT INTO processor_events (id, type) VALUES (?1, ?2)";
+    const LIST_EVENTS: &'static str = "SELECT id, type FROM processor_events ORDER BY rowid";
 }
 
 impl Engine for Postgres {
     const TABLES: &'static str = "CREATE TABLE IF NOT EXISTS charges (
         id text PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
         currency text NOT NULL, description text,
-        created_at timestamptz NOT NULL DEFAULT now())";
+        created_at timestamptz NOT NULL DEFAULT now());
+        CREATE TABLE IF NOT EXISTS processor_events (n bigserial PRIMARY KEY, id text NOT NULL, type text)";
     const INSERT_CHARGE: &'static str = "INSERT INTO charges (id, account, amount, currency, description) VALUES ($1, $2, $3, $4, $5)";
     const LIST_CHARGES: &'static str = "SELECT id, account, amount, currency, description \
         FROM charges WHERE account = $1 ORDER BY created_at, id";
+    const INSERT_EVENT: &'static str = "INSERT INTO processor_events (id, type) VALUES ($1, $2)";
+    const LIST_EVENTS: &'static str = "SELECT id, type FROM processor_events ORDER BY n";
 }
 
 impl Engine for MySql {
     const TABLES: &'static str = "CREATE TABLE IF NOT EXISTS charges (
         n BIGINT AUTO_INCREMENT PRIMARY KEY, id VARCHAR(64) NOT NULL UNIQUE,
         account VARCHAR(255) NOT NULL, amount BIGINT NOT NULL,
-        currency VARCHAR(3) NOT NULL, description TEXT) ENGINE = InnoDB";
+        currency VARCHAR(3) NOT NULL, description TEXT) ENGINE = InnoDB;
+        CREATE TABLE IF NOT EXISTS processor_events (n BIGINT AUTO_INCREMENT PRIMARY KEY,
+        id VARCHAR(255) NOT NULL, type TEXT) ENGINE = InnoDB";
     const INSERT_CHARGE: &'static str =
         "INSERT INTO charges (id, account, amount, currency, description) VALUES (?, ?, ?, ?, ?)";
     const LIST_CHARGES: &'static str = "SELECT id, account, amount, currency, description \
         FROM charges WHERE account = ? ORDER BY n";
+    const INSERT_EVENT: &'static str = "INSERT INTO processor_events (id, type) VALUES (?, ?)";
+    const LIST_EVENTS: &'static str = "SELECT id, type FROM processor_events ORDER BY n";
 }
 
 /// Creates the tables if they are missing.
@@ -95,6 +117,45 @@ where
     Ok(())
 }
 
+/// Records `event` with `on`: a pooled connection, or the request's
+/// transaction.
+pub async fn insert_event<'c, DB: Engine>(
+    on: impl Executor<'c, Database = DB>,
+    event: &Event,
+) -> Result<(), sqlx::Error>
+where
+    for<'q> <DB as Database>::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<&'q str>: Encode<'q, DB> + Type<DB>,
+{
+    sqlx::query(DB::INSERT_EVENT)
+        .bind(event.id.as_str())
+        .bind(event.kind.as_deref())
+        .execute(on)
+        .await?;
+    Ok(())
+}
+
+/// The recorded events.
+pub async fn list_events<DB: Engine>(pool: &Pool<DB>) -> Result<Vec<Event>, sqlx::Error>
+where
+    for<'c> &'c Pool<DB>: Executor<'c, Database = DB>,
+    for<'q> <DB as Database>::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'r> &'r str: sqlx::ColumnIndex<DB::Row>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    for<'r> Option<String>: Decode<'r, DB> + Type<DB>,
+{
+    let rows = sqlx::query(DB::LIST_EVENTS).fetch_all(pool).await?;
+    rows.iter()
+        .map(|row| {
+            Ok(Event {
+                id: row.try_get("id")?,
+                kind: row.try_get("type")?,
+            })
+        })
+        .collect()
+}
+
 /// An account's charges.
 pub async fn list<DB: Engine>(pool: &Pool<DB>, account: &str) -> Result<Vec<Charge>, sqlx::Error>
 where
@@ -126,19 +187,27 @@ where
 /// Where charges live.
 #[derive(Clone)]
 pub enum Charges {
-    Memory(Arc<Mutex<HashMap<String, Vec<Charge>>>>),
+    Memory(Arc<Mutex<Memory>>),
     Sqlite(SqlitePool),
     Postgres(PgPool),
     MySql(MySqlPool),
+}
+
+/// The in-memory ledger: charges by account, and events.
+#[derive(Default)]
+pub struct Memory {
+    charges: HashMap<String, Vec<Charge>>,
+    events: Vec<Event>,
 }
 
 impl Charges {
     /// Records a charge on its own (committed at once).
     pub async fn insert(&self, charge: &Charge) -> Result<(), sqlx::Error> {
         match self {
-            Charges::Memory(charges) => {
-                let mut charges = charges.lock().unwrap();
-                charges
+            Charges::Memory(memory) => {
+                let mut memory = memory.lock().unwrap();
+                memory
+                    .charges
                     .entry(charge.account.clone())
                     .or_default()
                     .push(charge.clone());
@@ -152,9 +221,10 @@ impl Charges {
 
     pub async fn list(&self, account: &str) -> Result<Vec<Charge>, sqlx::Error> {
         match self {
-            Charges::Memory(charges) => Ok(charges
+            Charges::Memory(memory) => Ok(memory
                 .lock()
                 .unwrap()
+                .charges
                 .get(account)
                 .cloned()
                 .unwrap_or_default()),
@@ -165,12 +235,40 @@ impl Charges {
     }
 }
 
-/// A connection a charge can be inserted on: the request's transaction.
-pub trait InsertCharge: Send {
-    fn insert(&mut self, charge: &Charge) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+impl Charges {
+    /// Records an event on its own (committed at once).
+    pub async fn insert_event(&self, event: &Event) -> Result<(), sqlx::Error> {
+        match self {
+            Charges::Memory(memory) => {
+                memory.lock().unwrap().events.push(event.clone());
+                Ok(())
+            }
+            Charges::Sqlite(pool) => insert_event(pool, event).await,
+            Charges::Postgres(pool) => insert_event(pool, event).await,
+            Charges::MySql(pool) => insert_event(pool, event).await,
+        }
+    }
+
+    pub async fn list_events(&self) -> Result<Vec<Event>, sqlx::Error> {
+        match self {
+            Charges::Memory(memory) => Ok(memory.lock().unwrap().events.clone()),
+            Charges::Sqlite(pool) => list_events(pool).await,
+            Charges::Postgres(pool) => list_events(pool).await,
+            Charges::MySql(pool) => list_events(pool).await,
+        }
+    }
 }
 
-impl<C> InsertCharge for C
+/// A connection the example writes on: the request's transaction.
+pub trait LedgerWrites: Send {
+    fn insert(&mut self, charge: &Charge) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    fn insert_event(
+        &mut self,
+        event: &Event,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+}
+
+impl<C> LedgerWrites for C
 where
     C: sqlx::Connection<Database: Engine>,
     for<'c> &'c mut C: Executor<'c, Database = C::Database>,
@@ -181,5 +279,9 @@ where
 {
     async fn insert(&mut self, charge: &Charge) -> Result<(), sqlx::Error> {
         insert(self, charge).await
+    }
+
+    async fn insert_event(&mut self, event: &Event) -> Result<(), sqlx::Error> {
+        insert_event(self, event).await
     }
 }

@@ -66,6 +66,12 @@
 //! # The account's charges: one per execution.
 //! curl -s localhost:3000/v1/charges -H 'authorization: Bearer acct_alice'
 //!
+//! # The processor's webhook, keyed by the event's id in the body (no token):
+//! # a redelivery gets the stored answer, the event is recorded once.
+//! for i in 1 2 3; do curl -s -X POST localhost:3000/v1/webhooks/processor \
+//!   -H 'content-type: application/json' -d '{"id": "evt_1", "type": "charge.succeeded"}'; done
+//! curl -s localhost:3000/v1/webhooks/processor
+//!
 //! # What the layer decided, as Prometheus counters.
 //! curl -s localhost:3000/metrics | grep idempotency_
 //!

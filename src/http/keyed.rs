@@ -16,23 +16,24 @@ use crate::{
         grpc::{self, Wire},
         handler,
         observe::Throttle,
-        outcome::Answered,
+        outcome::{Answered, BypassReason, IdempotencyOutcome},
         rejection::RejectionKind,
         replay,
         shared::Shared,
         store_policy::StorePolicy,
     },
-    key::IdempotencyKey,
+    key::{IdempotencyKey, InvalidKey},
     protocol::{self, Claimed},
     store::{StorageKey, Store, StoreError},
 };
 
 /// A guarded request that passed the synchronous checks: it has a valid key
-/// and a scope.
+/// (or one to read from its body) and a scope.
 pub(crate) struct KeyedRequest<B> {
     pub(crate) parts: Parts,
     pub(crate) body: B,
-    pub(crate) key: IdempotencyKey,
+    /// `None`: at the layer's JSON Pointer into the body.
+    pub(crate) key: Option<IdempotencyKey>,
     pub(crate) scope: String,
     pub(crate) wire: Wire,
 }
@@ -75,6 +76,27 @@ where
         Wire::Grpc => match grpc::decoded(&parts.headers, &body, config.max_request_body) {
             Ok(messages) => messages,
             Err(kind) => return Ok(shared.rejection(kind, wire)),
+        },
+    };
+    let key = match key {
+        Some(key) => key,
+        None => match body_key(&body, config.body_key.as_deref().unwrap_or_default()) {
+            Ok(key) => {
+                tracing::Span::current().record("idempotency.key", tracing::field::display(&key));
+                key
+            }
+            Err(None) if !config.require_key => {
+                let request = Request::from_parts(parts, Body::from(body));
+                let mut inner = inner;
+                let response = inner.call(request).await?.map(Body::new);
+                let outcome = IdempotencyOutcome::Bypassed(BypassReason::NoKey);
+                return Ok(Answered::new(response, outcome));
+            }
+            Err(None) => {
+                let pointer = config.body_key.clone().unwrap_or_default();
+                return Ok(shared.rejection(RejectionKind::MissingBodyKey { pointer }, wire));
+            }
+            Err(Some(why)) => return Ok(shared.rejection(RejectionKind::InvalidKey(why), wire)),
         },
     };
     let fingerprint = shared.fingerprint.fingerprint(&parts, &messages);
@@ -142,6 +164,18 @@ fn log_outage(throttle: &Throttle, key: &StorageKey, error: &StoreError, fail_op
         }
         None => tracing::debug!(%key, %error, "{what}"),
     }
+}
+
+/// The key at `pointer` in a JSON body: `Err(None)` when there is none (not
+/// JSON, no such member, not a string), `Err(Some(why))` when it is no
+/// valid key.
+fn body_key(body: &[u8], pointer: &str) -> Result<IdempotencyKey, Option<InvalidKey>> {
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|_| None)?;
+    let key = value
+        .pointer(pointer)
+        .and_then(|v| v.as_str())
+        .ok_or(None)?;
+    IdempotencyKey::new(key).map_err(Some)
 }
 
 /// Buffers the request body up to `limit` bytes; larger is `413`.

@@ -79,6 +79,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 methods: vec![Method::POST, Method::PATCH],
                 unguarded_paths: Vec::new(),
                 header: IDEMPOTENCY_KEY,
+                body_key: None,
                 require_key: false,
                 retention: protocol::DEFAULT_RETENTION,
                 lease: protocol::DEFAULT_LEASE,
@@ -183,6 +184,43 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// ```
     pub fn header_name(mut self, name: HeaderName) -> Self {
         self.config().header = name;
+        self
+    }
+
+    /// Takes the key from the JSON body, at the JSON Pointer `pointer`,
+    /// instead of a header: for webhook receivers, whose provider names
+    /// each event in its body (a Stripe event's `/id`) and redelivers it
+    /// until it gets a 2xx. The value must be a string that is a valid key.
+    /// A body without one is refused with `400` when the key is
+    /// [required](Self::require_key), and passes through unprotected
+    /// otherwise. Redeliveries carry new timestamps and signatures in their
+    /// headers, which the fingerprint does not read: it is the method, the
+    /// path, the query and the body, as for any request. For a provider
+    /// that names its events in a header (`webhook-id` in Standard
+    /// Webhooks, `X-GitHub-Delivery`), use [`header_name`](Self::header_name).
+    ///
+    /// # Panics
+    ///
+    /// When configured, never at run time: when `pointer` is neither empty
+    /// nor starts with `/`.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // `{"id": "evt_1", "type": "charge.succeeded", …}`: one execution per event.
+    /// let webhooks = IdempotencyLayer::new(MemoryStore::new())
+    ///     .key_from_body("/id")
+    ///     .require_key(true);
+    /// # let _ = webhooks;
+    /// ```
+    pub fn key_from_body(mut self, pointer: &str) -> Self {
+        assert!(
+            pointer.is_empty() || pointer.starts_with('/'),
+            "IdempotencyLayer::key_from_body: {pointer:?} is not a JSON Pointer (RFC 6901): start it with `/`"
+        );
+        self.config().body_key = Some(pointer.into());
         self
     }
 

@@ -86,7 +86,9 @@ impl IdempotencyOutcome {
             Self::Executed(Completion::LeaseLost) => "executed_lease_lost",
             Self::Replayed => "replayed",
             Self::Rejected(kind) => match kind {
-                RejectionKind::MissingKey => "rejected_missing_key",
+                RejectionKind::MissingKey | RejectionKind::MissingBodyKey { .. } => {
+                    "rejected_missing_key"
+                }
                 RejectionKind::InvalidKey(_) => "rejected_invalid_key",
                 RejectionKind::BodyTooLarge { .. } => "rejected_body_too_large",
                 RejectionKind::BodyUnreadable => "rejected_body_unreadable",

@@ -18,6 +18,13 @@ use crate::{
 pub enum RejectionKind {
     /// The key is required but the request has none (`400`).
     MissingKey,
+    /// The layer reads keys from the body
+    /// ([`key_from_body`](crate::IdempotencyLayer::key_from_body)), which
+    /// holds no string at `pointer` (`400`).
+    MissingBodyKey {
+        /// The JSON Pointer the key was looked for at.
+        pointer: Arc<str>,
+    },
     /// The `Idempotency-Key` header is malformed (`400`).
     InvalidKey(InvalidKey),
     /// The request body exceeds the configured limit (`413`).
@@ -128,6 +135,7 @@ impl Rejection {
     pub fn status(&self) -> StatusCode {
         match self.kind {
             RejectionKind::MissingKey
+            | RejectionKind::MissingBodyKey { .. }
             | RejectionKind::InvalidKey(_)
             | RejectionKind::BodyUnreadable => StatusCode::BAD_REQUEST,
             RejectionKind::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -165,6 +173,7 @@ impl Rejection {
     pub fn grpc_code(&self) -> GrpcCode {
         match self.kind {
             RejectionKind::MissingKey
+            | RejectionKind::MissingBodyKey { .. }
             | RejectionKind::InvalidKey(_)
             | RejectionKind::BodyUnreadable => GrpcCode::INVALID_ARGUMENT,
             RejectionKind::BodyTooLarge { .. } => GrpcCode::RESOURCE_EXHAUSTED,
@@ -193,7 +202,9 @@ impl Rejection {
     /// A stable URI naming the problem type (RFC 9457 `type`).
     pub fn problem_type(&self) -> &'static str {
         match self.kind {
-            RejectionKind::MissingKey => "urn:tower-idempotency:problem:missing-key",
+            RejectionKind::MissingKey | RejectionKind::MissingBodyKey { .. } => {
+                "urn:tower-idempotency:problem:missing-key"
+            }
             RejectionKind::InvalidKey(_) => "urn:tower-idempotency:problem:invalid-key",
             RejectionKind::BodyTooLarge { .. } => "urn:tower-idempotency:problem:body-too-large",
             RejectionKind::BodyUnreadable => "urn:tower-idempotency:problem:body-unreadable",
@@ -218,6 +229,7 @@ impl Rejection {
     pub fn title(&self) -> &'static str {
         match self.kind {
             RejectionKind::MissingKey => "Idempotency-Key required",
+            RejectionKind::MissingBodyKey { .. } => "Idempotency key required in the body",
             RejectionKind::InvalidKey(_) => "Invalid Idempotency-Key",
             RejectionKind::BodyTooLarge { .. } => "Request body too large",
             RejectionKind::BodyUnreadable => "Request body unreadable",
@@ -239,6 +251,9 @@ impl Rejection {
             RejectionKind::MissingKey => {
                 "This endpoint requires an Idempotency-Key header; send the same key on every retry of one operation.".into()
             }
+            RejectionKind::MissingBodyKey { pointer } => format!(
+                "This endpoint reads the idempotency key from the JSON body, at {pointer}: send a JSON body with a string there."
+            ),
             RejectionKind::InvalidKey(why) => format!("{why}."),
             RejectionKind::BodyTooLarge { limit } => {
                 format!("The request body exceeds the limit of {limit} bytes; nothing was stored.")

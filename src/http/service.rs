@@ -96,6 +96,8 @@ where
         let wire = Wire::of(req.headers());
         let mut values = req.headers().get_all(&config.header).iter();
         let key = match (values.next(), values.next()) {
+            // Read from the body, once it is buffered.
+            _ if config.body_key.is_some() => None,
             (None, _) if config.require_key => {
                 return self.reject(RejectionKind::MissingKey, wire);
             }
@@ -104,7 +106,7 @@ where
                 return self.reject(RejectionKind::InvalidKey(InvalidKey::Repeated), wire);
             }
             (Some(value), None) => match IdempotencyKey::from_header(value) {
-                Ok(key) => key,
+                Ok(key) => Some(key),
                 Err(why) => return self.reject(RejectionKind::InvalidKey(why), wire),
             },
         };
@@ -124,7 +126,7 @@ where
             scope,
             wire,
         };
-        let span = observe::request_span(request.key.as_str());
+        let span = observe::request_span(request.key.as_ref().map_or("", IdempotencyKey::as_str));
         let handled = keyed::handle(self.shared.clone(), inner, request);
         ResponseFuture::keyed(Box::pin(observe::recorded(span, handled)))
     }

@@ -20,6 +20,9 @@ pub(crate) struct Config {
     pub(crate) unguarded_paths: Vec<String>,
     /// The request header that carries the key.
     pub(crate) header: HeaderName,
+    /// A JSON Pointer into the body that carries the key instead (a
+    /// webhook's event id).
+    pub(crate) body_key: Option<Arc<str>>,
     pub(crate) require_key: bool,
     pub(crate) retention: Duration,
     pub(crate) lease: Duration,

@@ -31,6 +31,7 @@ macro_rules! behaviour_cases {
             missing_key_passes_through_unless_required,
             key_validation,
             quoted_key_is_the_bare_key,
+            a_webhook_is_keyed_by_its_event_id_in_the_body,
             unguarded_methods_are_untouched,
             oversized_request_is_413_and_stores_nothing,
             scopes_are_isolated,

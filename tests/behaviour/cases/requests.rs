@@ -274,3 +274,58 @@ pub async fn scope_encoding_cannot_collide<B: Backend>(b: &B) {
     assert!(!other.is_replay());
     assert_eq!(runs.get(), 2);
 }
+
+/// Webhook receivers: the key is the event's id, in the body. Redeliveries
+/// (with new signatures in their headers) replay; the same id with another
+/// body is refused; a body without an id string is `400`, or passes
+/// through when the key is optional.
+pub async fn a_webhook_is_keyed_by_its_event_id_in_the_body<B: Backend>(b: &B) {
+    use http::Method;
+    use tower_idempotency::{BypassReason, IdempotencyLayer, IdempotencyOutcome};
+
+    let event = r#"{"id":"evt_1","type":"charge.succeeded","data":{"amount":1999}}"#;
+    let delivery = |body: &str, signature: &str| {
+        let mut request = request(Method::POST, "/charges", None, body);
+        request
+            .headers_mut()
+            .insert("webhook-signature", signature.parse().unwrap());
+        request
+    };
+    let layer = IdempotencyLayer::new(b.store().await)
+        .key_from_body("/id")
+        .require_key(true);
+    let (app, runs) = app_with(layer);
+    let first = oneshot(&app, delivery(event, "v1,sig-a")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    for n in 0..3 {
+        let again = oneshot(&app, delivery(event, &format!("v1,sig-{n}"))).await;
+        assert!(again.is_replay(), "a redelivery replays");
+        assert_eq!(again.body, first.body);
+    }
+    assert_eq!(runs.get(), 1);
+    let other = r#"{"id":"evt_1","type":"charge.refunded"}"#;
+    oneshot(&app, delivery(other, "v1,sig"))
+        .await
+        .assert_problem(422);
+    for no_id in [r#"{"type":"x"}"#, r#"{"id":7}"#, "not json"] {
+        oneshot(&app, delivery(no_id, "v1,sig"))
+            .await
+            .assert_problem(400);
+    }
+    oneshot(&app, delivery(r#"{"id":"evt 2"}"#, "v1,sig"))
+        .await
+        .assert_problem(400);
+    assert_eq!(runs.get(), 1);
+
+    // The key optional: a body without one runs unprotected.
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).key_from_body("/id"));
+    for _ in 0..2 {
+        let through = oneshot(&app, delivery(r#"{"type":"x"}"#, "s")).await;
+        assert_eq!(through.status, StatusCode::CREATED);
+        assert_eq!(
+            through.outcome,
+            Some(IdempotencyOutcome::Bypassed(BypassReason::NoKey))
+        );
+    }
+    assert_eq!(runs.get(), 2);
+}
