@@ -1,0 +1,421 @@
+//! The store contract as a suite a custom store runs from its own tests
+//! (feature `testing`): claims exclude each other, a lost lease fences its
+//! holder off, heartbeats keep a claim, a completion replays and expires
+//! after its retention counted from the completion, a release frees the
+//! key, inspect and forget tell the truth, and concurrent claims grant the
+//! key once.
+//!
+//! It is for stores whose claims are leases (`type Granted = LeaseToken`),
+//! as a custom store's usually are; the crate's own lease stores (memory,
+//! Redis, the SQL stores) run it in CI.
+//!
+//! # Examples
+//!
+//! A toy store that keeps the contract, checked the way a custom store's
+//! tests would check theirs:
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use tower_idempotency::{MemoryStore, testing::StoreContract};
+//!
+//! // Any `Store<Granted = LeaseToken>`: each rule gets a fresh one.
+//! StoreContract::new(|| async { MemoryStore::new() }).assert().await;
+//! # }
+//! ```
+
+use std::{
+    fmt,
+    future::Future,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use bytes::Bytes;
+
+use crate::{
+    CompletedRecord, Fingerprint, IdempotencyKey,
+    store::{Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError},
+};
+
+/// The store contract, run against the stores `make` builds: see the
+/// [module docs](self).
+pub struct StoreContract<M> {
+    make: M,
+    inspect: bool,
+    unit: Duration,
+}
+
+/// A rule the store broke.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Violation {
+    /// The rule, as the suite names it (`claims_exclude_each_other`).
+    pub rule: &'static str,
+    /// What happened instead.
+    pub detail: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.rule, self.detail)
+    }
+}
+
+/// Every rule, in order.
+pub const RULES: &[&str] = &[
+    "claims_exclude_each_other",
+    "completion_replays_and_other_payloads_mismatch",
+    "release_frees_the_key",
+    "an_expired_lease_lets_another_claim",
+    "a_lost_lease_fences_its_holder_off",
+    "heartbeats_keep_a_claim",
+    "retention_counts_from_the_completion",
+    "inspect_and_forget_tell_the_truth",
+    "concurrent_claims_grant_the_key_once",
+];
+
+impl<M> fmt::Debug for StoreContract<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StoreContract")
+            .field("inspect", &self.inspect)
+            .field("unit", &self.unit)
+            .finish_non_exhaustive()
+    }
+}
+
+type Outcome = Result<(), String>;
+
+impl<M, Fut, St> StoreContract<M>
+where
+    M: Fn() -> Fut,
+    Fut: Future<Output = St>,
+    St: Store<Granted = LeaseToken>,
+{
+    /// The suite over the stores `make` builds (a fresh one per rule;
+    /// rules use keys of their own, so one shared store works too).
+    ///
+    /// # Examples
+    ///
+    /// See the [module docs](self).
+    pub fn new(make: M) -> Self {
+        Self {
+            make,
+            inspect: true,
+            unit: Duration::from_millis(200),
+        }
+    }
+
+    /// Skips the inspect/forget rule, for a store that leaves
+    /// [`Store::inspect`] and [`Store::forget`] unsupported (as the trait's
+    /// defaults do).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{MemoryStore, testing::StoreContract};
+    ///
+    /// let contract = StoreContract::new(|| async { MemoryStore::new() }).without_inspect();
+    /// # let _ = contract;
+    /// ```
+    pub fn without_inspect(mut self) -> Self {
+        self.inspect = false;
+        self
+    }
+
+    /// The time unit of the rules about leases and retention (default
+    /// 200 ms): leases of 2 units, waits of 3. Raise it for a store whose
+    /// clock is coarse or far away; the suite takes about 20 units.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{MemoryStore, testing::StoreContract};
+    ///
+    /// let contract = StoreContract::new(|| async { MemoryStore::new() }).time_unit(Duration::from_millis(500));
+    /// # let _ = contract;
+    /// ```
+    pub fn time_unit(mut self, unit: Duration) -> Self {
+        self.unit = unit;
+        self
+    }
+
+    /// Runs every rule; the ones the store broke.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// use tower_idempotency::{MemoryStore, testing::StoreContract};
+    ///
+    /// let broken = StoreContract::new(|| async { MemoryStore::new() }).check().await;
+    /// assert!(broken.is_empty(), "{broken:?}");
+    /// # }
+    /// ```
+    pub async fn check(&self) -> Vec<Violation> {
+        let mut broken = Vec::new();
+        for &rule in RULES {
+            if rule == "inspect_and_forget_tell_the_truth" && !self.inspect {
+                continue;
+            }
+            let store = (self.make)().await;
+            if let Err(detail) = self.rule(rule, &store).await {
+                broken.push(Violation { rule, detail });
+            }
+        }
+        broken
+    }
+
+    /// Runs every rule and panics, listing the broken ones, if any is.
+    ///
+    /// # Panics
+    ///
+    /// When the store breaks a rule.
+    ///
+    /// # Examples
+    ///
+    /// See the [module docs](self).
+    pub async fn assert(&self) {
+        let broken = self.check().await;
+        assert!(
+            broken.is_empty(),
+            "the store breaks the contract:\n{}",
+            broken
+                .iter()
+                .map(|v| format!("- {v}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+
+    async fn rule(&self, rule: &str, store: &St) -> Outcome {
+        let key = key(rule);
+        let (u, lease) = (self.unit, self.unit * 2);
+        match rule {
+            "claims_exclude_each_other" => {
+                let _first = acquire(store, &key, &FP, lease).await?;
+                expect_in_flight(store.claim(&key, &FP, lease).await, "a second claim")
+            }
+            "completion_replays_and_other_payloads_mismatch" => {
+                let mut token = acquire(store, &key, &FP, lease).await?;
+                complete(store, &key, &mut token, day()).await?;
+                match store.claim(&key, &FP, lease).await {
+                    Ok(Claim::Completed { record, .. }) if *record == self::record() => {}
+                    other => {
+                        return Err(format!(
+                            "the same payload got {}, not its record",
+                            show(&other)
+                        ));
+                    }
+                }
+                match store.claim(&key, &OTHER, lease).await {
+                    Ok(Claim::Mismatch) => Ok(()),
+                    other => Err(format!(
+                        "another payload got {}, not Mismatch",
+                        show(&other)
+                    )),
+                }
+            }
+            "release_frees_the_key" => {
+                let token = acquire(store, &key, &FP, lease).await?;
+                truthy(store.release(&key, token).await, "release by the holder")?;
+                acquire(store, &key, &FP, lease).await.map(drop)
+            }
+            "an_expired_lease_lets_another_claim" => {
+                let _crashed = acquire(store, &key, &FP, lease).await?;
+                tokio::time::sleep(u * 3).await;
+                acquire(store, &key, &FP, lease)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("after the lease ran out: {e}"))
+            }
+            "a_lost_lease_fences_its_holder_off" => {
+                let mut stale = acquire(store, &key, &FP, lease).await?;
+                tokio::time::sleep(u * 3).await;
+                let mut fresh = acquire(store, &key, &FP, lease * 5).await?;
+                falsy(
+                    store.extend(&key, stale, lease).await,
+                    "extend by the stale holder",
+                )?;
+                falsy(
+                    store
+                        .complete(&key, &mut stale, &FP, Arc::new(record()), day())
+                        .await,
+                    "complete by the stale holder",
+                )?;
+                falsy(
+                    store.release(&key, stale).await,
+                    "release by the stale holder",
+                )?;
+                complete(store, &key, &mut fresh, day()).await
+            }
+            "heartbeats_keep_a_claim" => {
+                let token = acquire(store, &key, &FP, lease).await?;
+                for _ in 0..3 {
+                    tokio::time::sleep(u).await;
+                    truthy(
+                        store.extend(&key, token, lease).await,
+                        "extend by the holder",
+                    )?;
+                }
+                expect_in_flight(
+                    store.claim(&key, &FP, lease).await,
+                    "a claim after three heartbeats, past the first lease",
+                )
+            }
+            "retention_counts_from_the_completion" => {
+                let mut token = acquire(store, &key, &FP, lease * 5).await?;
+                // Completed late in its lease: the retention starts now.
+                tokio::time::sleep(u * 3).await;
+                complete(store, &key, &mut token, u * 3).await?;
+                tokio::time::sleep(u * 2).await;
+                match store.claim(&key, &FP, lease).await {
+                    Ok(Claim::Completed { .. }) => {}
+                    other => {
+                        return Err(format!(
+                            "within its retention the record was {}",
+                            show(&other)
+                        ));
+                    }
+                }
+                tokio::time::sleep(u * 2).await;
+                acquire(store, &key, &FP, lease)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("past its retention: {e}"))
+            }
+            "inspect_and_forget_tell_the_truth" => {
+                match store.inspect(&key).await {
+                    Ok(KeyState::Absent) => {}
+                    other => return Err(format!("inspect of a new key: {other:?}")),
+                }
+                let mut token = acquire(store, &key, &FP, lease).await?;
+                match store.inspect(&key).await {
+                    Ok(KeyState::InFlight { .. }) => {}
+                    other => return Err(format!("inspect of a claim: {other:?}")),
+                }
+                match store.forget(&key, false).await {
+                    Ok(Forgotten::InFlight) => {}
+                    other => return Err(format!("forget of a claim without force: {other:?}")),
+                }
+                complete(store, &key, &mut token, day()).await?;
+                match store.inspect(&key).await {
+                    Ok(KeyState::Completed { .. }) => {}
+                    other => return Err(format!("inspect of a record: {other:?}")),
+                }
+                match store.forget(&key, false).await {
+                    Ok(Forgotten::Completed) => {}
+                    other => return Err(format!("forget of a record: {other:?}")),
+                }
+                acquire(store, &key, &FP, lease)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("after forget: {e}"))
+            }
+            "concurrent_claims_grant_the_key_once" => {
+                let claims = (0..32).map(|_| store.claim(&key, &FP, lease));
+                let claims = futures_util::future::join_all(claims).await;
+                let granted = claims
+                    .iter()
+                    .filter(|c| matches!(c, Ok(Claim::Acquired(_))))
+                    .count();
+                if let Some(Err(error)) = claims.iter().find(|c| c.is_err()) {
+                    return Err(format!("a concurrent claim failed: {error}"));
+                }
+                if granted == 1 {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "32 concurrent claims granted the key {granted} times"
+                    ))
+                }
+            }
+            _ => unreachable!("every rule is listed"),
+        }
+    }
+}
+
+const FP: Fingerprint = Fingerprint::from_bytes([7; 32]);
+const OTHER: Fingerprint = Fingerprint::from_bytes([8; 32]);
+
+fn day() -> Duration {
+    Duration::from_secs(86_400)
+}
+
+/// A key of the rule's own, new on every run.
+fn key(rule: &str) -> StorageKey {
+    let key = format!("contract-{rule}-{}", fastrand::u64(..));
+    let key = key.chars().take(255).collect::<String>();
+    StorageKey::new(
+        "tower-idempotency:contract",
+        &IdempotencyKey::new(&key).expect("a valid key"),
+    )
+}
+
+fn record() -> CompletedRecord {
+    CompletedRecord::Message {
+        result: Some(Bytes::from_static(b"{\"charged\":1999}")),
+        created_at: SystemTime::UNIX_EPOCH + Duration::from_secs(1_700_000_000),
+    }
+}
+
+async fn acquire<St: Store<Granted = LeaseToken>>(
+    store: &St,
+    key: &StorageKey,
+    fp: &Fingerprint,
+    lease: Duration,
+) -> Result<LeaseToken, String> {
+    match store.claim(key, fp, lease).await {
+        Ok(Claim::Acquired(token)) => Ok(token),
+        other => Err(format!(
+            "a claim of a free key got {}, not Acquired",
+            show(&other)
+        )),
+    }
+}
+
+async fn complete<St: Store<Granted = LeaseToken>>(
+    store: &St,
+    key: &StorageKey,
+    token: &mut LeaseToken,
+    retention: Duration,
+) -> Outcome {
+    let done = store
+        .complete(key, token, &FP, Arc::new(record()), retention)
+        .await;
+    truthy(done, "complete by the holder")
+}
+
+fn expect_in_flight(claim: Result<Claim, StoreError>, what: &str) -> Outcome {
+    match claim {
+        Ok(Claim::InFlight { .. }) => Ok(()),
+        other => Err(format!("{what} got {}, not InFlight", show(&other))),
+    }
+}
+
+fn truthy(done: Result<bool, StoreError>, what: &str) -> Outcome {
+    match done {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(format!("{what} was refused")),
+        Err(error) => Err(format!("{what} failed: {error}")),
+    }
+}
+
+fn falsy(done: Result<bool, StoreError>, what: &str) -> Outcome {
+    match done {
+        Ok(false) => Ok(()),
+        Ok(true) => Err(format!("{what} was accepted")),
+        Err(error) => Err(format!("{what} failed: {error}")),
+    }
+}
+
+fn show(claim: &Result<Claim, StoreError>) -> String {
+    match claim {
+        Ok(Claim::Acquired(_)) => "Acquired".into(),
+        Ok(Claim::InFlight { .. }) => "InFlight".into(),
+        Ok(Claim::Mismatch) => "Mismatch".into(),
+        Ok(Claim::Completed { .. }) => "Completed".into(),
+        Err(error) => format!("an error ({error})"),
+    }
+}
