@@ -215,7 +215,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
         L: DeliveryLease,
     {
-        let name = key;
+        let business_key = key;
         let key = IdempotencyKey::new(key).map_err(ProcessError::InvalidKey)?;
         let key = StorageKey::new(&self.scope, &key);
         let fingerprint = self.fingerprint.fingerprint_payload(payload);
@@ -247,7 +247,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         let outcome = {
             let work =
                 hold.run(async |granted| AssertUnwindSafe(work(granted)).catch_unwind().await);
-            delivery::keeping(broker, name, work).await
+            delivery::keeping(broker, business_key, work).await
         };
         let value = match outcome {
             Ok(Ok(value)) => value,
