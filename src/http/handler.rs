@@ -144,13 +144,15 @@ impl<T: 'static> Drop for Detached<T> {
     }
 }
 
-/// Runs the handler when the store is down and the layer fails open.
-pub(crate) async fn unprotected<S: Inner>(
+/// Runs the handler without a claim: the store is down and the layer fails
+/// open, or the body carries no key and the key is optional.
+pub(crate) async fn unclaimed<S: Inner>(
     mut inner: S,
     request: Request<Body>,
+    outcome: IdempotencyOutcome,
 ) -> Result<Answered, S::Error> {
     let response = inner.call(request).await?.map(Body::new);
-    Ok(Answered::new(response, IdempotencyOutcome::Unprotected))
+    Ok(Answered::new(response, outcome))
 }
 
 /// Runs the handler and reads its response as far as the store policy

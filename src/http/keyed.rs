@@ -87,10 +87,8 @@ where
             }
             Err(None) if !config.require_key => {
                 let request = Request::from_parts(parts, Body::from(body));
-                let mut inner = inner;
-                let response = inner.call(request).await?.map(Body::new);
                 let outcome = IdempotencyOutcome::Bypassed(BypassReason::NoKey);
-                return Ok(Answered::new(response, outcome));
+                return handler::unclaimed(inner, request, outcome).await;
             }
             Err(None) => {
                 let pointer = config.body_key.clone().unwrap_or_default();
@@ -138,7 +136,8 @@ where
                 log_outage(&shared.outage_log, &key, &error, config.fail_open);
                 if config.fail_open {
                     let request = Request::from_parts(parts, Body::from(body));
-                    return handler::unprotected(inner, request).await;
+                    return handler::unclaimed(inner, request, IdempotencyOutcome::Unprotected)
+                        .await;
                 }
                 let retry_after = config.unavailable_retry_after;
                 return Ok(shared.rejection(RejectionKind::StoreUnavailable { retry_after }, wire));
