@@ -146,12 +146,8 @@ where
 /// The caller's key, or a new one (a UUID v4) set on the request: the
 /// same on every attempt.
 fn key_of(parts: &mut Parts, config: &Config) -> String {
-    if let Some(given) = parts
-        .headers
-        .get(&config.header)
-        .and_then(|v| v.to_str().ok())
-    {
-        return given.to_owned();
+    if let Some(given) = parts.headers.get(&config.header) {
+        return String::from_utf8_lossy(given.as_bytes()).into_owned();
     }
     let key = uuid::Uuid::new_v4().to_string();
     let value = HeaderValue::from_str(&key).expect("a UUID is a header value");
