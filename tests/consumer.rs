@@ -22,7 +22,7 @@ use tower_idempotency::{
 use support::{
     amqp::TestQueue,
     backend::{Backend, Postgres, SingleRedis},
-    consumer::OrdersConsumer,
+    consumer::{CHARGES, OrdersConsumer, order},
     postgres::TestDatabase,
     relay::Relay,
     sqlite::TestFile,
@@ -215,12 +215,6 @@ async fn on_transactional_postgres_the_record_commits_with_the_work() {
 }
 
 // The example on RabbitMQ and PostgreSQL.
-
-fn order(id: &str, amount: i64) -> String {
-    format!(r#"{{"order_id":"{id}","amount":{amount},"currency":"eur"}}"#)
-}
-
-const CHARGES: &str = "SELECT count(*) FROM order_charges";
 
 async fn charges(db: &TestDatabase) -> i64 {
     db.count(CHARGES).await

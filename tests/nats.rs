@@ -8,21 +8,16 @@ mod support;
 use std::time::Duration;
 
 use support::{
-    consumer::OrdersConsumer,
+    consumer::{CHARGES, OrdersConsumer, count, order},
     nats::{NatsServer, TestStream},
     postgres::TestDatabase,
     relay::Relay,
     sqlite::TestFile,
 };
 
-const CHARGES: &str = "SELECT count(*) FROM order_charges";
 const DURABLE: &str = "orders_test";
 const IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
      AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
-
-fn order(id: &str, amount: u32) -> String {
-    format!(r#"{{"order_id":"{id}","amount":{amount},"currency":"eur"}}"#)
-}
 
 fn dead(stream: &TestStream) -> String {
     format!("{}.dead", stream.subject)
@@ -46,14 +41,6 @@ async fn consumer(
     ];
     env.extend_from_slice(extra);
     OrdersConsumer::start_example("nats_orders", &env, "receiving from ").await
-}
-
-fn count(consumers: &[&OrdersConsumer], f: impl Fn(&str) -> bool) -> usize {
-    consumers
-        .iter()
-        .flat_map(|c| c.lines())
-        .filter(|l| f(l))
-        .count()
 }
 
 /// JetStream drops a resend with the same `Nats-Msg-Id`; a resend with a

@@ -8,18 +8,12 @@ mod support;
 use std::time::Duration;
 
 use support::{
-    consumer::OrdersConsumer,
+    consumer::{CHARGES, OrdersConsumer, count, order},
     postgres::TestDatabase,
     relay::Relay,
     sqlite::TestFile,
     sqs::{SqsServer, TestQueue},
 };
-
-const CHARGES: &str = "SELECT count(*) FROM order_charges";
-
-fn order(id: &str, amount: u32) -> String {
-    format!(r#"{{"order_id":"{id}","amount":{amount},"currency":"eur"}}"#)
-}
 
 /// The consumer on `queue`, with `DATABASE_URL` and `extra` settings.
 async fn consumer(
@@ -33,14 +27,6 @@ async fn consumer(
     env.extend([("SQS_QUEUE_URL", queue.url.as_str()), ("DATABASE_URL", db)]);
     env.extend_from_slice(extra);
     OrdersConsumer::start_example("sqs_orders", &env, "receiving from ").await
-}
-
-fn count(consumers: &[&OrdersConsumer], f: impl Fn(&str) -> bool) -> usize {
-    consumers
-        .iter()
-        .flat_map(|c| c.lines())
-        .filter(|l| f(l))
-        .count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -102,3 +102,20 @@ impl Drop for OrdersConsumer {
         self.kill();
     }
 }
+
+/// The examples' charges table, one row per execution.
+pub const CHARGES: &str = "SELECT count(*) FROM order_charges";
+
+/// An order message, as the examples read them.
+pub fn order(id: &str, amount: i64) -> String {
+    format!(r#"{{"order_id":"{id}","amount":{amount},"currency":"eur"}}"#)
+}
+
+/// The lines of all `consumers` that satisfy `f`.
+pub fn count(consumers: &[&OrdersConsumer], f: impl Fn(&str) -> bool) -> usize {
+    consumers
+        .iter()
+        .flat_map(|c| c.lines())
+        .filter(|l| f(l))
+        .count()
+}
