@@ -151,6 +151,8 @@ async fn main() {
             }))
         })
     };
+    // The broker variants' keys are their own: the same store serves them.
+    let broker_store = transactional.clone();
     let pg_tx: Make = Box::new(move |round| {
         let orders = Arc::new(IdempotencyProcessor::new(transactional.clone()));
         Variant::Api(Arc::new(move |n| {
@@ -240,20 +242,8 @@ async fn main() {
     drop(redis);
 
     if number("MSG_BROKERS", 1) == 1 {
-        brokers::run(secs, rounds, &pool, transactional_pool_store(&pool).await).await;
+        brokers::run(secs, rounds, &pool, broker_store).await;
     }
-}
-
-/// A transactional store on a table of its own, for the broker variants.
-async fn transactional_pool_store(pool: &PgPool) -> tower_idempotency::PostgresTxStore {
-    let store = PostgresStore::builder()
-        .table("broker_records")
-        .transactional()
-        .with_pool(pool.clone())
-        .await
-        .unwrap();
-    store.migrate().await.unwrap();
-    store
 }
 
 mod brokers {

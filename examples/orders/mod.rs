@@ -110,34 +110,32 @@ pub async fn run<C: Consumer>(consumer: C, scope: &str, settings: Settings) {
     if url.starts_with("sqlite:") {
         let store = SqliteStore::builder()
             .transactional()
-            .transaction_timeout(bound)
-            .connect(&url)
-            .await;
-        let orders = processor(open(store).await, scope, &settings);
-        consumer.run(orders, settings).await
+            .transaction_timeout(bound);
+        start(store.connect(&url).await, consumer, scope, settings).await
     } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
         let store = MySqlStore::builder()
             .transactional()
-            .transaction_timeout(bound)
-            .connect(&url)
-            .await;
-        let orders = processor(open(store).await, scope, &settings);
-        consumer.run(orders, settings).await
+            .transaction_timeout(bound);
+        start(store.connect(&url).await, consumer, scope, settings).await
     } else {
         let store = PostgresStore::builder()
             .transactional()
-            .transaction_timeout(bound)
-            .connect(&url)
-            .await;
-        let orders = processor(open(store).await, scope, &settings);
-        consumer.run(orders, settings).await
+            .transaction_timeout(bound);
+        start(store.connect(&url).await, consumer, scope, settings).await
     }
 }
 
-fn processor<St: Ledger>(store: St, scope: &str, settings: &Settings) -> IdempotencyProcessor<St> {
-    IdempotencyProcessor::new(store)
+/// Runs `consumer` over the ledger `store` connected to.
+async fn start<St: Ledger, C: Consumer>(
+    store: Result<St, StoreError>,
+    consumer: C,
+    scope: &str,
+    settings: Settings,
+) {
+    let orders = IdempotencyProcessor::new(open(store).await)
         .scope(scope)
-        .lease(settings.lease)
+        .lease(settings.lease);
+    consumer.run(orders, settings).await
 }
 
 /// The idempotency table and `order_charges`, created if missing.
