@@ -8,7 +8,8 @@
 //! ```
 //!
 //! Environment: `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`);
-//! `QUEUE` (default `orders`, declared durable); `DATABASE_URL` (required:
+//! `QUEUE` (default `orders`, declared durable); `DEAD_LETTER_QUEUE`
+//! (default `<QUEUE>.dead`, declared durable); `DATABASE_URL` (required:
 //! `sqlite://PATH`, the file created if missing, `postgres://…` or
 //! `mysql://…`, an existing database; the tables are created if missing); `WORK_DELAY_MS`
 //! (default 0: how long the work takes after inserting its row, before its
@@ -22,27 +23,33 @@
 //! into `order_charges` (no unique constraint: a double execution would show
 //! as two rows), in the same transaction as the idempotency record. One line
 //! per delivery on stdout: `executed <order_id>`, `duplicate <order_id>`,
-//! `in-flight <order_id>` (requeued), `rejected <order_id>` (same order id,
-//! other payload), `refused <order_id>` (the database refused the order's
-//! data), `invalid <delivery tag>` (not such JSON, or an order id that is
-//! not a valid key). Rejected, refused and invalid messages are rejected
-//! without requeue (dead-lettered where the queue has a dead-letter
-//! exchange): one bad message never holds up the orders behind it. Store
-//! outages requeue the message after a back-off.
+//! `rejected <order_id>` (same order id, other payload, or work that
+//! outlived its transaction on three attempts), `refused <order_id>` (the
+//! database refused the order's data), `invalid <delivery tag>` (not such
+//! JSON, or an order id that is not a valid key).
+//!
+//! Rejected, refused and invalid messages are published to the dead-letter
+//! queue (with publisher confirms, the reason in the `x-dead-letter-reason`
+//! header), then acknowledged: one bad message never holds up the orders
+//! behind it, and none is dropped. A store outage, a busy database or a
+//! duplicate in flight elsewhere keep the delivery in hand, tried again
+//! after a back-off — never requeued, so a quorum queue's `delivery-limit`
+//! is not spent on them.
 //!
 //! Long work: RabbitMQ cannot extend a delivery (its `consumer_timeout`,
 //! 30 minutes by default, closes the channel of a consumer that holds one
 //! unacknowledged longer, and the message is redelivered). The work's
 //! transaction is bounded instead (`IDEMPOTENCY_TX_TIMEOUT_MS`, keep it well
-//! under `consumer_timeout`): work that outlives it is rolled back and
-//! requeued, and after three deliveries it is rejected (`rejected
-//! <order_id>`), with a log line naming the bound to raise. The count of
-//! deliveries is this process's own (classic queues do not count them):
-//! a restart starts it again.
+//! under `consumer_timeout`), and a delivery kept in hand through an outage
+//! is requeued after 25 minutes. Work that outlives its transaction is
+//! rolled back and tried again, and after three attempts it is
+//! dead-lettered (`rejected <order_id>`), with a log line naming the bound
+//! to raise.
 //!
 //! The process exits with status 2 and a message when the broker ends the
 //! consumer (the queue deleted, a connection forced closed), so a
-//! supervisor restarts it.
+//! supervisor restarts it; on SIGTERM it finishes the delivery in hand,
+//! requeues it at once if it waits between attempts, and exits 0.
 //!
 //! Try it (with `rabbitmqadmin`, or any AMQP client):
 //!
@@ -53,19 +60,22 @@
 //! sqlite3 orders.db 'SELECT * FROM order_charges'   # one row
 //! ```
 
-use std::{collections::HashMap, time::Duration};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::{
-    Connection, ConnectionProperties,
+    BasicProperties, Channel, Connection, ConnectionProperties,
     message::Delivery,
     options::{
-        BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
-        BasicRejectOptions, QueueDeclareOptions,
+        BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
+        BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
     },
-    types::FieldTable,
+    types::{AMQPValue, FieldTable, LongString, ShortString},
 };
-use tower_idempotency::message::{Disposition, IdempotencyProcessor};
+use tokio::signal::unix::{SignalKind, signal};
+use tower_idempotency::message::{
+    DeadLetterReason, DeliveryBudget, Disposition, IdempotencyProcessor, NoHold,
+};
 
 #[path = "orders/mod.rs"]
 mod orders;
@@ -79,16 +89,30 @@ async fn main() {
     let amqp_url = std::env::var("AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
     let queue = std::env::var("QUEUE").unwrap_or_else(|_| "orders".into());
-    orders::run(Rabbit { amqp_url, queue }, "orders_consumer", settings).await
+    let dead_letters =
+        std::env::var("DEAD_LETTER_QUEUE").unwrap_or_else(|_| format!("{queue}.dead"));
+    let rabbit = Rabbit {
+        amqp_url,
+        queue,
+        dead_letters,
+    };
+    orders::run(rabbit, "orders_consumer", settings).await
 }
 
 struct Rabbit {
     amqp_url: String,
     queue: String,
+    dead_letters: String,
 }
 
 impl orders::Consumer for Rabbit {
-    /// Consumes the queue until the broker ends it.
+    /// Given back well before `consumer_timeout` (30 minutes by default)
+    /// would close the channel.
+    fn budget(&self) -> DeliveryBudget {
+        DeliveryBudget::new().give_back_after(Duration::from_secs(25 * 60))
+    }
+
+    /// Consumes the queue until the broker ends it, or SIGTERM.
     async fn run<St: Ledger>(self, orders: IdempotencyProcessor<St>, settings: Settings) {
         let connection = Connection::connect(&self.amqp_url, ConnectionProperties::default())
             .await
@@ -102,14 +126,25 @@ impl orders::Consumer for Rabbit {
             .basic_qos(1, BasicQosOptions::default())
             .await
             .unwrap_or_else(|e| exit_with(&format!("basic_qos: {e}")));
-        channel
-            .queue_declare(
-                self.queue.as_str().into(),
-                QueueDeclareOptions::durable(),
-                FieldTable::default(),
-            )
+        for queue in [&self.queue, &self.dead_letters] {
+            channel
+                .queue_declare(
+                    queue.as_str().into(),
+                    QueueDeclareOptions::durable(),
+                    FieldTable::default(),
+                )
+                .await
+                .unwrap_or_else(|e| exit_with(&format!("declaring queue {queue}: {e}")));
+        }
+        // Dead letters are published with confirms, on a channel of their own.
+        let dead_letters = connection
+            .create_channel()
             .await
-            .unwrap_or_else(|e| exit_with(&format!("declaring queue {}: {e}", self.queue)));
+            .unwrap_or_else(|e| exit_with(&format!("opening a channel: {e}")));
+        dead_letters
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap_or_else(|e| exit_with(&format!("confirm_select: {e}")));
         let mut deliveries = channel
             .basic_consume(
                 self.queue.as_str().into(),
@@ -121,58 +156,132 @@ impl orders::Consumer for Rabbit {
             .unwrap_or_else(|e| exit_with(&format!("consuming {}: {e}", self.queue)));
         println!("consuming {}", self.queue);
 
-        // Deliveries of each message not yet settled for good, by body.
-        let mut seen: HashMap<Vec<u8>, u32> = HashMap::new();
-        while let Some(delivery) = deliveries.next().await {
+        let mut term = signal(SignalKind::terminate())
+            .unwrap_or_else(|e| exit_with(&format!("listening for SIGTERM: {e}")));
+        tokio::spawn({
+            let orders = orders.clone();
+            async move {
+                term.recv().await;
+                orders.drain();
+            }
+        });
+        let mut draining = std::pin::pin!(async {
+            while !orders.is_draining() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        loop {
+            let delivery = tokio::select! {
+                delivery = deliveries.next() => delivery,
+                () = &mut draining => break,
+            };
             match delivery {
-                Ok(delivery) => {
-                    if let Err(e) = handle(&orders, &settings, &mut seen, delivery).await {
+                Some(Ok(delivery)) => {
+                    let handled = handle(&orders, &settings, &dead_letters, &self, delivery).await;
+                    if let Err(e) = handled {
                         tracing::error!(error = %e, "the broker failed an acknowledgement");
                     }
                 }
-                Err(e) => exit_with(&format!("the broker connection failed: {e}")),
+                Some(Err(e)) => exit_with(&format!("the broker connection failed: {e}")),
+                // The broker cancelled the consumer: a supervisor must see a failure.
+                None => exit_with(&format!(
+                    "the broker ended the consumer of {} (queue deleted or consumer cancelled)",
+                    self.queue
+                )),
             }
         }
-        // The broker cancelled the consumer: a supervisor must see a failure.
-        exit_with(&format!(
-            "the broker ended the consumer of {} (queue deleted or consumer cancelled)",
-            self.queue
-        ))
+        // Unacknowledged deliveries go back to the queue with the channel.
+        let _ = channel.close(200, "SIGTERM".into()).await;
+        eprintln!("orders_consumer: SIGTERM: stopped consuming, the delivery in hand done");
     }
 }
 
-/// Processes one delivery and answers the broker: ack, requeue or reject.
+/// Settles one delivery and answers the broker: ack, requeue, or dead-letter
+/// then ack.
 async fn handle<St: Ledger>(
     orders: &IdempotencyProcessor<St>,
     settings: &Settings,
-    seen: &mut HashMap<Vec<u8>, u32>,
+    dead_letters: &Channel,
+    rabbit: &Rabbit,
     delivery: Delivery,
 ) -> Result<(), lapin::Error> {
-    let count = seen.entry(delivery.data.clone()).or_default();
-    *count += 1;
-    // RabbitMQ cannot extend a delivery: no hold to keep.
-    let hold = tower_idempotency::message::extend_every(Duration::MAX, || async { Ok(()) });
-    let handled = orders::handle(orders, settings, &delivery.data, *count, &hold).await;
-    if !matches!(handled.disposition, Disposition::Retry { .. }) {
-        seen.remove(&delivery.data);
-    }
-    // Each returns whether the delivery was still unsettled, which it is.
-    let _ = match handled.disposition {
-        Disposition::Ack => delivery.ack(BasicAckOptions::default()).await,
+    // RabbitMQ cannot extend a delivery: no hold to keep. Classic queues
+    // have no delivery limit; nothing here spends a quorum queue's.
+    let handled = orders::handle(orders, settings, &delivery.data, &NoHold, false).await;
+    match &handled.disposition {
+        Disposition::Ack => {
+            delivery.ack(BasicAckOptions::default()).await?;
+        }
         Disposition::Retry { after } => {
-            tokio::time::sleep(after).await;
+            tokio::time::sleep(*after).await;
             let requeue = BasicNackOptions {
                 requeue: true,
                 multiple: false,
             };
-            delivery.nack(requeue).await
+            delivery.nack(requeue).await?;
         }
-        Disposition::DeadLetter => delivery.reject(BasicRejectOptions { requeue: false }).await,
-    }?;
+        Disposition::DeadLetter(reason) => {
+            match dead_letter(dead_letters, &rabbit.dead_letters, &delivery, reason).await {
+                Ok(()) => {
+                    delivery.ack(BasicAckOptions::default()).await?;
+                }
+                Err(error) => {
+                    // Not acknowledged: it comes back and is moved then.
+                    tracing::error!(%error, queue = %rabbit.dead_letters, "the dead-letter publish failed; requeued");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    let requeue = BasicNackOptions {
+                        requeue: true,
+                        multiple: false,
+                    };
+                    delivery.nack(requeue).await?;
+                }
+            }
+        }
+    }
     if handled.invalid {
         say(&format!("invalid {}", delivery.delivery_tag));
     } else if let Some(line) = handled.line {
         say(&line);
     }
     Ok(())
+}
+
+/// Publishes the message to the dead-letter queue, persistent, with its
+/// reason, and waits for the broker's confirm.
+async fn dead_letter(
+    channel: &Channel,
+    queue: &str,
+    delivery: &Delivery,
+    reason: &DeadLetterReason,
+) -> Result<(), String> {
+    let mut headers = FieldTable::default();
+    let text = |s: String| AMQPValue::LongString(LongString::from(s));
+    headers.insert(
+        ShortString::from("x-dead-letter-reason"),
+        text(reason.to_string()),
+    );
+    headers.insert(
+        ShortString::from("x-dead-letter-kind"),
+        text(reason.kind().to_owned()),
+    );
+    let properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_headers(headers);
+    let confirm = channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            &delivery.data,
+            properties,
+        )
+        .await
+        .map_err(|e| e.to_string())?
+        .await
+        .map_err(|e| e.to_string())?;
+    if confirm.is_ack() {
+        Ok(())
+    } else {
+        Err("the broker refused the dead letter".into())
+    }
 }

@@ -33,19 +33,30 @@
 //! handed to a second consumer mid-work. Then:
 //!
 //! - executed or a duplicate: deleted (`DeleteMessageBatch`);
-//! - in flight elsewhere, the database unavailable: left in the queue,
-//!   visible again after a short back-off;
+//! - in flight elsewhere, the database unavailable or busy: kept in hand
+//!   and tried again after a back-off, its visibility extended all the
+//!   while — never received again, so the queue's `maxReceiveCount` is not
+//!   spent on an outage;
 //! - never able to succeed (not a valid order: `invalid <message id>`; the
 //!   same order id with another payload, or work that outlived its
-//!   transaction on three deliveries: `rejected <order_id>`): sent at once
-//!   to the dead-letter queue the queue's `RedrivePolicy` names, and
-//!   deleted; a queue without one deletes it, and the line is logged.
+//!   transaction on three attempts: `rejected <order_id>`; data the
+//!   database refuses: `refused <order_id>`): sent at once to the
+//!   dead-letter queue the queue's `RedrivePolicy` names, with the reason
+//!   as the `DeadLetterReason` message attribute, and deleted. A queue
+//!   without a `RedrivePolicy` keeps it: it is left invisible for 12 hours
+//!   and logged as an error each time it comes back — never deleted;
+//! - still undecided on its last receive (`maxReceiveCount`, reached only
+//!   through crashes and shutdowns) when it must be given back:
+//!   dead-lettered as `undecided <order_id>`, so that SQS never moves it
+//!   without a reason.
 //!
 //! One line per message on stdout: `receiving from <queue url>` first, then
-//! `executed|duplicate|in-flight|rejected|refused <order_id>` or `invalid
+//! `executed|duplicate|rejected|refused|undecided <order_id>` or `invalid
 //! <message id>`. It exits with status 2, naming the queue, when the queue
-//! no longer exists; on SIGTERM it stops receiving, finishes and deletes the
-//! messages in hand, and exits 0.
+//! no longer exists; on SIGTERM it stops receiving (a receive in flight is
+//! awaited, at most 20 s, and what it brings is handed back at once),
+//! finishes the work in hand and deletes it, hands back at once whatever is
+//! waiting between attempts, and exits 0.
 
 use std::{collections::BTreeMap, time::Duration};
 
@@ -53,12 +64,15 @@ use aws_sdk_sqs::{
     Client,
     error::ProvideErrorMetadata,
     types::{
-        DeleteMessageBatchRequestEntry, Message, MessageSystemAttributeName, QueueAttributeName,
+        DeleteMessageBatchRequestEntry, Message, MessageAttributeValue, MessageSystemAttributeName,
+        QueueAttributeName,
     },
 };
 use futures_util::future::join_all;
 use tokio::signal::unix::{SignalKind, signal};
-use tower_idempotency::message::{Disposition, IdempotencyProcessor, extend_every};
+use tower_idempotency::message::{
+    DeadLetterReason, DeliveryBudget, Disposition, IdempotencyProcessor, extend_every,
+};
 
 #[path = "orders/mod.rs"]
 mod orders;
@@ -78,13 +92,18 @@ async fn main() {
     orders::run(Sqs { client, queue }, "sqs_orders", settings).await
 }
 
+/// The longest a message may stay invisible: SQS ends a message's
+/// visibility 12 hours after it was received.
+const MAX_VISIBILITY: Duration = Duration::from_secs(12 * 3600);
+
 /// The queue as its attributes describe it.
 struct Queue {
     url: String,
     visibility: Duration,
     fifo: bool,
-    /// The dead-letter queue its `RedrivePolicy` names.
-    dead_letters: Option<String>,
+    /// The dead-letter queue its `RedrivePolicy` names, and after how many
+    /// receives SQS moves a message there.
+    dead_letters: Option<(String, u32)>,
 }
 
 impl Queue {
@@ -124,17 +143,28 @@ impl Queue {
 }
 
 /// The URL of the queue a `RedrivePolicy` names (by its ARN,
-/// `arn:aws:sqs:REGION:ACCOUNT:NAME`).
-async fn dead_letter_url(client: &Client, url: &str, policy: &str) -> String {
-    let arn = serde_json::from_str::<serde_json::Value>(policy)
-        .ok()
-        .and_then(|p| p["deadLetterTargetArn"].as_str().map(str::to_owned))
-        .unwrap_or_else(|| exit_with(&format!("queue {url}: unreadable RedrivePolicy {policy}")));
+/// `arn:aws:sqs:REGION:ACCOUNT:NAME`), and its `maxReceiveCount`.
+async fn dead_letter_url(client: &Client, url: &str, policy: &str) -> (String, u32) {
+    let unreadable = format!("queue {url}: unreadable RedrivePolicy {policy}");
+    let policy_json = serde_json::from_str::<serde_json::Value>(policy)
+        .unwrap_or_else(|_| exit_with(&unreadable));
+    let arn = policy_json["deadLetterTargetArn"]
+        .as_str()
+        .map(str::to_owned)
+        .unwrap_or_else(|| exit_with(&unreadable));
+    // A number, or a number in a string.
+    let max_receives = match &policy_json["maxReceiveCount"] {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::String(s) => s.parse().ok(),
+        _ => None,
+    }
+    .and_then(|n| u32::try_from(n).ok())
+    .unwrap_or_else(|| exit_with(&unreadable));
     let parts: Vec<&str> = arn.split(':').collect();
     let [.., account, name] = parts[..] else {
         exit_with(&format!("queue {url}: unreadable dead-letter ARN {arn}"))
     };
-    client
+    let dead = client
         .get_queue_url()
         .queue_name(name)
         .queue_owner_aws_account_id(account)
@@ -147,7 +177,8 @@ async fn dead_letter_url(client: &Client, url: &str, policy: &str) -> String {
             ))
         })
         .queue_url
-        .unwrap_or_else(|| exit_with(&format!("queue {url}: no URL for {arn}")))
+        .unwrap_or_else(|| exit_with(&format!("queue {url}: no URL for {arn}")));
+    (dead, max_receives)
 }
 
 struct Sqs {
@@ -156,13 +187,27 @@ struct Sqs {
 }
 
 impl orders::Consumer for Sqs {
+    /// Kept in hand at most until half an hour before SQS would end the
+    /// message's visibility anyway.
+    fn budget(&self) -> DeliveryBudget {
+        DeliveryBudget::new().give_back_after(MAX_VISIBILITY - Duration::from_secs(1800))
+    }
+
     /// Receives until SIGTERM, or until the queue is gone.
     async fn run<St: Ledger>(self, orders: IdempotencyProcessor<St>, settings: Settings) {
         let mut term = signal(SignalKind::terminate())
             .unwrap_or_else(|e| exit_with(&format!("listening for SIGTERM: {e}")));
+        // SIGTERM drains: what waits between attempts goes back at once.
+        tokio::spawn({
+            let orders = orders.clone();
+            async move {
+                term.recv().await;
+                orders.drain();
+            }
+        });
         let mut announced = false;
         let mut outage = 0u32;
-        loop {
+        while !orders.is_draining() {
             let receive = self
                 .client
                 .receive_message()
@@ -176,11 +221,8 @@ impl orders::Consumer for Sqs {
                 say(&format!("receiving from {}", self.queue.url));
                 announced = true;
             }
-            let received = tokio::select! {
-                // Nothing in hand: stop at once.
-                _ = term.recv() => break,
-                received = receive => received,
-            };
+            // Never dropped halfway: SQS may have handed its messages out.
+            let received = receive.await;
             let messages = match received {
                 Ok(out) => {
                     outage = 0;
@@ -198,6 +240,13 @@ impl orders::Consumer for Sqs {
                     continue;
                 }
             };
+            if orders.is_draining() {
+                // Received after SIGTERM: handed back at once, not started.
+                for message in &messages {
+                    self.retry_later(message, Duration::ZERO).await;
+                }
+                break;
+            }
             self.batch(&orders, &settings, messages).await;
         }
         eprintln!("sqs_orders: SIGTERM: stopped receiving, the messages in hand done");
@@ -270,15 +319,24 @@ impl Sqs {
                     }
                     held_back = Some(after);
                 }
-                Disposition::DeadLetter => match self.dead_letter(&message).await {
-                    Ok(()) => settled.push((message, line)),
-                    Err(error) => {
-                        // Not deleted: it comes back and is moved then.
-                        tracing::error!(%error, "the dead-letter queue refused the message; retried later");
-                        held_back = Some(Duration::from_secs(1));
-                        self.retry_later(&message, Duration::from_secs(1)).await;
+                Disposition::DeadLetter(reason) => {
+                    match self.dead_letter(&message, &reason).await {
+                        Ok(true) => settled.push((message, line)),
+                        Ok(false) => {
+                            // Kept: out of sight for as long as SQS allows.
+                            if let Some(line) = line {
+                                say(&line);
+                            }
+                            self.retry_later(&message, MAX_VISIBILITY).await;
+                        }
+                        Err(error) => {
+                            // Not deleted: it comes back and is moved then.
+                            tracing::error!(%error, "the dead-letter queue refused the message; retried later");
+                            held_back = Some(Duration::from_secs(1));
+                            self.retry_later(&message, Duration::from_secs(1)).await;
+                        }
                     }
-                },
+                }
             }
         }
         settled
@@ -291,9 +349,15 @@ impl Sqs {
         settings: &Settings,
         message: &Message,
     ) -> Handled {
-        let delivery = attribute(message, MessageSystemAttributeName::ApproximateReceiveCount)
+        let receives: u32 = attribute(message, MessageSystemAttributeName::ApproximateReceiveCount)
             .and_then(|n| n.parse().ok())
             .unwrap_or(1);
+        // SQS moves it to the dead-letter queue on the receive after this.
+        let last = self
+            .queue
+            .dead_letters
+            .as_ref()
+            .is_some_and(|(_, max_receives)| receives >= *max_receives);
         let receipt = message.receipt_handle().unwrap_or_default();
         let visibility = self.queue.visibility_secs();
         let hold = extend_every(
@@ -310,12 +374,12 @@ impl Sqs {
             },
         );
         let body = message.body().unwrap_or_default();
-        orders::handle(orders, settings, body.as_bytes(), delivery, &hold).await
+        orders::handle(orders, settings, body.as_bytes(), &hold, last).await
     }
 
     /// Left in the queue, visible again after `after` (whole seconds).
     async fn retry_later(&self, message: &Message, after: Duration) {
-        let seconds = after.as_secs_f64().ceil() as i32;
+        let seconds = (after.as_secs_f64().ceil() as i32).min(43_200);
         let changed = self
             .client
             .change_message_visibility()
@@ -333,26 +397,39 @@ impl Sqs {
         }
     }
 
-    /// Sent to the dead-letter queue (the caller deletes it from this one);
-    /// without one, only logged.
-    async fn dead_letter(&self, message: &Message) -> Result<(), String> {
+    /// Sent to the dead-letter queue with its reason (`true`: the caller
+    /// deletes it from this one); without one, kept (`false`) and logged.
+    async fn dead_letter(
+        &self,
+        message: &Message,
+        reason: &DeadLetterReason,
+    ) -> Result<bool, String> {
         let id = message.message_id().unwrap_or("?");
-        let Some(dead) = &self.queue.dead_letters else {
-            tracing::warn!(message = id, queue = %self.queue.url, "no dead-letter queue (RedrivePolicy): the message is deleted");
-            return Ok(());
+        let Some((dead, _)) = &self.queue.dead_letters else {
+            tracing::error!(message = id, queue = %self.queue.url, %reason, "a message that can never succeed has no dead-letter queue (no RedrivePolicy): kept in the queue, invisible for 12 hours; give the queue a RedrivePolicy");
+            return Ok(false);
+        };
+        let text = |value: String| {
+            MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(value)
+                .build()
+                .expect("a data type")
         };
         let mut send = self
             .client
             .send_message()
             .queue_url(dead)
-            .set_message_body(message.body().map(str::to_owned));
+            .set_message_body(message.body().map(str::to_owned))
+            .message_attributes("DeadLetterReason", text(reason.to_string()))
+            .message_attributes("DeadLetterKind", text(reason.kind().to_owned()));
         if self.queue.fifo {
             let group =
                 attribute(message, MessageSystemAttributeName::MessageGroupId).unwrap_or("dead");
             send = send.message_group_id(group).message_deduplication_id(id);
         }
         send.send().await.map_err(|e| describe(&e))?;
-        Ok(())
+        Ok(true)
     }
 
     /// Deletes what is settled, up to 10 per request.

@@ -20,6 +20,9 @@ pub(crate) mod names {
     /// Histogram, label `operation` (`claim`, `extend`, `complete`,
     /// `release`): store latency in seconds.
     pub(crate) const STORE_SECONDS: &str = "idempotency_store_duration_seconds";
+    /// Counter, labels `disposition` (`ack`, `retry`, `dead_letter`) and
+    /// `reason` (a dead letter's, else empty): settled deliveries.
+    pub(crate) const MESSAGE_DISPOSITIONS: &str = "idempotency_message_dispositions_total";
     /// Counter: HTTP requests the client layer sent.
     pub(crate) const CLIENT_ATTEMPTS: &str = "idempotency_client_attempts_total";
     /// Counter, label `reason`: attempts the client layer retried.
@@ -68,6 +71,16 @@ pub(crate) fn cache_lookup(result: &'static str) {
         .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = result;
+}
+
+/// A delivery settled: `ack`, `retry` or `dead_letter`, with a dead
+/// letter's reason (else empty).
+pub(crate) fn message_settled(disposition: &'static str, reason: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(names::MESSAGE_DISPOSITIONS, "disposition" => disposition, "reason" => reason)
+        .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (disposition, reason);
 }
 
 /// Times one store operation.

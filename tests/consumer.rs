@@ -13,8 +13,11 @@ use std::{
 };
 
 use tower_idempotency::{
-    MemoryStore, PostgresStore, PostgresTx,
-    message::{IdempotencyProcessor, ProcessError, ProcessOutcome},
+    MemoryStore, PostgresStore, PostgresTx, PostgresTxStore, SqliteStore, SqliteTx,
+    message::{
+        DeadLetterReason, Delivery, DeliveryBudget, Disposition, IdempotencyProcessor,
+        ProcessError, ProcessOutcome, extend_every,
+    },
     sqlx,
     store::Store,
 };
@@ -22,7 +25,8 @@ use tower_idempotency::{
 use support::{
     amqp::TestQueue,
     backend::{Backend, Postgres, SingleRedis},
-    consumer::{CHARGES, OrdersConsumer, order},
+    consumer::{CHARGES, OrdersConsumer, count, order},
+    payments::Payments,
     postgres::TestDatabase,
     relay::Relay,
     sqlite::TestFile,
@@ -214,6 +218,309 @@ async fn on_transactional_postgres_the_record_commits_with_the_work() {
     assert_eq!(rows().await, 1);
 }
 
+// Settling a delivery: what can pass is retried in hand, only what can
+// never succeed is dead-lettered, and nothing is dropped.
+
+/// A budget that backs off quickly, for tests.
+fn quick() -> DeliveryBudget {
+    DeliveryBudget::new().backoff_between(Duration::from_millis(50), Duration::from_millis(200))
+}
+
+/// A transactional PostgreSQL store with `order_charges`, reached through
+/// `relay` (if any), its transactions bounded by `bound`.
+async fn ledger(db: &TestDatabase, relay: Option<&Relay>, bound: Duration) -> PostgresTxStore {
+    let direct = PostgresStore::builder()
+        .transactional()
+        .connect(db.url())
+        .await
+        .unwrap();
+    direct.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE order_charges (order_id text, amount bigint)")
+        .execute(direct.pool())
+        .await
+        .unwrap();
+    let url = relay.map_or_else(|| db.url().to_owned(), |r| db.url_via(r.port()));
+    PostgresStore::builder()
+        .transactional()
+        .transaction_timeout(bound)
+        .connect(&url)
+        .await
+        .unwrap()
+}
+
+/// Inserts the order's charge, sleeping `delays[n]` (then the last) on the
+/// n-th call before its commit; counts its calls.
+fn charging(
+    calls: &Runs,
+    delays: &'static [u64],
+) -> impl AsyncFnMut(&mut PostgresTx) -> Result<String, sqlx::Error> {
+    let calls = calls.clone();
+    async move |tx: &mut PostgresTx| {
+        let n = calls.fetch_add(1, Ordering::SeqCst);
+        sqlx::query("INSERT INTO order_charges VALUES ('order-1', 500)")
+            .execute(&mut **tx)
+            .await?;
+        let delay = delays.get(n).or(delays.last()).copied().unwrap_or(0);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        Ok("charged".to_owned())
+    }
+}
+
+/// The database away for a while, then one attempt that outlives its
+/// transaction: neither spends the delivery. The delivery is kept in hand —
+/// its hold extended all the while — and the order is charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_then_one_timed_out_attempt_is_retried_in_hand_and_charged_once() {
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let store = ledger(&db, Some(&relay), Duration::from_millis(400)).await;
+    let orders = IdempotencyProcessor::new(store).budget(quick());
+    let extended = Runs::default();
+    let hold = extend_every(Duration::from_millis(100), || async {
+        extended.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    });
+    let calls = Runs::default();
+    relay.cut();
+    let restore = async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        relay.restore();
+    };
+    let delivery = Delivery::new("order-1", ORDER).held_by(&hold);
+    // The first attempt that reaches the database outlives its bound.
+    let settling = orders.settle(delivery, charging(&calls, &[1500, 0]), |_| true);
+    let (settled, ()) = tokio::join!(settling, restore);
+    assert_eq!(settled.disposition, Disposition::Ack, "{settled:?}");
+    assert!(matches!(settled.outcome, Ok(ProcessOutcome::Executed(_))));
+    assert!(
+        settled.attempts >= 4,
+        "the outage took attempts: {settled:?}"
+    );
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        2,
+        "one timed out, one committed"
+    );
+    assert!(
+        extended.load(Ordering::SeqCst) >= 15,
+        "the hold was kept through the waits"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM order_charges").await, 1);
+}
+
+/// Work that always outlives its transaction can never commit: after the
+/// budget's attempts it is dead-lettered, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_that_outlives_its_bound_on_every_attempt_is_dead_lettered_as_timed_out() {
+    let db = TestDatabase::create();
+    let store = ledger(&db, None, Duration::from_millis(300)).await;
+    let orders = IdempotencyProcessor::new(store).budget(quick().timed_out_attempts(2));
+    let calls = Runs::default();
+    let settled = orders
+        .settle(
+            Delivery::new("order-1", ORDER),
+            charging(&calls, &[800]),
+            |_| true,
+        )
+        .await;
+    assert!(
+        matches!(
+            &settled.disposition,
+            Disposition::DeadLetter(DeadLetterReason::TimedOut { attempts: 2, bound })
+                if *bound == Duration::from_millis(300)
+        ),
+        "{settled:?}"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(db.count("SELECT count(*) FROM order_charges").await, 0);
+}
+
+/// A producer's resend while the first delivery's long work runs waits in
+/// hand, then acknowledges as a duplicate: never run, never dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_in_flight_waits_in_hand_and_is_acknowledged_as_a_duplicate() {
+    let db = TestDatabase::create();
+    let store = ledger(&db, None, Duration::from_secs(10)).await;
+    let orders = IdempotencyProcessor::new(store).budget(quick());
+    let (first_calls, second_calls) = (Runs::default(), Runs::default());
+    let first = orders.settle(
+        Delivery::new("order-1", ORDER),
+        charging(&first_calls, &[1500]),
+        |_| true,
+    );
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        orders
+            .settle(
+                Delivery::new("order-1", ORDER).last(true),
+                charging(&second_calls, &[0]),
+                |_| true,
+            )
+            .await
+    };
+    let (first, second) = tokio::join!(first, second);
+    assert_eq!(first.disposition, Disposition::Ack);
+    assert_eq!(second.disposition, Disposition::Ack, "{second:?}");
+    assert!(matches!(second.outcome, Ok(ProcessOutcome::Duplicate(_))));
+    assert!(second.attempts > 1, "it waited: {second:?}");
+    assert_eq!(second_calls.load(Ordering::SeqCst), 0);
+    assert_eq!(db.count("SELECT count(*) FROM order_charges").await, 1);
+}
+
+/// Draining gives a delivery waiting between attempts back at once; on the
+/// broker's last delivery it is dead-lettered as undecided instead, never
+/// left for the broker to drop. A budget that gives back after a while
+/// does so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecided_delivery_goes_back_on_drain_or_budget_and_is_never_dropped_on_its_last() {
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let store = ledger(&db, Some(&relay), Duration::from_secs(10)).await;
+    relay.cut();
+    let calls = Runs::default();
+
+    let kept = IdempotencyProcessor::new(store.clone())
+        .budget(quick().give_back_after(Duration::from_millis(700)));
+    let started = std::time::Instant::now();
+    let settled = kept
+        .settle(
+            Delivery::new("order-1", ORDER),
+            charging(&calls, &[0]),
+            |_| true,
+        )
+        .await;
+    assert!(
+        matches!(settled.disposition, Disposition::Retry { after } if after > Duration::ZERO),
+        "{settled:?}"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(700));
+    assert!(matches!(settled.outcome, Err(ProcessError::Unavailable(_))));
+
+    let orders = IdempotencyProcessor::new(store).budget(quick());
+    for last in [false, true] {
+        let settling = orders.settle(
+            Delivery::new("order-1", ORDER).last(last),
+            charging(&calls, &[0]),
+            |_| true,
+        );
+        let drain = async {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            orders.drain();
+            std::time::Instant::now()
+        };
+        let (settled, drained_at) = tokio::join!(settling, drain);
+        assert!(drained_at.elapsed() < Duration::from_millis(400), "at once");
+        if last {
+            assert!(
+                matches!(
+                    &settled.disposition,
+                    Disposition::DeadLetter(DeadLetterReason::Undecided(_))
+                ),
+                "{settled:?}"
+            );
+        } else {
+            assert_eq!(
+                settled.disposition,
+                Disposition::Retry {
+                    after: Duration::ZERO
+                }
+            );
+        }
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "never ran");
+    relay.restore();
+    assert_eq!(db.count("SELECT count(*) FROM order_charges").await, 0);
+}
+
+/// What can never succeed is dead-lettered at once, with a reason that is
+/// true: the key reused with another payload, a work error judged
+/// permanent.
+#[tokio::test]
+async fn only_what_can_never_succeed_is_dead_lettered_with_its_reason() {
+    let orders = IdempotencyProcessor::new(MemoryStore::new());
+    let runs = Runs::default();
+    let declined = orders
+        .settle(
+            Delivery::new("order-1", ORDER),
+            async |_: &mut _| Err::<String, _>("card declined".to_owned()),
+            |_| false,
+        )
+        .await;
+    assert_eq!(
+        declined.disposition,
+        Disposition::DeadLetter(DeadLetterReason::Work("card declined".into()))
+    );
+    assert_eq!(declined.attempts, 1);
+    let settled = orders
+        .settle(
+            Delivery::new("order-1", ORDER),
+            async |_: &mut _| Ok::<_, String>(runs.fetch_add(1, Ordering::SeqCst)),
+            |_| true,
+        )
+        .await;
+    assert_eq!(settled.disposition, Disposition::Ack);
+    let other = br#"{"order_id":"order-1","amount":900,"currency":"eur"}"#;
+    let reused = orders
+        .settle(
+            Delivery::new("order-1", other),
+            async |_: &mut _| Ok::<_, String>(runs.fetch_add(1, Ordering::SeqCst)),
+            |_| true,
+        )
+        .await;
+    assert_eq!(
+        reused.disposition,
+        Disposition::DeadLetter(DeadLetterReason::Mismatch)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// One SQLite file takes one writer at a time: deliveries of one consumer
+/// wait their turn in line instead of timing out into retries — each is
+/// settled on its first attempt, however long the others' work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_a_consumers_deliveries_wait_their_turn_instead_of_timing_out() {
+    let file = TestFile::create();
+    let store = SqliteStore::builder()
+        .transactional()
+        .command_timeout(Duration::from_millis(200))
+        .connect(&file.url())
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    sqlx::raw_sql("CREATE TABLE order_charges (order_id TEXT)")
+        .execute(store.pool())
+        .await
+        .unwrap();
+    let orders = IdempotencyProcessor::new(store).budget(quick());
+    let ids: Vec<String> = (1..=4).map(|i| format!("order-{i}")).collect();
+    let settles = ids.iter().map(|id| {
+        let orders = &orders;
+        async move {
+            orders
+                .settle(
+                    Delivery::new(id, id.as_bytes()),
+                    async |tx: &mut SqliteTx| {
+                        sqlx::query("INSERT INTO order_charges VALUES (?1)")
+                            .bind(id)
+                            .execute(&mut **tx)
+                            .await?;
+                        // Longer than the store's command timeout.
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                        Ok::<_, sqlx::Error>(())
+                    },
+                    |_| true,
+                )
+                .await
+        }
+    });
+    let settled = futures_util::future::join_all(settles).await;
+    for settled in &settled {
+        assert_eq!(settled.disposition, Disposition::Ack, "{settled:?}");
+        assert_eq!(settled.attempts, 1, "waited in line: {settled:?}");
+    }
+    assert_eq!(file.count("SELECT count(*) FROM order_charges").await, 4);
+}
+
 // The example on RabbitMQ and PostgreSQL.
 
 async fn charges(db: &TestDatabase) -> i64 {
@@ -403,7 +710,17 @@ async fn one_malformed_order_never_holds_up_the_orders_behind_it() {
     assert_eq!(
         lines.iter().filter(|l| l.starts_with("invalid ")).count(),
         5,
-        "each invalid order (a NUL in its text included) rejected once: {lines:?}"
+        "each invalid order rejected once: {lines:?}"
+    );
+    let kinds: Vec<_> = queue
+        .dead_letters()
+        .await
+        .into_iter()
+        .map(|(_, kind)| kind.unwrap_or_default())
+        .collect();
+    assert_eq!(
+        kinds, ["invalid"; 5],
+        "each in the dead-letter queue, with its reason"
     );
     assert_eq!(charges(&db).await, 1);
     queue.delete().await;
@@ -432,6 +749,8 @@ async fn work_longer_than_its_transaction_bound_is_rejected_after_bounded_delive
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(consumer.lines()[1..], ["rejected order-slow"]);
     assert_eq!(charges(&db).await, 0, "nothing ever committed");
+    let dead = queue.dead_letters().await;
+    assert_eq!(dead, [(order("order-slow", 500), Some("timed_out".into()))]);
     // The bound raised, the order (published again) is charged.
     drop(consumer);
     let consumer = OrdersConsumer::start(&[
@@ -736,4 +1055,39 @@ async fn declared_rules_decide_what_is_the_same_message() {
         .unwrap();
     assert_eq!(other, ProcessOutcome::Mismatch);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// Four consumers and four API instances started at once on a new
+/// database: every one comes up (`CREATE TABLE IF NOT EXISTS` races itself
+/// on PostgreSQL).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn instances_started_together_on_a_new_database_all_come_up() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let env = [("DATABASE_URL", db.url()), ("QUEUE", queue.name.as_str())];
+    let consumers = (0..4).map(|_| OrdersConsumer::start(&env));
+    let apis = (0..4).map(|_| {
+        let url = db.url().to_owned();
+        tokio::task::spawn_blocking(move || {
+            let port = support::redis_server::free_port();
+            Payments::start(port, &[("DATABASE_URL", &url)])
+        })
+    });
+    let (consumers, apis) = tokio::join!(
+        futures_util::future::join_all(consumers),
+        futures_util::future::join_all(apis)
+    );
+    assert_eq!(consumers.len(), 4);
+    for api in apis {
+        api.expect("the API instance came up");
+    }
+    queue.publish(&order("order-1", 500)).await;
+    let all: Vec<&OrdersConsumer> = consumers.iter().collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while count(&all, |l| l == "executed order-1") == 0 {
+        assert!(std::time::Instant::now() < deadline, "never charged");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use support::{
     consumer::{CHARGES, OrdersConsumer, count, order},
+    payments::run_example_to_exit,
     postgres::TestDatabase,
     relay::Relay,
     sqlite::TestFile,
@@ -65,8 +66,10 @@ async fn duplicates_charge_once_and_what_can_never_succeed_is_dead_lettered_at_o
     assert_eq!(file.count(CHARGES).await, 1);
 }
 
+/// A queue without a dead-letter queue: what can never succeed has nowhere
+/// to go, so it is kept in the queue (out of sight), never deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_queue_without_a_dead_letter_queue_deletes_what_can_never_succeed() {
+async fn a_queue_without_a_dead_letter_queue_keeps_what_can_never_succeed() {
     let server = SqsServer::start();
     let queue = TestQueue::without_dead_letters(&server, 30).await;
     let file = TestFile::create();
@@ -75,10 +78,10 @@ async fn a_queue_without_a_dead_letter_queue_deletes_what_can_never_succeed() {
     queue.send(&order("order-2", 500)).await;
     c.wait_for(|l| l == "executed order-2").await;
     c.wait_for(|l| l.starts_with("invalid ")).await;
-    queue.drained().await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(queue.depth().await, 1, "kept, not deleted");
     assert_eq!(file.count(CHARGES).await, 1);
 }
-
 /// The work takes three visibility timeouts, with a second consumer
 /// waiting: the visibility is extended while it runs, so the message is
 /// never delivered to the other consumer mid-work (it would print
@@ -265,4 +268,153 @@ async fn the_consumer_exits_non_zero_naming_the_queue_when_it_is_deleted() {
     queue.delete().await;
     let status = c.exited(Duration::from_secs(40)).await;
     assert!(!status.success(), "{status}");
+}
+
+// Nothing lost: the queue's receive budget (`maxReceiveCount`) is never
+// spent on what can pass.
+
+const IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+     AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
+
+/// The database cut for longer than several visibility timeouts, on a queue
+/// that moves a message to its dead-letter queue on its third receive: the
+/// message is kept in hand, never received again, and charged once the
+/// database is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_outage_never_spends_the_receive_budget() {
+    let server = SqsServer::start();
+    let queue = TestQueue::with_max_receives(&server, 2, 2).await;
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let url = db.url_via(relay.port());
+    let c = consumer(&server, &queue, &url, &[]).await;
+    relay.cut();
+    queue.send(&order("order-1", 500)).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(queue.dead_depth().await, 0, "not dead-lettered");
+    relay.restore();
+    c.wait_for_within(|l| l == "executed order-1", Duration::from_secs(60))
+        .await;
+    queue.drained().await;
+    assert_eq!(queue.dead_depth().await, 0);
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+/// One consumer on one SQLite file, orders whose work outlasts the store's
+/// 5 s busy timeout, a receive budget of two: each order waits its turn,
+/// and every one is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_contention_with_one_consumer_charges_every_order() {
+    let server = SqsServer::start();
+    let queue = TestQueue::with_max_receives(&server, 5, 2).await;
+    let file = TestFile::create();
+    for i in 1..=3 {
+        queue.send(&order(&format!("order-{i}"), 500)).await;
+    }
+    let c = consumer(&server, &queue, &file.url(), &[("WORK_DELAY_MS", "6000")]).await;
+    for i in 1..=3 {
+        let line = format!("executed order-{i}");
+        c.wait_for_within(|l| l == line, Duration::from_secs(60))
+            .await;
+    }
+    queue.drained().await;
+    assert_eq!(queue.dead_depth().await, 0);
+    assert_eq!(file.count(CHARGES).await, 3);
+}
+
+/// A producer's resend of an order whose long work runs on another
+/// consumer: the resend waits in hand, and is acknowledged as a duplicate —
+/// one charge, nothing dead-lettered, on a queue with a receive budget of
+/// two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resend_during_long_work_is_charged_once_and_never_dead_lettered() {
+    let server = SqsServer::start();
+    let queue = TestQueue::with_max_receives(&server, 2, 2).await;
+    let db = TestDatabase::create();
+    let extra = [("WORK_DELAY_MS", "8000")];
+    let first = consumer(&server, &queue, db.url(), &extra).await;
+    queue.send(&order("order-1", 500)).await;
+    db.wait_for_count(IN_TRANSACTION, |n| n == 1, "the work never started")
+        .await;
+    let second = consumer(&server, &queue, db.url(), &extra).await;
+    queue.send(&order("order-1", 500)).await;
+    let both = [&first, &second];
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    while count(&both, |l| l == "duplicate order-1") == 0 {
+        assert!(std::time::Instant::now() < deadline, "no duplicate line");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    queue.drained().await;
+    assert_eq!(count(&both, |l| l == "executed order-1"), 1);
+    assert_eq!(queue.dead_depth().await, 0);
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+/// What can never succeed is dead-lettered with a reason that is true, as a
+/// message attribute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_carry_their_reason() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 30).await;
+    let file = TestFile::create();
+    let c = consumer(&server, &queue, &file.url(), &[]).await;
+    queue.send(&order("order-1", 500)).await;
+    c.wait_for(|l| l == "executed order-1").await;
+    queue.send(&order("order-1", 900)).await;
+    queue.send("{not json").await;
+    c.wait_for(|l| l == "rejected order-1").await;
+    c.wait_for(|l| l.starts_with("invalid ")).await;
+    queue.drained().await;
+    let mut kinds: Vec<_> = queue
+        .dead_letters_with_reasons()
+        .await
+        .into_iter()
+        .map(|(_, kind)| kind.unwrap_or_default())
+        .collect();
+    kinds.sort();
+    assert_eq!(kinds, ["invalid", "mismatch"]);
+}
+
+/// SIGTERM while the consumer waits in a long poll: the receive is not
+/// dropped (SQS may have handed out its messages); what it brings is handed
+/// back at once, so another consumer charges it well within the queue's
+/// 30 s visibility timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_receive_hands_its_messages_back_at_once() {
+    let server = SqsServer::start();
+    let queue = TestQueue::create(&server, 30).await;
+    let file = TestFile::create();
+    let mut first = consumer(&server, &queue, &file.url(), &[]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    first.terminate();
+    queue.send(&order("order-1", 500)).await;
+    let status = first.exited(Duration::from_secs(25)).await;
+    assert!(status.success(), "{status}");
+    let started = std::time::Instant::now();
+    let second = consumer(&server, &queue, &file.url(), &[]).await;
+    second.wait_for(|l| l == "executed order-1").await;
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "handed back at once, not after the visibility timeout"
+    );
+    assert_eq!(file.count(CHARGES).await, 1);
+}
+
+/// A typo in `DATABASE_URL` reads as a typo, not as an outage.
+#[test]
+fn an_unknown_database_scheme_is_refused_by_name() {
+    for example in ["sqs_orders", "nats_orders", "orders_consumer"] {
+        let (status, output) = run_example_to_exit(
+            example,
+            &[
+                ("DATABASE_URL", "postgress://postgres@127.0.0.1/orders"),
+                ("SQS_QUEUE_URL", "http://127.0.0.1:1/queue/orders"),
+            ],
+        );
+        assert_eq!(status.code(), Some(2), "{example}: {output}");
+        assert!(
+            output.contains("unknown scheme \"postgress\""),
+            "{example}: {output}"
+        );
+    }
 }

@@ -10,7 +10,10 @@ use serde::{Deserialize, Serialize};
 use tower_idempotency::{
     IdempotencyKey, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, SqliteStore,
     SqliteTxStore,
-    message::{DeliveryLease, Disposition, IdempotencyProcessor, ProcessError, ProcessOutcome},
+    message::{
+        DeadLetterReason, Delivery, DeliveryBudget, DeliveryLease, Disposition,
+        IdempotencyProcessor, ProcessOutcome,
+    },
     sqlx::{self, error::ErrorKind},
     store::{Store, StoreError},
 };
@@ -53,9 +56,33 @@ pub struct Settings {
     /// `IDEMPOTENCY_LEASE_MS` (default 30000).
     pub lease: Duration,
     /// `IDEMPOTENCY_TX_TIMEOUT_MS` (default 30000): the bound on the work's
-    /// transaction. Work that outlives it on every delivery is
+    /// transaction. Work that outlives it on three attempts is
     /// dead-lettered.
     pub tx_timeout: Duration,
+}
+
+/// The database a `DATABASE_URL` names, by its scheme.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Database {
+    Sqlite,
+    Postgres,
+    MySql,
+}
+
+impl Database {
+    /// The database `url` names, or why it names none: a typo must read as
+    /// a typo, not as an outage.
+    pub fn of(url: &str) -> Result<Self, String> {
+        let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
+        match scheme {
+            "sqlite" => Ok(Self::Sqlite),
+            "postgres" | "postgresql" => Ok(Self::Postgres),
+            "mysql" | "mariadb" => Ok(Self::MySql),
+            _ => Err(format!(
+                "DATABASE_URL: unknown scheme {scheme:?}: use sqlite://PATH, postgres://… or mysql://…"
+            )),
+        }
+    }
 }
 
 impl Settings {
@@ -68,11 +95,13 @@ impl Settings {
         if tx_timeout < Duration::from_millis(100) {
             return Err("IDEMPOTENCY_TX_TIMEOUT_MS must be at least 100".into());
         }
+        let database_url = env::var("DATABASE_URL").map_err(|_| {
+            "DATABASE_URL is required, e.g. sqlite://orders.db, postgres://postgres@127.0.0.1:5432/orders or mysql://root@127.0.0.1:3306/orders"
+                .to_owned()
+        })?;
+        Database::of(&database_url)?;
         Ok(Self {
-            database_url: env::var("DATABASE_URL").map_err(|_| {
-                "DATABASE_URL is required, e.g. sqlite://orders.db, postgres://postgres@127.0.0.1:5432/orders or mysql://root@127.0.0.1:3306/orders"
-                    .to_owned()
-            })?,
+            database_url,
             work_delay: millis("WORK_DELAY_MS", 0)?,
             ack_delay: millis("ACK_DELAY_MS", 0)?,
             lease,
@@ -94,6 +123,11 @@ pub fn millis(name: &str, default: u64) -> Result<Duration, String> {
 
 /// A broker's consumer loop, run over whichever ledger `DATABASE_URL` names.
 pub trait Consumer {
+    /// How a delivery is spent on this broker (its hold's hard end, if any).
+    fn budget(&self) -> DeliveryBudget {
+        DeliveryBudget::new()
+    }
+
     fn run<St: Ledger>(
         self,
         orders: IdempotencyProcessor<St>,
@@ -107,21 +141,25 @@ pub async fn run<C: Consumer>(consumer: C, scope: &str, settings: Settings) {
     // The URLs may carry passwords: they are never logged.
     let url = settings.database_url.clone();
     let bound = settings.tx_timeout;
-    if url.starts_with("sqlite:") {
-        let store = SqliteStore::builder()
-            .transactional()
-            .transaction_timeout(bound);
-        start(store.connect(&url).await, consumer, scope, settings).await
-    } else if url.starts_with("mysql:") || url.starts_with("mariadb:") {
-        let store = MySqlStore::builder()
-            .transactional()
-            .transaction_timeout(bound);
-        start(store.connect(&url).await, consumer, scope, settings).await
-    } else {
-        let store = PostgresStore::builder()
-            .transactional()
-            .transaction_timeout(bound);
-        start(store.connect(&url).await, consumer, scope, settings).await
+    match Database::of(&url).unwrap_or_else(|why| exit_with(&why)) {
+        Database::Sqlite => {
+            let store = SqliteStore::builder()
+                .transactional()
+                .transaction_timeout(bound);
+            start(store.connect(&url).await, consumer, scope, settings).await
+        }
+        Database::MySql => {
+            let store = MySqlStore::builder()
+                .transactional()
+                .transaction_timeout(bound);
+            start(store.connect(&url).await, consumer, scope, settings).await
+        }
+        Database::Postgres => {
+            let store = PostgresStore::builder()
+                .transactional()
+                .transaction_timeout(bound);
+            start(store.connect(&url).await, consumer, scope, settings).await
+        }
     }
 }
 
@@ -134,7 +172,8 @@ async fn start<St: Ledger, C: Consumer>(
 ) {
     let orders = IdempotencyProcessor::new(open(store).await)
         .scope(scope)
-        .lease(settings.lease);
+        .lease(settings.lease)
+        .budget(consumer.budget());
     consumer.run(orders, settings).await
 }
 
@@ -160,10 +199,15 @@ pub trait Ledger: Store + Clone {
 impl Ledger for PostgresTxStore {
     async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
         self.migrate().await?;
+        // `CREATE TABLE IF NOT EXISTS` races itself: consumers started
+        // together on a new database take turns on an advisory lock.
         sqlx::raw_sql(
-            "CREATE TABLE IF NOT EXISTS order_charges (
+            "BEGIN;
+            SELECT pg_advisory_xact_lock(hashtext('orders example schema'));
+            CREATE TABLE IF NOT EXISTS order_charges (
                 order_id text NOT NULL, amount bigint NOT NULL, currency text NOT NULL,
-                charged_at timestamptz NOT NULL DEFAULT now())",
+                charged_at timestamptz NOT NULL DEFAULT now());
+            COMMIT",
         )
         .execute(self.pool())
         .await?;
@@ -207,23 +251,23 @@ impl Ledger for SqliteTxStore {
 
 /// What became of one delivery, and what to tell the broker.
 pub struct Handled {
-    /// The stdout line (`executed order-42`), if the delivery gets one: an
-    /// outage's retry does not. An invalid message's line names the
-    /// broker's message: the caller writes it.
+    /// The stdout line (`executed order-42`), if the delivery gets one: a
+    /// delivery given back undecided does not. An invalid message's line
+    /// names the broker's message: the caller writes it.
     pub line: Option<String>,
     /// Whether the message was invalid (its line is the caller's).
     pub invalid: bool,
     pub disposition: Disposition,
 }
 
-/// Processes one delivery of `data`, the `delivery`-th (1 for the first),
-/// keeping the broker's `hold` on it while the work runs.
+/// Settles one delivery of `data`, keeping the broker's `hold` on it while
+/// it is in hand; `last` when the broker will not deliver it again.
 pub async fn handle<St: Ledger, L: DeliveryLease>(
     orders: &IdempotencyProcessor<St>,
     settings: &Settings,
     data: &[u8],
-    delivery: u32,
     hold: &L,
+    last: bool,
 ) -> Handled {
     // What can be checked up front is: a message that fails it can never
     // succeed, so it is dead-lettered, not retried.
@@ -234,60 +278,49 @@ pub async fn handle<St: Ledger, L: DeliveryLease>(
             return Handled {
                 line: None,
                 invalid: true,
-                disposition: Disposition::DeadLetter,
+                disposition: Disposition::DeadLetter(DeadLetterReason::invalid(why)),
             };
         }
     };
     let work_delay = settings.work_delay;
-    let id = order.order_id.clone();
-    let processed = orders
-        .process_delivery(&id, data, hold, async move |tx: &mut St::Granted| {
-            St::charge(tx, &order).await?;
-            // The payment processor, before the commit.
-            tokio::time::sleep(work_delay).await;
-            Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
-        })
+    let id = order.order_id.as_str();
+    let delivery = Delivery::new(id, data).held_by(hold).last(last);
+    let settled = orders
+        .settle(
+            delivery,
+            async |tx: &mut St::Granted| {
+                St::charge(tx, &order).await?;
+                // The payment processor, before the commit.
+                tokio::time::sleep(work_delay).await;
+                Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
+            },
+            // Data the database refuses is refused on every attempt.
+            |error| !refuses_the_data(error),
+        )
         .await;
-    let disposition = Disposition::of(&processed, delivery, |error| {
-        if refuses_the_data(error) {
-            Disposition::DeadLetter
-        } else {
-            Disposition::backoff(delivery)
-        }
-    });
-    let word = match (&processed, disposition) {
+    let word = match (&settled.disposition, &settled.outcome) {
         // Committed: a crash from here to the acknowledgement is a
         // redelivery that finds the record.
-        (Ok(ProcessOutcome::Executed(_)), _) => {
+        (Disposition::Ack, Ok(ProcessOutcome::Executed(_))) => {
             tokio::time::sleep(settings.ack_delay).await;
             Some("executed")
         }
-        (Ok(ProcessOutcome::Duplicate(_) | ProcessOutcome::DuplicateUnreadable { .. }), _) => {
-            Some("duplicate")
+        (Disposition::Ack, _) => Some("duplicate"),
+        (Disposition::DeadLetter(reason), _) => {
+            tracing::error!(order = %id, %reason, "the order can never be processed: dead-lettered");
+            Some(match reason {
+                DeadLetterReason::Mismatch | DeadLetterReason::TimedOut { .. } => "rejected",
+                DeadLetterReason::Undecided(_) => "undecided",
+                _ => "refused",
+            })
         }
-        (Ok(ProcessOutcome::InFlight { .. }), _) => Some("in-flight"),
-        (Ok(ProcessOutcome::Mismatch), _) => Some("rejected"),
-        (
-            Err(ProcessError::NotCommitted(StoreError::TransactionTimedOut { .. })),
-            Disposition::DeadLetter,
-        ) => {
-            tracing::error!(order = %id, bound = ?settings.tx_timeout, "the work outlived its transaction on every delivery: dead-lettered; raise IDEMPOTENCY_TX_TIMEOUT_MS above the work's duration");
-            Some("rejected")
-        }
-        (Err(error), Disposition::DeadLetter) => {
-            tracing::warn!(order = %id, %error, "the order cannot be processed; dead-lettered");
-            Some("refused")
-        }
-        // Nothing took effect (or the redelivery finds the record): later.
-        (Err(error), _) => {
-            tracing::warn!(order = %id, %error, "order not processed; retried later");
-            None
-        }
+        // Given back undecided (draining): delivered again.
+        (Disposition::Retry { .. }, _) => None,
     };
     Handled {
         line: word.map(|word| format!("{word} {id}")),
         invalid: false,
-        disposition,
+        disposition: settled.disposition,
     }
 }
 

@@ -58,11 +58,16 @@ impl Engine for Sqlite {
 }
 
 impl Engine for Postgres {
-    const TABLES: &'static str = "CREATE TABLE IF NOT EXISTS charges (
+    // `CREATE TABLE IF NOT EXISTS` races itself: instances started together
+    // on a new database take turns on a transaction-scoped advisory lock.
+    const TABLES: &'static str = "BEGIN;
+        SELECT pg_advisory_xact_lock(hashtext('payments example schema'));
+        CREATE TABLE IF NOT EXISTS charges (
         id text PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
         currency text NOT NULL, description text,
         created_at timestamptz NOT NULL DEFAULT now());
-        CREATE TABLE IF NOT EXISTS processor_events (n bigserial PRIMARY KEY, id text NOT NULL, type text)";
+        CREATE TABLE IF NOT EXISTS processor_events (n bigserial PRIMARY KEY, id text NOT NULL, type text);
+        COMMIT";
     const INSERT_CHARGE: &'static str = "INSERT INTO charges (id, account, amount, currency, description) VALUES ($1, $2, $3, $4, $5)";
     const LIST_CHARGES: &'static str = "SELECT id, account, amount, currency, description \
         FROM charges WHERE account = $1 ORDER BY created_at, id";

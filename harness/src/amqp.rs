@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use lapin::{
     BasicProperties, Channel, Connection, ConnectionProperties,
-    options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions},
-    types::FieldTable,
+    options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions},
+    types::{AMQPValue, FieldTable},
 };
 
 const LOCAL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
@@ -86,10 +86,42 @@ impl TestQueue {
             .message_count()
     }
 
-    pub async fn delete(self) {
-        let _ = self
+    /// The name of the dead-letter queue the `orders_consumer` example
+    /// declares for this one by default.
+    pub fn dead_letter_queue(&self) -> String {
+        format!("{}.dead", self.name)
+    }
+
+    /// The dead letters, taken from the dead-letter queue: each body with
+    /// its `x-dead-letter-kind` header, if any.
+    pub async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
+        let mut found = Vec::new();
+        let queue = self.dead_letter_queue();
+        while let Ok(Some(message)) = self
             .channel
-            .queue_delete(self.name.as_str().into(), QueueDeleteOptions::default())
-            .await;
+            .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+        {
+            let kind = message
+                .properties
+                .headers()
+                .as_ref()
+                .and_then(|h| h.inner().get("x-dead-letter-kind").cloned())
+                .and_then(|v| match v {
+                    AMQPValue::LongString(s) => Some(s.to_string()),
+                    _ => None,
+                });
+            found.push((String::from_utf8_lossy(&message.data).into_owned(), kind));
+        }
+        found
+    }
+
+    pub async fn delete(self) {
+        for queue in [self.name.clone(), self.dead_letter_queue()] {
+            let _ = self
+                .channel
+                .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
     }
 }

@@ -140,6 +140,37 @@ impl TestStream {
             .expect("the stream's acknowledgement");
     }
 
+    /// The messages the stream holds on `subject`: each payload with its
+    /// `Dead-Letter-Kind` header, if any.
+    pub async fn messages(&self, subject: &str) -> Vec<(String, Option<String>)> {
+        use futures_util::StreamExt;
+        let stream = self.js.get_stream(&self.name).await.expect("the stream");
+        let consumer: jetstream::consumer::PullConsumer = stream
+            .create_consumer(jetstream::consumer::pull::Config {
+                filter_subject: subject.to_owned(),
+                ..Default::default()
+            })
+            .await
+            .expect("an ephemeral consumer");
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1000)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .expect("fetch");
+        let mut found = Vec::new();
+        while let Some(Ok(message)) = batch.next().await {
+            let kind = message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Dead-Letter-Kind"))
+                .map(|v| v.as_str().to_owned());
+            found.push((String::from_utf8_lossy(&message.payload).into_owned(), kind));
+        }
+        found
+    }
+
     /// Messages the stream holds on `subject`, read through an ephemeral
     /// consumer of that subject alone.
     pub async fn count(&self, subject: &str) -> u64 {

@@ -114,20 +114,31 @@ impl TestQueue {
     /// A standard queue with the given visibility timeout and a
     /// dead-letter queue.
     pub async fn create(server: &SqsServer, visibility_s: u32) -> Self {
-        Self::make(server, visibility_s, false, true).await
+        Self::make(server, visibility_s, false, Some(1000)).await
+    }
+
+    /// A standard queue whose `RedrivePolicy` moves a message to the
+    /// dead-letter queue after `max_receives` receives: a small delivery
+    /// budget.
+    pub async fn with_max_receives(
+        server: &SqsServer,
+        visibility_s: u32,
+        max_receives: u32,
+    ) -> Self {
+        Self::make(server, visibility_s, false, Some(max_receives)).await
     }
 
     /// A FIFO queue (`.fifo`), content-based deduplication off.
     pub async fn create_fifo(server: &SqsServer, visibility_s: u32) -> Self {
-        Self::make(server, visibility_s, true, true).await
+        Self::make(server, visibility_s, true, Some(1000)).await
     }
 
     /// A standard queue without a dead-letter queue.
     pub async fn without_dead_letters(server: &SqsServer, visibility_s: u32) -> Self {
-        Self::make(server, visibility_s, false, false).await
+        Self::make(server, visibility_s, false, None).await
     }
 
-    async fn make(server: &SqsServer, visibility_s: u32, fifo: bool, dlq: bool) -> Self {
+    async fn make(server: &SqsServer, visibility_s: u32, fifo: bool, dlq: Option<u32>) -> Self {
         let client = server.client();
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let suffix = if fifo { ".fifo" } else { "" };
@@ -138,7 +149,7 @@ impl TestQueue {
             }
             attrs
         };
-        let dead_letters = if dlq {
+        let dead_letters = if dlq.is_some() {
             let url = client
                 .create_queue()
                 .queue_name(format!("{name}-dead{suffix}"))
@@ -156,7 +167,7 @@ impl TestQueue {
             QueueAttributeName::VisibilityTimeout,
             visibility_s.to_string(),
         )]));
-        if let Some(dead) = &dead_letters {
+        if let (Some(dead), Some(max_receives)) = (&dead_letters, dlq) {
             let arn = client
                 .get_queue_attributes()
                 .queue_url(dead)
@@ -168,9 +179,7 @@ impl TestQueue {
                 .unwrap()
                 .remove(&QueueAttributeName::QueueArn)
                 .unwrap();
-            // A high maxReceiveCount: the consumer moves what can never
-            // succeed itself, at once.
-            let policy = serde_json::json!({"deadLetterTargetArn": arn, "maxReceiveCount": "1000"});
+            let policy = serde_json::json!({"deadLetterTargetArn": arn, "maxReceiveCount": max_receives.to_string()});
             attrs.insert(QueueAttributeName::RedrivePolicy, policy.to_string());
         }
         let url = client
@@ -217,8 +226,26 @@ impl TestQueue {
         depth(&self.client, &self.url).await
     }
 
+    /// Messages in the dead-letter queue (visible, in flight or delayed).
+    pub async fn dead_depth(&self) -> u64 {
+        match &self.dead_letters {
+            Some(dead) => depth(&self.client, dead).await,
+            None => 0,
+        }
+    }
+
     /// The dead-letter queue's bodies, received (and left there).
     pub async fn dead_lettered(&self) -> Vec<String> {
+        self.dead_letters_with_reasons()
+            .await
+            .into_iter()
+            .map(|(body, _)| body)
+            .collect()
+    }
+
+    /// The dead-letter queue's bodies, each with its `DeadLetterKind`
+    /// attribute (none when SQS moved it itself), received (and left there).
+    pub async fn dead_letters_with_reasons(&self) -> Vec<(String, Option<String>)> {
         let Some(dead) = &self.dead_letters else {
             return Vec::new();
         };
@@ -231,6 +258,7 @@ impl TestQueue {
                 .max_number_of_messages(10)
                 .visibility_timeout(60)
                 .message_system_attribute_names(MessageSystemAttributeName::All)
+                .message_attribute_names("All")
                 .send()
                 .await
                 .expect("receive from the dead-letter queue");
@@ -238,7 +266,14 @@ impl TestQueue {
             if messages.is_empty() {
                 return bodies;
             }
-            bodies.extend(messages.into_iter().filter_map(|m| m.body));
+            bodies.extend(messages.into_iter().map(|m| {
+                let kind = m
+                    .message_attributes
+                    .as_ref()
+                    .and_then(|a| a.get("DeadLetterKind"))
+                    .and_then(|v| v.string_value.clone());
+                (m.body.unwrap_or_default(), kind)
+            }));
         }
     }
 

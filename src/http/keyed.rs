@@ -23,7 +23,7 @@ use crate::{
         store_policy::StorePolicy,
     },
     key::{IdempotencyKey, InvalidKey},
-    protocol::{self, Claimed},
+    protocol::{self, Claimed, Wait},
     store::{StorageKey, Store, StoreError},
 };
 
@@ -117,6 +117,7 @@ where
             fingerprint,
             config.lease,
             config.in_flight_retry_after,
+            Wait::Bounded,
         );
         match claimed.await {
             Claimed::Granted(hold) => {

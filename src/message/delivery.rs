@@ -114,16 +114,104 @@ where
     }
 }
 
-/// No hold to keep: [`IdempotencyProcessor::process`](super::IdempotencyProcessor::process).
-pub(super) struct NoLease;
+/// No hold to keep: a delivery the broker cannot extend (RabbitMQ's), or
+/// none at all ([`IdempotencyProcessor::process`](super::IdempotencyProcessor::process)).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::message::{DeliveryLease, NoHold};
+///
+/// assert_eq!(NoHold.interval(), Duration::MAX);
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoHold;
 
-impl DeliveryLease for NoLease {
+impl DeliveryLease for NoHold {
     fn interval(&self) -> Duration {
         Duration::MAX
     }
 
     async fn extend(&self) -> Result<(), ExtendError> {
         Ok(())
+    }
+}
+
+/// One delivery of a message, as the broker handed it over: its business
+/// key, its payload, the broker's hold on it, and whether the broker will
+/// deliver it again. What
+/// [`IdempotencyProcessor::settle`](super::IdempotencyProcessor::settle)
+/// settles.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_idempotency::message::{Delivery, extend_every};
+///
+/// let payload = br#"{"order_id":"order-42","amount":1999}"#;
+/// // JetStream: `AckWait` 30 s, `MaxDeliver` 5, the 5th delivery.
+/// let hold = extend_every(Duration::from_secs(10), || async { Ok(()) });
+/// let delivery = Delivery::new("order-42", payload).held_by(&hold).last(5 >= 5);
+/// # let _ = delivery;
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct Delivery<'a, L = NoHold> {
+    pub(super) key: &'a str,
+    pub(super) payload: &'a [u8],
+    pub(super) hold: &'a L,
+    pub(super) last: bool,
+}
+
+impl<'a> Delivery<'a> {
+    /// The delivery of the message `key` (its business key: an order id,
+    /// never a delivery id) carrying `payload`, with no hold to extend, and
+    /// not the broker's last.
+    ///
+    /// # Examples
+    ///
+    /// See [`Delivery`].
+    pub fn new(key: &'a str, payload: &'a [u8]) -> Self {
+        static NO_HOLD: NoHold = NoHold;
+        Self {
+            key,
+            payload,
+            hold: &NO_HOLD,
+            last: false,
+        }
+    }
+}
+
+impl<'a, L: DeliveryLease> Delivery<'a, L> {
+    /// The broker's hold on this delivery, extended while it is kept in
+    /// hand: through its work, and through the waits between attempts.
+    ///
+    /// # Examples
+    ///
+    /// See [`Delivery`].
+    pub fn held_by<L2: DeliveryLease>(self, hold: &'a L2) -> Delivery<'a, L2> {
+        Delivery {
+            key: self.key,
+            payload: self.payload,
+            hold,
+            last: self.last,
+        }
+    }
+
+    /// Whether the broker will not deliver it again once given back (its
+    /// delivery count has reached SQS's `maxReceiveCount` or JetStream's
+    /// `MaxDeliver`): then an undecided delivery that must be given back is
+    /// dead-lettered instead, as
+    /// [`DeadLetterReason::Undecided`](super::DeadLetterReason::Undecided),
+    /// so that the broker never drops it.
+    ///
+    /// # Examples
+    ///
+    /// See [`Delivery`].
+    pub fn last(mut self, last: bool) -> Self {
+        self.last = last;
+        self
     }
 }
 

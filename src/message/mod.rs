@@ -62,12 +62,14 @@
 //! # Ok(()) }
 //! ```
 
+mod budget;
 mod delivery;
 mod disposition;
 mod outcome;
 mod processor;
 
-pub use delivery::{DeliveryLease, ExtendError, ExtendEvery, extend_every};
-pub use disposition::Disposition;
-pub use outcome::{ProcessError, ProcessOutcome};
+pub use budget::DeliveryBudget;
+pub use delivery::{Delivery, DeliveryLease, ExtendError, ExtendEvery, NoHold, extend_every};
+pub use disposition::{DeadLetterReason, Disposition};
+pub use outcome::{ProcessError, ProcessOutcome, Settled};
 pub use processor::IdempotencyProcessor;

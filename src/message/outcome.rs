@@ -86,3 +86,47 @@ pub enum ProcessError<E> {
     #[error("invalid business key: {0}")]
     InvalidKey(InvalidKey),
 }
+
+/// What [`IdempotencyProcessor::settle`](super::IdempotencyProcessor::settle)
+/// came to for one delivery: what to tell the broker, what its last attempt
+/// came to, and how many attempts it took.
+///
+/// # Examples
+///
+/// ```
+/// # async fn demo() {
+/// use tower_idempotency::{MemoryStore, message::{Delivery, Disposition, IdempotencyProcessor, ProcessOutcome}};
+///
+/// let orders = IdempotencyProcessor::new(MemoryStore::new());
+/// let settled = orders
+///     .settle(Delivery::new("order-42", b"{}"), async |_: &mut _| Ok::<_, std::io::Error>(7), |_| false)
+///     .await;
+/// assert_eq!(settled.disposition, Disposition::Ack);
+/// assert!(matches!(settled.outcome, Ok(ProcessOutcome::Executed(7))));
+/// assert_eq!(settled.attempts, 1);
+/// # }
+/// ```
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Settled<T, E> {
+    /// What to tell the broker.
+    pub disposition: super::Disposition,
+    /// What the last attempt came to.
+    pub outcome: Result<ProcessOutcome<T>, ProcessError<E>>,
+    /// How many attempts the delivery took in hand.
+    pub attempts: u32,
+}
+
+impl<T, E> Settled<T, E> {
+    pub(super) fn new(
+        disposition: super::Disposition,
+        outcome: Result<ProcessOutcome<T>, ProcessError<E>>,
+        attempts: u32,
+    ) -> Self {
+        Self {
+            disposition,
+            outcome,
+            attempts,
+        }
+    }
+}

@@ -2,22 +2,25 @@
 //! claim (and the broker's hold on the delivery), stores its result.
 
 use std::{
+    fmt,
     panic::AssertUnwindSafe,
     sync::Arc,
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use futures_util::FutureExt;
 use serde::{Serialize, de::DeserializeOwned};
+use tokio::sync::watch;
 
 use super::{
-    DeliveryLease, ProcessError, ProcessOutcome,
-    delivery::{self, NoLease},
+    DeadLetterReason, Delivery, DeliveryBudget, DeliveryLease, Disposition, NoHold, ProcessError,
+    ProcessOutcome, Settled, delivery, disposition::Verdict,
 };
 use crate::{
     fingerprint::{DefaultFingerprint, PayloadFingerprint},
     key::IdempotencyKey,
-    protocol::{self, Claimed, Finished},
+    observe,
+    protocol::{self, Claimed, Finished, Wait},
     record::CompletedRecord,
     store::{StorageKey, Store, StoreError},
 };
@@ -26,7 +29,8 @@ use crate::{
 /// consumer's sibling of [`IdempotencyLayer`](crate::IdempotencyLayer). See
 /// the [module docs](crate::message).
 ///
-/// Cloning is cheap when the store's is; clones share the store.
+/// Cloning is cheap when the store's is; clones share the store, and a
+/// [`drain`](Self::drain).
 #[derive(Clone, Debug)]
 pub struct IdempotencyProcessor<St, F = DefaultFingerprint> {
     store: St,
@@ -34,6 +38,9 @@ pub struct IdempotencyProcessor<St, F = DefaultFingerprint> {
     lease: Duration,
     retention: Duration,
     fingerprint: F,
+    budget: DeliveryBudget,
+    /// Set once the consumer drains: deliveries kept in hand go back.
+    draining: Arc<watch::Sender<bool>>,
 }
 
 impl<St: Store> IdempotencyProcessor<St> {
@@ -56,6 +63,8 @@ impl<St: Store> IdempotencyProcessor<St> {
             lease: protocol::DEFAULT_LEASE,
             retention: protocol::DEFAULT_RETENTION,
             fingerprint: DefaultFingerprint::new(),
+            budget: DeliveryBudget::new(),
+            draining: Arc::new(watch::Sender::new(false)),
         }
     }
 }
@@ -87,6 +96,8 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
             lease: self.lease,
             retention: self.retention,
             fingerprint,
+            budget: self.budget,
+            draining: self.draining,
         }
     }
 
@@ -152,6 +163,168 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         self
     }
 
+    /// How a delivery is spent by [`settle`](Self::settle): its back-off,
+    /// how long it is kept in hand, how many attempts work that outlives
+    /// its transaction gets (default [`DeliveryBudget::new`]).
+    ///
+    /// # Examples
+    ///
+    /// See [`DeliveryBudget`].
+    pub fn budget(mut self, budget: DeliveryBudget) -> Self {
+        self.budget = budget;
+        self
+    }
+
+    /// Stops keeping deliveries in hand, for a graceful shutdown (SIGTERM):
+    /// every [`settle`](Self::settle) waiting between attempts gives its
+    /// delivery back at once (`Disposition::Retry` with no delay), and none
+    /// tries again; work that is running finishes, and its delivery is
+    /// acknowledged as usual. Shared by every clone. Stop receiving new
+    /// deliveries too.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{MemoryStore, message::IdempotencyProcessor};
+    ///
+    /// let orders = IdempotencyProcessor::new(MemoryStore::new());
+    /// // On SIGTERM:
+    /// orders.drain();
+    /// assert!(orders.is_draining());
+    /// ```
+    pub fn drain(&self) {
+        self.draining.send_replace(true);
+    }
+
+    /// Whether [`drain`](Self::drain) was called.
+    ///
+    /// # Examples
+    ///
+    /// See [`drain`](Self::drain).
+    pub fn is_draining(&self) -> bool {
+        *self.draining.borrow()
+    }
+
+    /// Settles one delivery: processes it as [`process_delivery`](Self::process_delivery)
+    /// does, and keeps it **in hand** until it is decided — retrying what
+    /// can pass after a back-off, with the broker's hold extended all the
+    /// while — then says what to tell the broker. A consumer never turns
+    /// at-least-once delivery into at-most-once:
+    ///
+    /// - executed, or a duplicate (readable or not): [`Disposition::Ack`];
+    /// - can pass — the store unavailable or busy, a commit that failed or
+    ///   whose outcome is unknown, the key in flight elsewhere, a work
+    ///   error `passing` says may pass: tried again in hand, never spending
+    ///   the broker's delivery budget;
+    /// - can never succeed — the key reused with another payload, a
+    ///   refused transaction, a panic, an invalid key, a work error
+    ///   `passing` refuses, work that outlived its transaction on the
+    ///   [budget's](DeliveryBudget::timed_out_attempts) attempts:
+    ///   [`Disposition::DeadLetter`] with its [`DeadLetterReason`];
+    /// - undecided when the consumer [drains](Self::drain) or the budget
+    ///   [gives it back](DeliveryBudget::give_back_after):
+    ///   [`Disposition::Retry`] — or, on the broker's
+    ///   [last](Delivery::last) delivery, [`DeadLetterReason::Undecided`],
+    ///   logged as an error, so that the broker never drops it.
+    ///
+    /// The work may run more than once (each attempt rolls back, or found
+    /// nothing claimed), hence `AsyncFnMut`. The key's claim, on every
+    /// attempt, waits its turn on a store whose writers take turns
+    /// ([`Store::claim_patiently`]) instead of timing out.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # async fn demo() {
+    /// use tower_idempotency::{MemoryStore, message::{Delivery, Disposition, IdempotencyProcessor}};
+    ///
+    /// let orders = IdempotencyProcessor::new(MemoryStore::new()).scope("orders");
+    /// let payload = br#"{"order_id":"order-42","amount":1999}"#;
+    /// let settled = orders
+    ///     .settle(
+    ///         Delivery::new("order-42", payload),
+    ///         async |_: &mut _| Ok::<_, std::io::Error>("ch_1".to_owned()),
+    ///         // A timeout of the card processor may pass; anything else will not.
+    ///         |error| error.kind() == std::io::ErrorKind::TimedOut,
+    ///     )
+    ///     .await;
+    /// assert_eq!(settled.disposition, Disposition::Ack);
+    /// # }
+    /// ```
+    pub async fn settle<T, E, W, L>(
+        &self,
+        delivery: Delivery<'_, L>,
+        mut work: W,
+        passing: impl Fn(&E) -> bool,
+    ) -> Settled<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        W: AsyncFnMut(&mut St::Granted) -> Result<T, E>,
+        L: DeliveryLease,
+    {
+        let kept = Instant::now();
+        let mut draining = self.draining.subscribe();
+        let settling = async {
+            let (mut attempts, mut failures, mut timeouts) = (0, 0, 0);
+            loop {
+                attempts += 1;
+                let outcome = self
+                    .process_delivery(delivery.key, delivery.payload, &NoHold, &mut work)
+                    .await;
+                let backoff = self.budget.backoff(failures + 1);
+                let after = match Verdict::of(&outcome, backoff, &passing) {
+                    Verdict::Done => return Settled::new(Disposition::Ack, outcome, attempts),
+                    Verdict::Never(reason) => {
+                        return Settled::new(Disposition::DeadLetter(reason), outcome, attempts);
+                    }
+                    Verdict::Again { after, timed_out } => {
+                        failures += 1;
+                        timeouts += u32::from(timed_out.is_some());
+                        match timed_out {
+                            Some(bound) if timeouts >= self.budget.timed_out_limit() => {
+                                let reason = DeadLetterReason::TimedOut {
+                                    attempts: timeouts,
+                                    bound,
+                                };
+                                return Settled::new(
+                                    Disposition::DeadLetter(reason),
+                                    outcome,
+                                    attempts,
+                                );
+                            }
+                            _ => after,
+                        }
+                    }
+                };
+                if *draining.borrow() {
+                    return give_back(outcome, attempts, Duration::ZERO, &delivery);
+                }
+                if self.budget.spent(kept.elapsed()) {
+                    return give_back(outcome, attempts, after, &delivery);
+                }
+                if let Err(error) = &outcome {
+                    tracing::warn!(key = %delivery.key, %error, ?after, attempts, "idempotency: message not processed; tried again in hand");
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(after) => {}
+                    _ = draining.wait_for(|drained| *drained) => {
+                        return give_back(outcome, attempts, Duration::ZERO, &delivery);
+                    }
+                }
+            }
+        };
+        let settled = delivery::keeping(delivery.hold, delivery.key, settling).await;
+        observe::message_settled(
+            settled.disposition.name(),
+            match &settled.disposition {
+                Disposition::DeadLetter(reason) => reason.kind(),
+                _ => "",
+            },
+        );
+        settled
+    }
+
     /// Runs `work` for the message `key` carrying `payload`, unless this key
     /// was already processed (its stored result comes back as
     /// [`ProcessOutcome::Duplicate`]) or is being processed elsewhere
@@ -191,7 +364,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         T: Serialize + DeserializeOwned,
         W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
     {
-        self.process_delivery(key, payload, &NoLease, work).await
+        self.process_delivery(key, payload, &NoHold, work).await
     }
 
     /// [`process`](Self::process), extending the broker's hold on the
@@ -225,6 +398,8 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
             fingerprint,
             self.lease,
             protocol::DEFAULT_IN_FLIGHT_HINT,
+            // The delivery is held meanwhile: wait in line, not time out.
+            Wait::InLine,
         );
         let mut hold = match claimed.await {
             Claimed::Granted(hold) => hold,
@@ -310,4 +485,27 @@ fn stored_result<T: DeserializeOwned>(record: &CompletedRecord) -> ProcessOutcom
             "the stored result does not read as this type: {error}"
         )),
     }
+}
+
+/// An undecided delivery going back to the broker: after `after` — or, on
+/// the broker's last delivery of it, dead-lettered as undecided, so that the
+/// broker never drops it.
+fn give_back<T, E: fmt::Display, L>(
+    outcome: Result<ProcessOutcome<T>, ProcessError<E>>,
+    attempts: u32,
+    after: Duration,
+    delivery: &Delivery<'_, L>,
+) -> Settled<T, E> {
+    if !delivery.last {
+        return Settled::new(Disposition::Retry { after }, outcome, attempts);
+    }
+    let why = match &outcome {
+        Ok(ProcessOutcome::InFlight { .. }) => "still in flight elsewhere".to_owned(),
+        Err(error) => error.to_string(),
+        Ok(_) => "undecided".to_owned(),
+    };
+    tracing::error!(key = %delivery.key, %why, attempts, "idempotency: a message undecided on the broker's last delivery was dead-lettered, not dropped: redrive it");
+    let reason =
+        DeadLetterReason::Undecided(format!("{why} (given back after {attempts} attempts)"));
+    Settled::new(Disposition::DeadLetter(reason), outcome, attempts)
 }

@@ -25,6 +25,16 @@ pub(crate) enum Claimed<St: Store> {
     Unavailable(StoreError),
 }
 
+/// How long a claim may wait for its turn on a store whose writers take
+/// turns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Wait {
+    /// The store's own bound: a client is waiting for an answer.
+    Bounded,
+    /// As long as it takes: a consumer keeps its delivery meanwhile.
+    InLine,
+}
+
 /// Claims `key` for a request with `fingerprint`, under a lease of `lease`
 /// where the store's claims are leases. A duplicate of a key in flight is
 /// told to come back after `hint` at most: what a store knows is when the
@@ -36,9 +46,15 @@ pub(crate) async fn claim<St: Store>(
     fingerprint: Fingerprint,
     lease: Duration,
     hint: Duration,
+    wait: Wait,
 ) -> Claimed<St> {
-    let claim = store.claim(&key, &fingerprint, lease);
-    match observe::store_call("claim", claim).await {
+    let claimed = async {
+        match wait {
+            Wait::Bounded => store.claim(&key, &fingerprint, lease).await,
+            Wait::InLine => store.claim_patiently(&key, &fingerprint, lease).await,
+        }
+    };
+    match observe::store_call("claim", claimed).await {
         Ok(Claim::Acquired(granted)) => {
             Claimed::Granted(Hold::new(store.clone(), key, granted, fingerprint, lease))
         }

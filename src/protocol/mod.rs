@@ -10,7 +10,7 @@ mod settle;
 
 use std::time::Duration;
 
-pub(crate) use claim::{Claimed, claim};
+pub(crate) use claim::{Claimed, Wait, claim};
 pub(crate) use hold::Hold;
 pub(crate) use settle::Finished;
 

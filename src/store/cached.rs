@@ -148,15 +148,14 @@ impl<St> CachedStore<St> {
     }
 }
 
-impl<St: Store> Store for CachedStore<St> {
-    // A transactional store's transaction is handed on as it is.
-    type Granted = St::Granted;
-
-    async fn claim(
+impl<St: Store> CachedStore<St> {
+    /// A completed record from the cache, or else what the inner store's
+    /// `claim` answers (remembered when it is a completed record).
+    async fn cached_or(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
-        lease: Duration,
+        claim: impl Future<Output = Result<Claim<St::Granted>, StoreError>>,
     ) -> Result<Claim<St::Granted>, StoreError> {
         let now = Instant::now();
         if let Some(entry) = self.cache.get(key) {
@@ -174,11 +173,36 @@ impl<St: Store> Store for CachedStore<St> {
             self.cache.remove(key);
         }
         observe::cache_lookup("miss");
-        let claim = self.inner.claim(key, fingerprint, lease).await?;
+        let claim = claim.await?;
         if let Claim::Completed { record, expires_in } = &claim {
             self.remember(key, fingerprint, record.clone(), now, *expires_in);
         }
         Ok(claim)
+    }
+}
+
+impl<St: Store> Store for CachedStore<St> {
+    // A transactional store's transaction is handed on as it is.
+    type Granted = St::Granted;
+
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim<St::Granted>, StoreError> {
+        let inner = self.inner.claim(key, fingerprint, lease);
+        self.cached_or(key, fingerprint, inner).await
+    }
+
+    async fn claim_patiently(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim<St::Granted>, StoreError> {
+        let inner = self.inner.claim_patiently(key, fingerprint, lease);
+        self.cached_or(key, fingerprint, inner).await
     }
 
     async fn extend(

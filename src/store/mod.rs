@@ -150,6 +150,22 @@ pub trait Store: Clone + Send + Sync + 'static {
         lease: Duration,
     ) -> impl Future<Output = Result<Claim<Self::Granted>, StoreError>> + Send;
 
+    /// Claims `key` as [`claim`](Self::claim) does, for a caller that
+    /// keeps what it works on while it waits — a queue consumer holds its
+    /// delivery — and would rather wait its turn than hear that the store is
+    /// busy. A store whose writers take turns in this process (the SQLite
+    /// transactional store: one writer at a time) waits in line as long as
+    /// it takes instead of timing out; any other store claims as `claim`
+    /// does (the default).
+    fn claim_patiently(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim<Self::Granted>, StoreError>> + Send {
+        self.claim(key, fingerprint, lease)
+    }
+
     /// Pushes the expiry of the lease `token` holds to `lease` from now, if
     /// `token` still holds it. Returns whether it did. Called only for
     /// claims that are leases.

@@ -108,7 +108,13 @@ impl Drop for Payments {
 /// Runs the example with `env` until it exits (it must refuse to start),
 /// or kills it after 10 s: its exit status and everything it printed.
 pub fn run_to_exit(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
-    let mut child = Command::new(payments_binary())
+    run_example_to_exit("payments", env)
+}
+
+/// Runs the example `name` with `env` until it exits, or kills it after
+/// 10 s: its exit status and everything it printed.
+pub fn run_example_to_exit(name: &str, env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(example_binary(name))
         .env("BIND_ADDR", "127.0.0.1:0")
         .envs(env.iter().copied())
         .stdin(Stdio::null())

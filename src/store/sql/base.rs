@@ -110,7 +110,7 @@ impl<D: Engine> Base<D> {
             now: now_ms(),
             ..Args::default()
         };
-        let _turn = self.engine.turn(self.timeout).await?;
+        let _turn = self.engine.turn(Some(self.timeout)).await?;
         if self.execute(&self.sql.forget_completed, &args).await? > 0 {
             return Ok(Some(Forgotten::Completed));
         }
@@ -127,19 +127,34 @@ impl<D: Engine> Base<D> {
             batch: i64::from(batch),
             ..Args::default()
         };
-        let _turn = self.engine.turn(self.timeout).await?;
+        let _turn = self.engine.turn(Some(self.timeout)).await?;
         self.execute(&self.sql.delete_expired, &args).await
     }
 
     /// Creates the table and its index if they are missing, then runs the
     /// start-up check on it.
+    ///
+    /// Safe to run from many instances at once on a new database: one that
+    /// loses the race to create an object runs the schema again, and finds
+    /// it there.
     pub(crate) async fn migrate(&self) -> Result<(), StoreError> {
-        let _turn = self.engine.turn(self.timeout).await?;
-        let mut on = self.pool.acquire().await.map_err(|e| self.error(e))?;
-        D::raw(&mut on, &self.sql.schema)
-            .await
-            .map_err(|e| self.error(e))?;
-        drop((on, _turn));
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let created = async {
+                let _turn = self.engine.turn(Some(self.timeout)).await?;
+                let mut on = self.pool.acquire().await.map_err(|e| self.error(e))?;
+                Ok::<_, StoreError>(D::raw(&mut on, &self.sql.schema).await)
+            };
+            match created.await? {
+                Ok(()) => break,
+                Err(error) if attempt < 10 && D::lost_schema_race(&error) => {
+                    tracing::debug!(%error, "idempotency: another instance created the schema at the same moment; again");
+                    tokio::time::sleep(Duration::from_millis(20 * attempt)).await;
+                }
+                Err(error) => return Err(self.error(error)),
+            }
+        }
         super::check::run(self, true).await
     }
 }

@@ -62,6 +62,9 @@ pub(crate) trait Engine: Dialect {
     const DEFAULT_CONNECTIONS: u32;
     /// How the lease claim says that it claimed the key.
     const LEASE_CLAIM: LeaseClaim;
+    /// Whether this process's writers take turns ([`Turn`](Self::Turn) is
+    /// more than `()`): a claim may then wait in line for its turn.
+    const TAKES_TURNS: bool = false;
 
     /// The statements, for `table` (already checked).
     fn statements(&self, table: &str) -> Statements;
@@ -75,10 +78,18 @@ pub(crate) trait Engine: Dialect {
     /// The engine's own state for a store on `pool`.
     fn new(pool: &Pool<Self::Db>) -> impl Future<Output = Result<Self, StoreError>> + Send;
 
-    /// This process's turn to write, waited for up to `timeout`.
+    /// Whether `error` says that another instance created the same schema
+    /// object at the same moment (instances started together on a new
+    /// database): the schema is then there, and running it again succeeds.
+    fn lost_schema_race(_error: &sqlx::Error) -> bool {
+        false
+    }
+
+    /// This process's turn to write, waited for up to `timeout` (`None`:
+    /// as long as it takes).
     fn turn(
         &self,
-        timeout: Duration,
+        timeout: Option<Duration>,
     ) -> impl Future<Output = Result<Self::Turn, StoreError>> + Send;
 
     /// Runs a statement; the number of rows it changed (or matched).
@@ -142,11 +153,14 @@ pub(crate) trait Engine: Dialect {
         settings: &Settings,
     ) -> impl Future<Output = Result<Self::TxState, StoreError>> + Send;
 
-    /// Begins the request's transaction and claims `key` in it.
+    /// Begins the request's transaction and claims `key` in it; `in_line`
+    /// when it may wait for this process's turn to write as long as it
+    /// takes.
     fn tx_claim(
         store: &SqlTxStore<Self>,
         key: &StorageKey,
         fingerprint: &Fingerprint,
+        in_line: bool,
     ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send;
 
     /// Writes the record into the claim's row and commits, or fails (the

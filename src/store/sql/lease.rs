@@ -123,7 +123,7 @@ impl<D: Engine> SqlStore<D> {
         stmt: &super::dialect::Stmt,
         args: &Args<'_>,
     ) -> Result<bool, StoreError> {
-        let _turn = self.base.engine.turn(self.base.timeout).await?;
+        let _turn = self.base.engine.turn(Some(self.base.timeout)).await?;
         Ok(self.base.execute(stmt, args).await? == 1)
     }
 }
@@ -144,7 +144,7 @@ impl<D: Engine> Store for SqlStore<D> {
         // nothing, so a claim that times out here is simply abandoned.
         let (turn, mut on) = base
             .bounded(async {
-                let turn = base.engine.turn(base.timeout).await?;
+                let turn = base.engine.turn(Some(base.timeout)).await?;
                 let on = base.pool.acquire().await.map_err(|e| base.error(e))?;
                 Ok((turn, on))
             })

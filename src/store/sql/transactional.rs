@@ -142,6 +142,21 @@ impl<D: Engine> std::fmt::Debug for SqlTxStore<D> {
 
 super::table_methods!(SqlTxStore);
 
+/// What an engine's claim found, as a [`Claim`].
+fn as_claim<D: Engine>(
+    store: &SqlTxStore<D>,
+    fingerprint: &Fingerprint,
+    claimed: TxClaim<D>,
+) -> Result<Claim<SqlTx<D>>, StoreError> {
+    match claimed {
+        TxClaim::Acquired(tx) => Ok(Claim::Acquired(tx)),
+        TxClaim::InFlight => Ok(Claim::InFlight {
+            retry_after: IN_FLIGHT_RETRY_AFTER,
+        }),
+        TxClaim::Found(row) => decide(fingerprint, row, &store.base.compression),
+    }
+}
+
 impl<D: Engine> Store for SqlTxStore<D> {
     type Granted = SqlTx<D>;
 
@@ -151,17 +166,27 @@ impl<D: Engine> Store for SqlTxStore<D> {
         fingerprint: &Fingerprint,
         _lease: Duration,
     ) -> Result<Claim<SqlTx<D>>, StoreError> {
-        match self
+        let claimed = self
             .base
-            .bounded(D::tx_claim(self, key, fingerprint))
-            .await?
-        {
-            TxClaim::Acquired(tx) => Ok(Claim::Acquired(tx)),
-            TxClaim::InFlight => Ok(Claim::InFlight {
-                retry_after: IN_FLIGHT_RETRY_AFTER,
-            }),
-            TxClaim::Found(row) => decide(fingerprint, row, &self.base.compression),
+            .bounded(D::tx_claim(self, key, fingerprint, false))
+            .await?;
+        as_claim(self, fingerprint, claimed)
+    }
+
+    /// Waits in line for this process's turn to write, as long as it takes,
+    /// where the engine's writers take turns (SQLite); elsewhere the
+    /// database orders its writers, and this is [`claim`](Self::claim).
+    async fn claim_patiently(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim<SqlTx<D>>, StoreError> {
+        if !D::TAKES_TURNS {
+            return self.claim(key, fingerprint, lease).await;
         }
+        let claimed = D::tx_claim(self, key, fingerprint, true).await?;
+        as_claim(self, fingerprint, claimed)
     }
 
     /// The claim lives as long as its transaction: nothing to extend.

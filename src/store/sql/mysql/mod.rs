@@ -192,13 +192,21 @@ impl Engine for MySql {
         Ok(Self { flavor })
     }
 
-    async fn turn(&self, _: Duration) -> Result<(), StoreError> {
+    async fn turn(&self, _: Option<Duration>) -> Result<(), StoreError> {
         Ok(())
     }
 
     glue!(sqlx::MySql);
 
     /// By MySQL's error number.
+    /// MySQL's DDL takes a metadata lock, but a table created between the
+    /// check and the create is still "already exists", and its index a
+    /// duplicate name.
+    fn lost_schema_race(error: &sqlx::Error) -> bool {
+        // ER_TABLE_EXISTS_ERROR, ER_DUP_KEYNAME, ER_LOCK_DEADLOCK
+        matches!(number(error), Some(1050 | 1061 | 1213))
+    }
+
     fn classify(error: &sqlx::Error) -> ErrorClass {
         match number(error) {
             // ER_LOCK_WAIT_TIMEOUT
@@ -295,6 +303,7 @@ impl Engine for MySql {
         store: &MySqlTxStore,
         key: &StorageKey,
         fingerprint: &Fingerprint,
+        _in_line: bool,
     ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
         transactional::claim(store, key, fingerprint)
     }

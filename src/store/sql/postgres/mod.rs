@@ -207,11 +207,23 @@ impl Engine for Postgres {
         Ok(Self(()))
     }
 
-    async fn turn(&self, _: Duration) -> Result<(), StoreError> {
+    async fn turn(&self, _: Option<Duration>) -> Result<(), StoreError> {
         Ok(())
     }
 
     glue!(sqlx::Postgres);
+
+    /// `CREATE … IF NOT EXISTS` is not safe against itself: two sessions
+    /// creating one table both pass the check, and the second fails on the
+    /// catalog's unique index (`pg_type_typname_nsp_index`) or says the
+    /// relation exists.
+    fn lost_schema_race(error: &sqlx::Error) -> bool {
+        // unique_violation, duplicate_table, duplicate_object
+        matches!(
+            sqlstate(error).as_deref(),
+            Some("23505" | "42P07" | "42710")
+        )
+    }
 
     /// By SQLSTATE.
     fn classify(error: &sqlx::Error) -> ErrorClass {
@@ -280,6 +292,7 @@ impl Engine for Postgres {
         store: &PostgresTxStore,
         key: &StorageKey,
         fingerprint: &Fingerprint,
+        _in_line: bool,
     ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
         transactional::claim(store, key, fingerprint)
     }

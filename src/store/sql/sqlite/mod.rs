@@ -134,6 +134,7 @@ impl Engine for Sqlite {
     const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
     const DEFAULT_CONNECTIONS: u32 = 8;
     const LEASE_CLAIM: LeaseClaim = LeaseClaim::Counts;
+    const TAKES_TURNS: bool = true;
 
     fn statements(&self, table: &str) -> Statements {
         statements::statements(table)
@@ -170,10 +171,14 @@ impl Engine for Sqlite {
     /// Waits for this process's turn, then makes sure the file is still
     /// the one the store opened: a write into a deleted file would be lost
     /// at the next restart.
-    async fn turn(&self, timeout: Duration) -> Result<OwnedMutexGuard<()>, StoreError> {
-        let turn = tokio::time::timeout(timeout, self.writer.clone().lock_owned())
-            .await
-            .map_err(|_| StoreError::Timeout(timeout))?;
+    async fn turn(&self, timeout: Option<Duration>) -> Result<OwnedMutexGuard<()>, StoreError> {
+        let waiting = self.writer.clone().lock_owned();
+        let turn = match timeout {
+            Some(timeout) => tokio::time::timeout(timeout, waiting)
+                .await
+                .map_err(|_| StoreError::Timeout(timeout))?,
+            None => waiting.await,
+        };
         self.file.still_there()?;
         Ok(turn)
     }
@@ -249,8 +254,9 @@ impl Engine for Sqlite {
         store: &SqliteTxStore,
         key: &crate::store::StorageKey,
         fingerprint: &crate::fingerprint::Fingerprint,
+        in_line: bool,
     ) -> impl Future<Output = Result<super::dialect::TxClaim<Self>, StoreError>> + Send {
-        transactional::claim(store, key, fingerprint)
+        transactional::claim(store, key, fingerprint, in_line)
     }
 
     fn tx_complete(

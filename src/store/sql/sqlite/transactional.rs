@@ -103,6 +103,7 @@ pub(super) async fn claim(
     store: &SqliteTxStore,
     key: &StorageKey,
     fingerprint: &Fingerprint,
+    in_line: bool,
 ) -> Result<TxClaim<Sqlite>, StoreError> {
     // A replay (or a mismatch) needs no write lock, and no place in the
     // registry: concurrent replays of one key all replay.
@@ -124,7 +125,8 @@ pub(super) async fn claim(
         let base = store.base.clone();
         let (key, fingerprint) = (key.clone(), *fingerprint);
         let lifetime = store.claim_lifetime_ms()?;
-        async move { insert_claim(&base, registered, &key, &fingerprint, lifetime).await }
+        let wait = (!in_line).then_some(base.timeout);
+        async move { insert_claim(&base, registered, &key, &fingerprint, lifetime, wait).await }
     });
     match claim
         .await
@@ -140,19 +142,22 @@ pub(super) async fn claim(
     }
 }
 
-/// Takes this process's turn to write, then the database's write lock
-/// (waiting for a writer in another process as SQLite does: its busy
-/// timeout, the command timeout), and inserts the claim's row: the
-/// transaction holding it, or `None` when a live row holds the key.
+/// Takes this process's turn to write (waiting up to `wait`, or as long as
+/// it takes), then the database's write lock (waiting for a writer in
+/// another process as SQLite does: its busy timeout, the command timeout),
+/// and inserts the claim's row: the transaction holding it, or `None` when
+/// a live row holds the key.
 async fn insert_claim(
     base: &Base<Sqlite>,
     registered: Registered,
     key: &StorageKey,
     fingerprint: &Fingerprint,
     lifetime: i64,
+    wait: Option<Duration>,
 ) -> Result<Option<SqliteTx>, StoreError> {
+    let turn = base.engine.turn(wait).await?;
+    // The transaction's bound counts from its turn, not from the wait.
     let began = Instant::now();
-    let turn = base.engine.turn(base.timeout).await?;
     let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
     let now = now_ms();
     let expires_at = now.saturating_add(lifetime);
@@ -249,7 +254,7 @@ pub(super) async fn forget(
 }
 
 async fn forget_committed(base: &Base<Sqlite>, key: &StorageKey) -> Result<Forgotten, StoreError> {
-    let _turn = base.engine.turn(base.timeout).await?;
+    let _turn = base.engine.turn(Some(base.timeout)).await?;
     let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
     let begin = format!(
         "PRAGMA busy_timeout = {}; BEGIN IMMEDIATE",
