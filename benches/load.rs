@@ -1054,11 +1054,12 @@ fn main() {
             .connect(database.url())
             .await
             .expect("connect to the benchmark's database");
-        let store = PostgresStore::builder()
+        // The records table, created once for every variant.
+        PostgresStore::builder()
+            .create_table_if_missing()
             .with_pool(pool.clone())
             .await
             .unwrap();
-        store.migrate().await.unwrap();
         sqlx::raw_sql(
             "CREATE TABLE charges (id bigserial PRIMARY KEY, amount bigint, currency text, description text)",
         )
@@ -1072,10 +1073,10 @@ fn main() {
         let store = SqliteStore::builder()
             .transactional()
             .max_connections(connections + 8)
+            .create_table_if_missing()
             .connect(&sqlite_file.url())
             .await
             .expect("open the benchmark's SQLite file");
-        store.migrate().await.unwrap();
         sqlx::raw_sql(
             "CREATE TABLE charges (id INTEGER PRIMARY KEY, amount INTEGER, currency TEXT, description TEXT)",
         )
@@ -1094,10 +1095,10 @@ fn main() {
             .expect("connect to the benchmark's MySQL database");
         let store = MySqlStore::builder()
             .transactional()
+            .create_table_if_missing()
             .with_pool(pool)
             .await
             .unwrap();
-        store.migrate().await.unwrap();
         sqlx::raw_sql(
             "CREATE TABLE charges (id BIGINT AUTO_INCREMENT PRIMARY KEY, amount BIGINT, currency TEXT, description TEXT) ENGINE = InnoDB",
         )

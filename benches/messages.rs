@@ -119,18 +119,18 @@ async fn main() {
         .await
         .unwrap();
     let plain = PostgresStore::builder()
+        .create_table_if_missing()
         .with_pool(pool.clone())
         .await
         .unwrap();
-    plain.migrate().await.unwrap();
     // One mode per table.
     let transactional = PostgresStore::builder()
         .table("transactional_records")
         .transactional()
+        .create_table_if_missing()
         .with_pool(pool.clone())
         .await
         .unwrap();
-    transactional.migrate().await.unwrap();
     let redis_store = RedisStore::builder().connect(&redis.url()).await.unwrap();
     let memory = MemoryStore::new();
 

@@ -144,8 +144,11 @@ fn layer_overhead(c: &mut Criterion) {
     let mut group = c.benchmark_group("oneshot");
     let bare = handler_router();
     // Short retention so unique-key records do not pile up over millions of iterations.
-    let layered = handler_router()
-        .layer(IdempotencyLayer::new(MemoryStore::new()).retention(Duration::from_secs(1)));
+    let layered = handler_router().layer(
+        IdempotencyLayer::new(MemoryStore::new())
+            .single_tenant()
+            .retention(Duration::from_secs(1)),
+    );
     let seq = AtomicU64::new(0);
     let unique = || format!("k-{}", seq.fetch_add(1, Ordering::Relaxed));
 
@@ -157,7 +160,8 @@ fn layer_overhead(c: &mut Criterion) {
         b.to_async(&rt)
             .iter(|| layered.clone().oneshot(request(&unique())))
     });
-    let replaying = handler_router().layer(IdempotencyLayer::new(MemoryStore::new()));
+    let replaying =
+        handler_router().layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     rt.block_on(replaying.clone().oneshot(request("replayed")))
         .unwrap();
     group.bench_function("memory_replay", |b| {

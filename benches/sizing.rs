@@ -217,15 +217,18 @@ async fn main() {
                 if transactional {
                     let store = builder
                         .transactional()
+                        .create_table_if_missing()
                         .connect(database.url())
                         .await
                         .unwrap();
-                    store.migrate().await.unwrap();
                     before = relation_size(&mut admin, &table).await;
                     fill(&store, size, body, records).await;
                 } else {
-                    let store = builder.connect(database.url()).await.unwrap();
-                    store.migrate().await.unwrap();
+                    let store = builder
+                        .create_table_if_missing()
+                        .connect(database.url())
+                        .await
+                        .unwrap();
                     before = relation_size(&mut admin, &table).await;
                     fill(&store, size, body, records).await;
                 }
@@ -254,12 +257,19 @@ async fn main() {
                 let file = TestFile::create();
                 let builder = SqliteStore::builder().compression(compression.clone());
                 let bytes = if transactional {
-                    let store = builder.transactional().connect(&file.url()).await.unwrap();
-                    store.migrate().await.unwrap();
+                    let store = builder
+                        .transactional()
+                        .create_table_if_missing()
+                        .connect(&file.url())
+                        .await
+                        .unwrap();
                     sqlite_growth(&store, store.pool(), &file, size, body, records).await
                 } else {
-                    let store = builder.connect(&file.url()).await.unwrap();
-                    store.migrate().await.unwrap();
+                    let store = builder
+                        .create_table_if_missing()
+                        .connect(&file.url())
+                        .await
+                        .unwrap();
                     sqlite_growth(&store, store.pool(), &file, size, body, records).await
                 };
                 let store = format!("SQLite{}{variant}", mode(transactional));
@@ -294,15 +304,18 @@ async fn main() {
                 if transactional {
                     let store = builder
                         .transactional()
+                        .create_table_if_missing()
                         .connect(database.url())
                         .await
                         .unwrap();
-                    store.migrate().await.unwrap();
                     before = innodb_size(&mut admin, &table).await;
                     fill(&store, size, body, records).await;
                 } else {
-                    let store = builder.connect(database.url()).await.unwrap();
-                    store.migrate().await.unwrap();
+                    let store = builder
+                        .create_table_if_missing()
+                        .connect(database.url())
+                        .await
+                        .unwrap();
                     before = innodb_size(&mut admin, &table).await;
                     fill(&store, size, body, records).await;
                 }

@@ -80,11 +80,14 @@
 //!     Ok(StatusCode::CREATED) // committed with the stored response, or not at all
 //! }
 //!
-//! let store = SqliteStore::builder().transactional().connect("sqlite://payments.db").await?;
-//! store.migrate().await?;
+//! let store = SqliteStore::builder()
+//!     .transactional()
+//!     .create_table_if_missing()
+//!     .connect("sqlite://payments.db")
+//!     .await?;
 //! let app: Router = Router::new()
 //!     .route("/v1/charges", post(charge))
-//!     .route_layer(IdempotencyLayer::new(store).require_key(true));
+//!     .route_layer(IdempotencyLayer::new(store).single_tenant().require_key(true));
 //! # let _ = app; Ok(()) }
 //! ```
 //!
@@ -169,7 +172,7 @@ pub use http::outcome::{BypassReason, Completion, IdempotencyOutcome};
 pub use http::problem::Problem;
 pub use http::rejection::{Rejection, RejectionKind};
 pub use http::replay::IDEMPOTENT_REPLAYED;
-pub use http::scope::{NoScope, ScopeExtractor};
+pub use http::scope::{NoScope, ScopeExtractor, ScopeNotChosen};
 pub use http::service::IdempotencyService;
 pub use http::store_policy::{And, DefaultStorePolicy, StoreAllPolicy, StorePolicy};
 pub use http::transaction::IdempotentTx;

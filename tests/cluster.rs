@@ -23,7 +23,8 @@ const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
 async fn records_spread_over_every_master() {
     let cluster = backend::Cluster::start();
     let counter = Counter::default();
-    let app = routes(counter.clone()).layer(IdempotencyLayer::new(cluster.store().await));
+    let app =
+        routes(counter.clone()).layer(IdempotencyLayer::new(cluster.store().await).single_tenant());
     for i in 0..300 {
         let reply = oneshot(&app, post("/charges", &format!("order-{i}"), CHARGE)).await;
         assert_eq!(reply.status, StatusCode::CREATED);
@@ -53,7 +54,7 @@ async fn completed_records_survive_a_master_failover_with_wait() {
         .await
         .unwrap();
     let counter = Counter::default();
-    let app = routes(counter.clone()).layer(IdempotencyLayer::new(store));
+    let app = routes(counter.clone()).layer(IdempotencyLayer::new(store).single_tenant());
     let keys: Vec<String> = (0..60).map(|i| format!("pay-{i}")).collect();
     let mut first = Vec::new();
     for key in &keys {
@@ -131,7 +132,7 @@ async fn cluster_timeouts_are_the_documented_ones_and_late_claims_are_released()
     let counter = Counter::default();
 
     let patient = store(Duration::from_secs(3)).await.unwrap();
-    let app = routes(counter.clone()).layer(IdempotencyLayer::new(patient));
+    let app = routes(counter.clone()).layer(IdempotencyLayer::new(patient).single_tenant());
     pause_every_master();
     let reply = oneshot(&app, post("/charges", "patient", CHARGE)).await;
     assert_eq!(
@@ -141,7 +142,7 @@ async fn cluster_timeouts_are_the_documented_ones_and_late_claims_are_released()
     );
 
     let hasty = store(Duration::from_millis(300)).await.unwrap();
-    let app = routes(counter.clone()).layer(IdempotencyLayer::new(hasty));
+    let app = routes(counter.clone()).layer(IdempotencyLayer::new(hasty).single_tenant());
     pause_every_master();
     oneshot(&app, post("/charges", "late", CHARGE))
         .await

@@ -141,10 +141,10 @@ async fn the_protocol_on_transactional_postgres() {
     let db = TestDatabase::create();
     let store = PostgresStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(db.url())
         .await
         .unwrap();
-    store.migrate().await.unwrap();
     the_protocol_on(store).await;
 }
 
@@ -179,10 +179,10 @@ async fn on_transactional_postgres_the_record_commits_with_the_work() {
     let db = TestDatabase::create();
     let store = PostgresStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(db.url())
         .await
         .unwrap();
-    store.migrate().await.unwrap();
     sqlx::raw_sql("CREATE TABLE order_charges (order_id text, amount bigint)")
         .execute(store.pool())
         .await
@@ -231,10 +231,10 @@ fn quick() -> DeliveryBudget {
 async fn ledger(db: &TestDatabase, relay: Option<&Relay>, bound: Duration) -> PostgresTxStore {
     let direct = PostgresStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(db.url())
         .await
         .unwrap();
-    direct.migrate().await.unwrap();
     sqlx::raw_sql("CREATE TABLE order_charges (order_id text, amount bigint)")
         .execute(direct.pool())
         .await
@@ -483,10 +483,10 @@ async fn on_sqlite_a_consumers_deliveries_wait_their_turn_instead_of_timing_out(
     let store = SqliteStore::builder()
         .transactional()
         .command_timeout(Duration::from_millis(200))
+        .create_table_if_missing()
         .connect(&file.url())
         .await
         .unwrap();
-    store.migrate().await.unwrap();
     sqlx::raw_sql("CREATE TABLE order_charges (order_id TEXT)")
         .execute(store.pool())
         .await
@@ -919,10 +919,10 @@ async fn dropping_run_on_transactional_postgres_rolls_back_or_commits_whole() {
     let db = TestDatabase::create();
     let store = PostgresStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(db.url())
         .await
         .unwrap();
-    store.migrate().await.unwrap();
     sqlx::raw_sql("CREATE TABLE order_charges (order_id text, amount bigint)")
         .execute(store.pool())
         .await
@@ -960,10 +960,10 @@ async fn work_whose_statement_failed_is_refused_not_an_outage() {
     let db = TestDatabase::create();
     let store = PostgresStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(db.url())
         .await
         .unwrap();
-    store.migrate().await.unwrap();
     sqlx::raw_sql("CREATE TABLE order_charges (order_id text, amount bigint CHECK (amount > 0))")
         .execute(store.pool())
         .await

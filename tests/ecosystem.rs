@@ -34,7 +34,7 @@ fn echo_key() -> Router {
 
 #[tokio::test]
 async fn the_handler_receives_the_validated_key() {
-    let app = echo_key().layer(IdempotencyLayer::new(MemoryStore::new()));
+    let app = echo_key().layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     // Quoted (sf-string) in the header, plain in the handler.
     let request = Request::post("/charges")
         .header("idempotency-key", "\"order-42\"")
@@ -48,6 +48,7 @@ async fn the_handler_receives_the_validated_key() {
 #[tokio::test]
 async fn the_key_header_can_be_renamed() {
     let layer = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
         .header_name(HeaderName::from_static("x-request-key"))
         .require_key(true);
     let app = echo_key().layer(layer);
@@ -127,7 +128,7 @@ async fn metrics_count_every_decision_and_time_the_store() {
     // Thread-local, so the test runs on a current-thread runtime.
     let _guard = metrics::set_default_local_recorder(&recorder);
 
-    let app = echo_key().layer(IdempotencyLayer::new(MemoryStore::new()));
+    let app = echo_key().layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
     oneshot(&app, post("/charges", "k", CHARGE)).await;
     oneshot(&app, post("/charges", "k", CHARGE)).await;
     oneshot(&app, post("/charges", "k", CHARGE)).await;
@@ -171,7 +172,7 @@ async fn an_outage_is_logged_once_a_second_not_once_a_request() {
         .connect(&server.url())
         .await
         .unwrap();
-    let app = echo_key().layer(IdempotencyLayer::new(store));
+    let app = echo_key().layer(IdempotencyLayer::new(store).single_tenant());
     server.kill();
     let started = std::time::Instant::now();
     for i in 0..30 {
@@ -191,4 +192,43 @@ async fn an_outage_is_logged_once_a_second_not_once_a_request() {
         "30 refusals in {:?}, {lines} ERROR lines: {text}",
         started.elapsed()
     );
+}
+
+/// Compression placed inside the layer (it belongs outside): the stored
+/// response is gzip. A retry that accepts gzip gets it as it is; one that
+/// does not gets it decoded — never a body it cannot read.
+#[tokio::test]
+async fn a_compressed_response_is_replayed_only_to_clients_that_accept_its_coding() {
+    use tower_http::compression::CompressionLayer;
+
+    let big = "x".repeat(4096);
+    let app = Router::new()
+        .route(
+            "/charges",
+            routing::post(move || {
+                let big = big.clone();
+                async move { (StatusCode::CREATED, [("content-type", "text/plain")], big) }
+            }),
+        )
+        .layer(CompressionLayer::new())
+        .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
+    let request = |accept: Option<&str>| {
+        let mut request = post("/charges", "k1", CHARGE);
+        if let Some(accept) = accept {
+            request
+                .headers_mut()
+                .insert("accept-encoding", accept.parse().unwrap());
+        }
+        request
+    };
+    let first = oneshot(&app, request(Some("gzip"))).await;
+    assert_eq!(first.headers["content-encoding"], "gzip");
+    let gzip_again = oneshot(&app, request(Some("gzip, br"))).await;
+    assert!(gzip_again.is_replay());
+    assert_eq!(gzip_again.headers["content-encoding"], "gzip");
+    assert_eq!(gzip_again.body, first.body);
+    let plain = oneshot(&app, request(None)).await;
+    assert!(plain.is_replay());
+    assert!(!plain.headers.contains_key("content-encoding"));
+    assert_eq!(plain.body, "x".repeat(4096));
 }

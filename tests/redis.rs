@@ -35,7 +35,7 @@ async fn store(server: &RedisServer) -> RedisStore {
 fn app(store: RedisStore) -> (Router, Counter) {
     let counter = Counter::default();
     (
-        routes(counter.clone()).layer(IdempotencyLayer::new(store)),
+        routes(counter.clone()).layer(IdempotencyLayer::new(store).single_tenant()),
         counter,
     )
 }
@@ -55,7 +55,9 @@ async fn ttl_is_the_lease_in_flight_and_the_retention_once_complete() {
     let counter = Counter::default();
     let store = store(&server).await;
     let redis_key = &redis_key_of(&store, "k");
-    let layer = IdempotencyLayer::new(store).lease(Duration::from_secs(5));
+    let layer = IdempotencyLayer::new(store)
+        .single_tenant()
+        .lease(Duration::from_secs(5));
     let app = routes(counter.clone()).layer(layer);
 
     let slow = tokio::spawn({
@@ -134,12 +136,11 @@ async fn cached_replays_cost_no_round_trip_check_the_fingerprint_and_stay_bounde
     let server = RedisServer::start();
     let cached = CachedStore::new(store(&server).await, 64 * 1024);
     let counter = Counter::default();
-    let app = routes(counter.clone()).layer(IdempotencyLayer::new(cached.clone()));
+    let app = routes(counter.clone()).layer(IdempotencyLayer::new(cached.clone()).single_tenant());
     // A second process: its own cache over the same Redis.
-    let other = routes(counter.clone()).layer(IdempotencyLayer::new(CachedStore::new(
-        store(&server).await,
-        64 * 1024,
-    )));
+    let other = routes(counter.clone()).layer(
+        IdempotencyLayer::new(CachedStore::new(store(&server).await, 64 * 1024)).single_tenant(),
+    );
 
     oneshot(&app, post("/charges", "k", CHARGE)).await;
     let before = command_calls(server.port());
@@ -279,7 +280,9 @@ async fn redis_outage_fails_closed_and_recovers_without_restart() {
 async fn fail_open_runs_the_handler_unprotected_only_when_asked() {
     let mut server = RedisServer::start();
     let counter = Counter::default();
-    let layer = IdempotencyLayer::new(store(&server).await).fail_open(true);
+    let layer = IdempotencyLayer::new(store(&server).await)
+        .single_tenant()
+        .fail_open(true);
     let app = routes(counter.clone()).layer(layer);
     server.kill();
     let reply = oneshot(&app, post("/charges", "k", CHARGE)).await;
@@ -301,8 +304,11 @@ async fn a_hung_redis_cannot_hang_requests_and_completion_is_retried() {
         .await
         .unwrap();
     let counter = Counter::default();
-    let app =
-        routes(counter.clone()).layer(IdempotencyLayer::new(store).lease(Duration::from_secs(5)));
+    let app = routes(counter.clone()).layer(
+        IdempotencyLayer::new(store)
+            .single_tenant()
+            .lease(Duration::from_secs(5)),
+    );
 
     let first = tokio::spawn({
         let app = app.clone();
@@ -369,8 +375,9 @@ async fn a_hung_redis_cannot_hang_requests_and_completion_is_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_of_200_requests_over_20_keys_executes_20_times() {
     let server = RedisServer::start();
-    let layer =
-        IdempotencyLayer::new(store(&server).await).wait_for_in_flight(Duration::from_secs(10));
+    let layer = IdempotencyLayer::new(store(&server).await)
+        .single_tenant()
+        .wait_for_in_flight(Duration::from_secs(10));
     let counter = Counter::default();
     let http = Server::start(routes(counter.clone()).layer(layer)).await;
     let keys: Vec<String> = (0..200).map(|i| format!("storm-{}", i % 20)).collect();
@@ -457,11 +464,14 @@ async fn payments_process_killed_mid_handler_retry_waits_for_the_lease_then_exec
 
 const CHARGES: &str = "SELECT count(*) FROM charges";
 
-/// The documented contrast to the transactional stores (whose crash tests
-/// are in `postgres/` and `sqlite/`): with records in Redis and charges
-/// committed on their own (here in SQLite), the same crash charges twice.
+/// The crash window of a lease store: records in Redis, charges committed
+/// on their own (here in SQLite). Killed after the charge's commit and
+/// before the record, the key executes again once the dead process's lease
+/// expires — and the example's downstream key (the charge carries the
+/// account's idempotency key under a unique constraint) makes that second
+/// execution find the first charge: one charge, answered with it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_mid_charge_on_redis_charges_twice_the_documented_crash_window() {
+async fn killed_after_the_charge_on_redis_the_downstream_key_keeps_one_charge() {
     let file = TestFile::create();
     let redis = RedisServer::start();
     let client = HttpClient::default();
@@ -479,15 +489,86 @@ async fn killed_mid_charge_on_redis_charges_twice_the_documented_crash_window() 
         1,
         "the charge committed on its own before the crash"
     );
+    let first_id: String = file_value(&file, "SELECT id FROM charges").await;
 
     let (executed, conflicts) = retry_until_done(&client, &payments.addr).await;
     assert!(conflicts > 0, "409 until the dead process's lease expired");
     assert_eq!(executed.status, StatusCode::CREATED);
+    assert!(!executed.is_replay(), "executed again: the window is real");
     assert_eq!(
         file.count(CHARGES).await,
-        2,
-        "charged twice: the record and the charge were not one transaction"
+        1,
+        "the second execution found the first charge"
     );
+    let body: serde_json::Value = serde_json::from_slice(&executed.body).unwrap();
+    assert_eq!(
+        body["id"],
+        first_id.as_str(),
+        "answered with the first charge"
+    );
+}
+
+/// A lease store and a paused process: the instance holding a key is
+/// stopped (SIGSTOP, a VM stall) longer than its lease, the retry executes
+/// on another instance, and the paused one resumes and finishes its charge
+/// too. Two executions of one key — and one charge, by the downstream key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_paused_past_its_lease_on_redis_executes_twice_and_charges_once() {
+    let file = TestFile::create();
+    let redis = RedisServer::start();
+    let client = HttpClient::default();
+    let (database, url) = (file.url(), redis.url());
+    let env = [
+        ("DATABASE_URL", database.as_str()),
+        ("REDIS_URL", url.as_str()),
+        ("PROCESSOR_LATENCY_MS", "1500"),
+        ("IDEMPOTENCY_LEASE_MS", "600"),
+    ];
+    let paused = Payments::start(free_port(), &env);
+    let other = Payments::start(free_port(), &env);
+    let first = tokio::spawn({
+        let (client, addr) = (client.clone(), paused.addr.clone());
+        async move { client.send(charge_request(&addr)).await }
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while file.count(CHARGES).await == 0 {
+        assert!(std::time::Instant::now() < deadline, "never charged");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    signal(&paused, "-STOP");
+    // Past the lease: its heartbeats stopped with it.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (retried, _) = retry_until_done(&client, &other.addr).await;
+    assert_eq!(retried.status, StatusCode::CREATED);
+    assert!(!retried.is_replay(), "the key executed a second time");
+    signal(&paused, "-CONT");
+    let first = first.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(file.count(CHARGES).await, 1, "one charge all the same");
+    let (a, b): (serde_json::Value, serde_json::Value) = (
+        serde_json::from_slice(&first.body).unwrap(),
+        serde_json::from_slice(&retried.body).unwrap(),
+    );
+    assert_eq!(a["id"], b["id"], "both answers name the one charge");
+}
+
+/// Sends `sig` (`-STOP`, `-CONT`) to the example's process.
+fn signal(payments: &Payments, sig: &str) {
+    let status = std::process::Command::new("kill")
+        .args([sig, &payments.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// One text value from the file's database.
+async fn file_value(file: &TestFile, sql: &str) -> String {
+    use sqlx::Connection;
+    let mut connection = sqlx::SqliteConnection::connect(&file.url()).await.unwrap();
+    sqlx::query_scalar(sql)
+        .fetch_one(&mut connection)
+        .await
+        .unwrap()
 }
 
 #[tokio::test]
@@ -620,7 +701,7 @@ async fn compressed_records_replay_the_original_bytes_and_store_fewer() {
         Router::new()
             .route("/charges", route_post(big_charge))
             .with_state(counter.clone())
-            .layer(IdempotencyLayer::new(store))
+            .layer(IdempotencyLayer::new(store).single_tenant())
     };
     let compressing = RedisStore::builder()
         .compression(Compression::zstd(1))
@@ -730,9 +811,13 @@ async fn a_tampered_record_is_a_503_and_never_decompresses_past_the_limit() {
 async fn a_duplicate_in_flight_is_told_to_come_back_soon_not_when_the_lease_ends() {
     let server = RedisServer::start();
     for (layer, expected) in [
-        (IdempotencyLayer::new(store(&server).await), "1"),
+        (
+            IdempotencyLayer::new(store(&server).await).single_tenant(),
+            "1",
+        ),
         (
             IdempotencyLayer::new(store(&server).await)
+                .single_tenant()
                 .in_flight_retry_after(Duration::from_secs(3)),
             "3",
         ),
@@ -751,5 +836,21 @@ async fn a_duplicate_in_flight_is_told_to_come_back_soon_not_when_the_lease_ends
         duplicate.assert_problem(409);
         assert_eq!(duplicate.header("retry-after"), Some(expected));
         assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    }
+}
+
+/// A Redis URL that does not parse is a configuration mistake, said as
+/// such — not "unavailable", which would send an operator after an outage.
+#[tokio::test]
+async fn a_redis_url_that_does_not_parse_is_a_misconfiguration() {
+    for url in ["redis://127.0.0.1:notaport", "http://127.0.0.1:6379"] {
+        let error = RedisStore::builder().connect(url).await.unwrap_err();
+        assert!(
+            matches!(
+                error,
+                tower_idempotency::store::StoreError::Misconfigured(_)
+            ),
+            "{url}: {error}"
+        );
     }
 }

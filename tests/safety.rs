@@ -241,8 +241,11 @@ async fn background_completion_retries_stop_within_a_lease_and_say_so_once() {
         extends: extends.clone(),
     };
     let counter = Counter::default();
-    let app = routes(counter.clone())
-        .layer(IdempotencyLayer::new(store).lease(Duration::from_millis(300)));
+    let app = routes(counter.clone()).layer(
+        IdempotencyLayer::new(store)
+            .single_tenant()
+            .lease(Duration::from_millis(300)),
+    );
 
     let first = oneshot(&app, post("/charges", "k", CHARGE)).await;
     assert_eq!(first.status, StatusCode::CREATED);
@@ -281,7 +284,7 @@ async fn a_claim_redis_applies_after_its_timeout_is_released() {
     let store = store_with_timeout(&server, Duration::from_millis(300)).await;
     let counter = Counter::default();
     // The default 30 s lease: without the release, the key is blocked 30 s.
-    let app = routes(counter.clone()).layer(IdempotencyLayer::new(store));
+    let app = routes(counter.clone()).layer(IdempotencyLayer::new(store).single_tenant());
 
     server.command(&["CLIENT", "PAUSE", "1500", "ALL"]);
     oneshot(&app, post("/charges", "k", CHARGE))
@@ -306,7 +309,7 @@ async fn a_stall_shorter_than_the_command_timeout_is_waited_out() {
     let server = RedisServer::start();
     let store = store_with_timeout(&server, Duration::from_secs(3)).await;
     let counter = Counter::default();
-    let app = routes(counter.clone()).layer(IdempotencyLayer::new(store));
+    let app = routes(counter.clone()).layer(IdempotencyLayer::new(store).single_tenant());
     server.command(&["CLIENT", "PAUSE", "1500", "ALL"]);
     let reply = oneshot(&app, post("/charges", "k", CHARGE)).await;
     assert_eq!(

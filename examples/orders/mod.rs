@@ -145,18 +145,21 @@ pub async fn run<C: Consumer>(consumer: C, scope: &str, settings: Settings) {
         Database::Sqlite => {
             let store = SqliteStore::builder()
                 .transactional()
+                .create_table_if_missing()
                 .transaction_timeout(bound);
             start(store.connect(&url).await, consumer, scope, settings).await
         }
         Database::MySql => {
             let store = MySqlStore::builder()
                 .transactional()
+                .create_table_if_missing()
                 .transaction_timeout(bound);
             start(store.connect(&url).await, consumer, scope, settings).await
         }
         Database::Postgres => {
             let store = PostgresStore::builder()
                 .transactional()
+                .create_table_if_missing()
                 .transaction_timeout(bound);
             start(store.connect(&url).await, consumer, scope, settings).await
         }
@@ -198,7 +201,6 @@ pub trait Ledger: Store + Clone {
 
 impl Ledger for PostgresTxStore {
     async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
-        self.migrate().await?;
         // `CREATE TABLE IF NOT EXISTS` races itself: consumers started
         // together on a new database take turns on an advisory lock.
         sqlx::raw_sql(
@@ -227,7 +229,6 @@ impl Ledger for PostgresTxStore {
 
 impl Ledger for SqliteTxStore {
     async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
-        self.migrate().await?;
         sqlx::raw_sql(
             "CREATE TABLE IF NOT EXISTS order_charges (
                 order_id TEXT NOT NULL, amount INTEGER NOT NULL, currency TEXT NOT NULL,
@@ -326,7 +327,6 @@ pub async fn handle<St: Ledger, L: DeliveryLease>(
 
 impl Ledger for MySqlTxStore {
     async fn create_tables(&self) -> Result<(), Box<dyn std::error::Error>> {
-        self.migrate().await?;
         sqlx::raw_sql(
             "CREATE TABLE IF NOT EXISTS order_charges (
                 order_id VARCHAR(255) NOT NULL, amount BIGINT NOT NULL, currency VARCHAR(16) NOT NULL,

@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tower::ServiceBuilder;
 use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer, trace::TraceLayer};
 use tower_idempotency::{
-    IdempotencyLayer, IdempotencyOutcome, IdempotentTx, Problem, sqlx,
+    IdempotencyKey, IdempotencyLayer, IdempotencyOutcome, IdempotentTx, Problem, sqlx,
     store::{
         LeaseToken, Store,
         sql::{Dialect, SqlTx},
@@ -254,19 +254,30 @@ struct NewCharge {
 }
 
 /// Charges on its own: the charge commits, then the processor is called,
-/// then the idempotency record is stored. A crash in between leaves a charge
-/// without a record, and the retry charges again once the lease expires.
+/// then the idempotency record is stored. A lease store cannot close the
+/// gaps between them — a crash after the charge's commit, or a pause longer
+/// than the lease, lets the retry execute again — so the charge carries the
+/// request's idempotency key under a unique constraint (a downstream key):
+/// a second execution finds the first charge and answers with it.
 async fn create_charge(
     State(state): State<AppState>,
     axum::Extension(Account(account)): axum::Extension<Account>,
+    key: Option<axum::Extension<IdempotencyKey>>,
     body: Result<Json<NewCharge>, JsonRejection>,
 ) -> Response {
     let charge = match new_charge(account, body) {
         Ok(charge) => charge,
         Err(invalid) => return invalid.into_response(),
     };
-    let recorded = state.charges.insert(&charge).await;
-    after_recording(&state, charge, recorded).await
+    let recorded = match key {
+        Some(axum::Extension(key)) => state.charges.insert_once(&charge, key.as_str()).await,
+        // No key, no protection: a charge per request.
+        None => state.charges.insert(&charge).await.map(|()| charge.clone()),
+    };
+    match recorded {
+        Ok(charge) => after_recording(&state, charge, Ok(())).await,
+        Err(e) => after_recording(&state, charge, Err(e)).await,
+    }
 }
 
 /// Charges in the request's transaction: the charge and the idempotency
@@ -686,10 +697,10 @@ mod tests {
         let open = async || {
             let store = SqliteStore::builder()
                 .transactional()
+                .create_table_if_missing()
                 .connect(&url)
                 .await
                 .unwrap();
-            store.migrate().await.unwrap();
             crate::ledger::create_tables(store.pool()).await.unwrap();
             let charges = Charges::Sqlite(store.pool().clone());
             app(store, charges, &settings())

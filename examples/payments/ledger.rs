@@ -37,6 +37,11 @@ pub trait Engine: Database {
     const TABLES: &'static str;
     /// A charge: id, account, amount, currency, description.
     const INSERT_CHARGE: &'static str;
+    /// A charge under its downstream key: id, account, amount, currency,
+    /// description, key — or nothing, when the account's key has a charge.
+    const INSERT_CHARGE_ONCE: &'static str;
+    /// The charge an account's key made: account, key.
+    const CHARGE_BY_KEY: &'static str;
     /// An account's charges, in the order they were made.
     const LIST_CHARGES: &'static str;
     /// An event: id, type (no unique constraint: a double execution shows).
@@ -48,9 +53,14 @@ pub trait Engine: Database {
 impl Engine for Sqlite {
     const TABLES: &'static str = "CREATE TABLE IF NOT EXISTS charges (
         id TEXT PRIMARY KEY, account TEXT NOT NULL, amount INTEGER NOT NULL,
-        currency TEXT NOT NULL, description TEXT);
+        currency TEXT NOT NULL, description TEXT, idempotency_key TEXT,
+        UNIQUE (account, idempotency_key));
         CREATE TABLE IF NOT EXISTS processor_events (id TEXT NOT NULL, type TEXT)";
     const INSERT_CHARGE: &'static str = "INSERT INTO charges (id, account, amount, currency, description) VALUES (?1, ?2, ?3, ?4, ?5)";
+    const INSERT_CHARGE_ONCE: &'static str = "INSERT INTO charges (id, account, amount, currency, description, idempotency_key) \
+        VALUES (?1, ?2, ?3, ?4, ?5, ?6) ON CONFLICT DO NOTHING";
+    const CHARGE_BY_KEY: &'static str = "SELECT id, account, amount, currency, description \
+        FROM charges WHERE account = ?1 AND idempotency_key = ?2";
     const LIST_CHARGES: &'static str = "SELECT id, account, amount, currency, description \
         FROM charges WHERE account = ?1 ORDER BY rowid";
     const INSERT_EVENT: &'static str = "INSERT INTO processor_events (id, type) VALUES (?1, ?2)";
@@ -64,11 +74,16 @@ impl Engine for Postgres {
         SELECT pg_advisory_xact_lock(hashtext('payments example schema'));
         CREATE TABLE IF NOT EXISTS charges (
         id text PRIMARY KEY, account text NOT NULL, amount bigint NOT NULL,
-        currency text NOT NULL, description text,
-        created_at timestamptz NOT NULL DEFAULT now());
+        currency text NOT NULL, description text, idempotency_key text,
+        created_at timestamptz NOT NULL DEFAULT now(),
+        UNIQUE (account, idempotency_key));
         CREATE TABLE IF NOT EXISTS processor_events (n bigserial PRIMARY KEY, id text NOT NULL, type text);
         COMMIT";
     const INSERT_CHARGE: &'static str = "INSERT INTO charges (id, account, amount, currency, description) VALUES ($1, $2, $3, $4, $5)";
+    const INSERT_CHARGE_ONCE: &'static str = "INSERT INTO charges (id, account, amount, currency, description, idempotency_key) \
+        VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (account, idempotency_key) DO NOTHING";
+    const CHARGE_BY_KEY: &'static str = "SELECT id, account, amount, currency, description \
+        FROM charges WHERE account = $1 AND idempotency_key = $2";
     const LIST_CHARGES: &'static str = "SELECT id, account, amount, currency, description \
         FROM charges WHERE account = $1 ORDER BY created_at, id";
     const INSERT_EVENT: &'static str = "INSERT INTO processor_events (id, type) VALUES ($1, $2)";
@@ -79,11 +94,18 @@ impl Engine for MySql {
     const TABLES: &'static str = "CREATE TABLE IF NOT EXISTS charges (
         n BIGINT AUTO_INCREMENT PRIMARY KEY, id VARCHAR(64) NOT NULL UNIQUE,
         account VARCHAR(255) NOT NULL, amount BIGINT NOT NULL,
-        currency VARCHAR(3) NOT NULL, description TEXT) ENGINE = InnoDB;
+        currency VARCHAR(3) NOT NULL, description TEXT, idempotency_key VARCHAR(255),
+        UNIQUE (account, idempotency_key)) ENGINE = InnoDB;
         CREATE TABLE IF NOT EXISTS processor_events (n BIGINT AUTO_INCREMENT PRIMARY KEY,
         id VARCHAR(255) NOT NULL, type TEXT) ENGINE = InnoDB";
     const INSERT_CHARGE: &'static str =
         "INSERT INTO charges (id, account, amount, currency, description) VALUES (?, ?, ?, ?, ?)";
+    // A no-op update on a duplicate key: INSERT IGNORE would also turn
+    // every other error into a warning.
+    const INSERT_CHARGE_ONCE: &'static str = "INSERT INTO charges (id, account, amount, currency, description, idempotency_key) \
+        VALUES (?, ?, ?, ?, ?, ?) ON DUPLICATE KEY UPDATE id = id";
+    const CHARGE_BY_KEY: &'static str = "SELECT id, account, amount, currency, description \
+        FROM charges WHERE account = ? AND idempotency_key = ?";
     const LIST_CHARGES: &'static str = "SELECT id, account, amount, currency, description \
         FROM charges WHERE account = ? ORDER BY n";
     const INSERT_EVENT: &'static str = "INSERT INTO processor_events (id, type) VALUES (?, ?)";
@@ -120,6 +142,42 @@ where
         .execute(on)
         .await?;
     Ok(())
+}
+
+/// Records `charge` under its downstream key — the account's idempotency
+/// key, unique in the table — unless that key already made a charge: the
+/// charge that stands.
+pub async fn insert_once<DB: Engine>(
+    pool: &Pool<DB>,
+    charge: &Charge,
+    key: &str,
+) -> Result<Charge, sqlx::Error>
+where
+    for<'c> &'c Pool<DB>: Executor<'c, Database = DB>,
+    for<'q> <DB as Database>::Arguments<'q>: IntoArguments<'q, DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> Option<&'q str>: Encode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+    for<'r> &'r str: sqlx::ColumnIndex<DB::Row>,
+    for<'r> String: Decode<'r, DB> + Type<DB>,
+    for<'r> i64: Decode<'r, DB> + Type<DB>,
+    for<'r> Option<String>: Decode<'r, DB> + Type<DB>,
+{
+    sqlx::query(DB::INSERT_CHARGE_ONCE)
+        .bind(charge.id.as_str())
+        .bind(charge.account.as_str())
+        .bind(charge.amount)
+        .bind(charge.currency.as_str())
+        .bind(charge.description.as_deref())
+        .bind(key)
+        .execute(pool)
+        .await?;
+    let row = sqlx::query(DB::CHARGE_BY_KEY)
+        .bind(charge.account.as_str())
+        .bind(key)
+        .fetch_one(pool)
+        .await?;
+    charge_of(&row)
 }
 
 /// Records `event` with `on`: a pooled connection, or the request's
@@ -176,17 +234,24 @@ where
         .bind(account)
         .fetch_all(pool)
         .await?;
-    rows.iter()
-        .map(|row| {
-            Ok(Charge {
-                id: row.try_get("id")?,
-                account: row.try_get("account")?,
-                amount: row.try_get("amount")?,
-                currency: row.try_get("currency")?,
-                description: row.try_get("description")?,
-            })
-        })
-        .collect()
+    rows.iter().map(charge_of).collect()
+}
+
+/// A charge, as a row holds it.
+fn charge_of<R: Row>(row: &R) -> Result<Charge, sqlx::Error>
+where
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> Option<String>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(Charge {
+        id: row.try_get("id")?,
+        account: row.try_get("account")?,
+        amount: row.try_get("amount")?,
+        currency: row.try_get("currency")?,
+        description: row.try_get("description")?,
+    })
 }
 
 /// Where charges live.
@@ -198,10 +263,12 @@ pub enum Charges {
     MySql(MySqlPool),
 }
 
-/// The in-memory ledger: charges by account, and events.
+/// The in-memory ledger: charges by account, each key's charge, and
+/// events.
 #[derive(Default)]
 pub struct Memory {
     charges: HashMap<String, Vec<Charge>>,
+    by_key: HashMap<(String, String), Charge>,
     events: Vec<Event>,
 }
 
@@ -221,6 +288,33 @@ impl Charges {
             Charges::Sqlite(pool) => insert(pool, charge).await,
             Charges::Postgres(pool) => insert(pool, charge).await,
             Charges::MySql(pool) => insert(pool, charge).await,
+        }
+    }
+
+    /// Records a charge on its own under its downstream key (the account's
+    /// idempotency key), unless that key already made one: the charge that
+    /// stands. A second execution of one key — its lease lost to a pause,
+    /// or a crash between this commit and the idempotency record — finds
+    /// the first charge instead of making another.
+    pub async fn insert_once(&self, charge: &Charge, key: &str) -> Result<Charge, sqlx::Error> {
+        match self {
+            Charges::Memory(memory) => {
+                let mut memory = memory.lock().unwrap();
+                let index = (charge.account.clone(), key.to_owned());
+                if let Some(first) = memory.by_key.get(&index) {
+                    return Ok(first.clone());
+                }
+                memory.by_key.insert(index, charge.clone());
+                memory
+                    .charges
+                    .entry(charge.account.clone())
+                    .or_default()
+                    .push(charge.clone());
+                Ok(charge.clone())
+            }
+            Charges::Sqlite(pool) => insert_once(pool, charge, key).await,
+            Charges::Postgres(pool) => insert_once(pool, charge, key).await,
+            Charges::MySql(pool) => insert_once(pool, charge, key).await,
         }
     }
 

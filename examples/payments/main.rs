@@ -193,9 +193,12 @@ async fn transactional(
 ) -> Result<Router, Box<dyn std::error::Error>> {
     Ok(match database {
         Database::Sqlite(url) => {
-            let store = SqliteStore::builder().transactional().connect(&url).await?;
+            let store = SqliteStore::builder()
+                .transactional()
+                .create_table_if_missing()
+                .connect(&url)
+                .await?;
             create_tables(store.pool()).await?;
-            store.migrate().await?;
             tracing::info!("store: SQLite, one transaction per charge ({url})");
             let charges = Charges::Sqlite(store.pool().clone());
             app::<SqliteTxStore>(store, charges, settings)
@@ -204,10 +207,10 @@ async fn transactional(
             let store = PostgresStore::builder()
                 .transactional()
                 .transaction_timeout(settings.transaction_timeout)
+                .create_table_if_missing()
                 .connect(&url)
                 .await?;
             create_tables(store.pool()).await?;
-            store.migrate().await?;
             tracing::info!("store: PostgreSQL, one transaction per charge (DATABASE_URL)");
             let charges = Charges::Postgres(store.pool().clone());
             app::<PostgresTxStore>(store, charges, settings)
@@ -216,10 +219,10 @@ async fn transactional(
             let store = MySqlStore::builder()
                 .transactional()
                 .transaction_timeout(settings.transaction_timeout)
+                .create_table_if_missing()
                 .connect(&url)
                 .await?;
             create_tables(store.pool()).await?;
-            store.migrate().await?;
             tracing::info!("store: MySQL, one transaction per charge (DATABASE_URL)");
             let charges = Charges::MySql(store.pool().clone());
             app::<MySqlTxStore>(store, charges, settings)
@@ -236,9 +239,12 @@ async fn charges_apart() -> Charges {
     let charges = async {
         Ok::<_, Box<dyn std::error::Error>>(match Database::from_env()? {
             Database::Sqlite(url) => {
-                let store = SqliteStore::builder().connect(&url).await?;
-                create_tables(store.pool()).await?;
-                Charges::Sqlite(store.pool().clone())
+                let options = url
+                    .parse::<sqlx::sqlite::SqliteConnectOptions>()?
+                    .create_if_missing(true);
+                let pool = sqlx::SqlitePool::connect_with(options).await?;
+                create_tables(&pool).await?;
+                Charges::Sqlite(pool)
             }
             Database::Postgres(_) => {
                 let pool = sqlx::PgPool::connect(&url).await?;

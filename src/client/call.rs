@@ -13,7 +13,8 @@
 /// use tower_idempotency::client::IdempotentCall;
 ///
 /// let call = response.extensions().get::<IdempotentCall>().unwrap();
-/// println!("key {:?} after {} attempt(s), replayed: {}", call.key, call.attempts, call.replayed);
+/// let key = call.key.as_deref().unwrap_or("-");
+/// println!("key {key} after {} attempt(s), replayed: {}", call.attempts, call.replayed);
 /// # }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -26,6 +27,16 @@ pub struct IdempotentCall {
     pub attempts: u32,
     /// Whether the final answer was the server's replay of an earlier one.
     pub replayed: bool,
+}
+
+impl IdempotentCall {
+    /// The key as a message says it: `key "order-42"`, or `no key`.
+    fn key_said(&self) -> String {
+        match &self.key {
+            Some(key) => format!("key {key:?}"),
+            None => "no key".to_owned(),
+        }
+    }
 }
 
 /// Why a call ended without an answer to return.
@@ -45,7 +56,7 @@ pub enum ClientError {
     Body(#[source] super::BoxError),
     /// An answer's body is over the limit the client reads
     /// (`IdempotentClientLayer::max_response_body`).
-    #[error("the response body is over the {limit}-byte limit (key {:?}, attempt {})", call.key, call.attempts)]
+    #[error("the response body is over the {limit}-byte limit ({}, attempt {})", call.key_said(), call.attempts)]
     ResponseTooLarge {
         /// The limit.
         limit: usize,
@@ -55,7 +66,7 @@ pub enum ClientError {
     /// No attempt got an answer (connection failures, timeouts) before the
     /// attempts or the deadline ran out. The server may have acted: retry
     /// later **with the same key** (`call.key`), never a new one.
-    #[error("no answer after {} attempt(s) (key {:?}): {source}", call.attempts, call.key)]
+    #[error("no answer after {} attempt(s) ({}): {source}", call.attempts, call.key_said())]
     NoAnswer {
         /// The call: its key and attempts.
         call: IdempotentCall,
@@ -83,5 +94,31 @@ impl ClientError {
             }
             ClientError::BodyTooLarge { .. } | ClientError::Body(_) => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_names_its_key_as_it_was_sent() {
+        let call = |key: Option<&str>| IdempotentCall {
+            key: key.map(str::to_owned),
+            attempts: 3,
+            replayed: false,
+        };
+        let no_answer = |key| ClientError::NoAnswer {
+            call: call(key),
+            source: "connection refused".into(),
+        };
+        assert_eq!(
+            no_answer(Some("order-42")).to_string(),
+            r#"no answer after 3 attempt(s) (key "order-42"): connection refused"#
+        );
+        assert_eq!(
+            no_answer(None).to_string(),
+            "no answer after 3 attempt(s) (no key): connection refused"
+        );
     }
 }

@@ -109,11 +109,19 @@ fn grpc_verdict(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Verdict {
     }
 }
 
-/// `Retry-After` in seconds (the form servers send with `409`, `429` and
-/// `503`; an HTTP date is read as absent).
+/// `Retry-After`, in either of its forms (RFC 9110): a number of seconds,
+/// or an HTTP date — the time from now until then (none once it has
+/// passed).
 fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let value = headers.get(RETRY_AFTER)?.to_str().ok()?;
-    value.trim().parse::<u64>().ok().map(Duration::from_secs)
+    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(
+        at.duration_since(std::time::SystemTime::now())
+            .unwrap_or_default(),
+    )
 }
 
 /// The back-off before attempt `attempt + 1`: `first`, doubling, at most
@@ -174,6 +182,31 @@ mod tests {
             }
         );
         assert_eq!(retried(422, &[("retry-after", "1")]), Verdict::Final);
+    }
+
+    #[test]
+    fn retry_after_is_read_in_seconds_and_as_an_http_date() {
+        let at = |offset: i64| {
+            let now = std::time::SystemTime::now();
+            let when = if offset >= 0 {
+                now + Duration::from_secs(offset as u64)
+            } else {
+                now - Duration::from_secs(offset.unsigned_abs())
+            };
+            let mut headers = HeaderMap::new();
+            let date = httpdate::fmt_http_date(when);
+            headers.insert(RETRY_AFTER, HeaderValue::from_str(&date).unwrap());
+            retry_after(&headers)
+        };
+        let ahead = at(30).expect("a date ahead");
+        assert!(
+            (Duration::from_secs(28)..=Duration::from_secs(30)).contains(&ahead),
+            "{ahead:?}"
+        );
+        assert_eq!(at(-30), Some(Duration::ZERO), "a date past: at once");
+        let seconds = headers(&[("retry-after", " 7 ")]);
+        assert_eq!(retry_after(&seconds), Some(Duration::from_secs(7)));
+        assert_eq!(retry_after(&headers(&[("retry-after", "soon")])), None);
     }
 
     #[test]

@@ -53,7 +53,8 @@
 //! // `oneshot` (or `ready().await?.call(…)`, naming the request type).
 //! let response = client.clone().oneshot(request).await?;
 //! let call = response.extensions().get::<IdempotentCall>().unwrap();
-//! println!("{} with key {:?} after {} attempt(s)", response.status(), call.key, call.attempts);
+//! let key = call.key.as_deref().unwrap_or("-");
+//! println!("{} with key {key} after {} attempt(s)", response.status(), call.attempts);
 //! # Ok(()) }
 //! ```
 //!

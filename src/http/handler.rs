@@ -21,6 +21,7 @@ use crate::{
     http::{
         Inner,
         buffer::{self, Buffered},
+        encoding,
         grpc::{self, GrpcCode, Wire},
         opt_out,
         outcome::{Answered, Completion, IdempotencyOutcome},
@@ -72,6 +73,8 @@ where
 {
     Detached::new(async move {
         let mut request = request;
+        let claimed = transaction::ClaimedWith::granted::<St::Granted>(hold.is_transaction());
+        request.extensions_mut().insert(claimed);
         // A transaction goes to the handler (the `IdempotentTx` extractor),
         // and comes back once it has returned — unless it kept it.
         let lent = hold
@@ -257,6 +260,7 @@ where
             return Ok(executed(response, Completion::Released));
         }
         Handled::Final(parts, body, trailers) => {
+            encoding::note_stored(&parts.headers);
             let success = claims_success(&parts, trailers.as_ref());
             let mut stored = StoredResponse::capture(parts.status, &parts.headers, body.clone());
             if let Some(trailers) = &trailers {

@@ -124,7 +124,10 @@ where
                 let request = Request::from_parts(parts, Body::from(body));
                 return handler::detached(shared, inner, request, hold, wire).await;
             }
-            Claimed::Completed(record) => return Ok(replay::answer(&shared, &key, &record, wire)),
+            Claimed::Completed(record) => {
+                let accept = parts.headers.get(http::header::ACCEPT_ENCODING);
+                return Ok(replay::answer(&shared, &key, &record, wire, accept));
+            }
             Claimed::Mismatch => return Ok(shared.rejection(RejectionKind::Mismatch, wire)),
             Claimed::InFlight { retry_after } => match wait_until {
                 Some(deadline) if Instant::now() + poll_every <= deadline => {

@@ -10,7 +10,7 @@ use crate::{
     fingerprint::{DefaultFingerprint, FingerprintStrategy},
     http::observe::Throttle,
     http::rejection::Rejection,
-    http::scope::{NoScope, ScopeExtractor},
+    http::scope::{NoScope, ScopeExtractor, ScopeNotChosen},
     http::service::IdempotencyService,
     http::shared::{Config, Shared},
     http::store_policy::{DefaultStorePolicy, StorePolicy},
@@ -52,7 +52,23 @@ use crate::{
 ///     .route("/v1/charges", post(|| async { "charged" }))
 ///     .layer(idempotency);
 /// ```
-pub struct IdempotencyLayer<St, Sc = NoScope, P = DefaultStorePolicy, F = DefaultFingerprint> {
+///
+/// A layer must be told whose keys it guards — a forgotten scope would
+/// replay one tenant's response to another — so one without
+/// [`scope_with`](Self::scope_with) or
+/// [`single_tenant`](Self::single_tenant) guards nothing; it does not
+/// compile:
+///
+/// ```compile_fail
+/// use axum::{Router, routing::post};
+/// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+///
+/// let app: Router = Router::new()
+///     .route("/v1/charges", post(|| async { "charged" }))
+///     .layer(IdempotencyLayer::new(MemoryStore::new()));
+/// ```
+pub struct IdempotencyLayer<St, Sc = ScopeNotChosen, P = DefaultStorePolicy, F = DefaultFingerprint>
+{
     shared: Arc<Shared<St, Sc, P, F>>,
 }
 
@@ -66,13 +82,15 @@ impl<St, Sc, P, F> Clone for IdempotencyLayer<St, Sc, P, F> {
 
 impl<St: Store> IdempotencyLayer<St> {
     /// A layer over `store` with the defaults: guards `POST` and
-    /// `PATCH`, key optional, one global scope (see [`NoScope`]: set a scope
-    /// for multi-tenant APIs), 24 h retention, 30 s lease, 1 MiB request and
+    /// `PATCH`, key optional, 24 h retention, 30 s lease, 1 MiB request and
     /// stored-response limits, `409` for in-flight duplicates, fail closed.
+    /// Choose its scope before it guards anything:
+    /// [`scope_with`](Self::scope_with) or
+    /// [`single_tenant`](Self::single_tenant).
     pub fn new(store: St) -> Self {
         let shared = Shared {
             store,
-            scope: NoScope,
+            scope: ScopeNotChosen,
             policy: DefaultStorePolicy,
             fingerprint: DefaultFingerprint::new(),
             config: Config {
@@ -81,6 +99,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 header: IDEMPOTENCY_KEY,
                 body_key: None,
                 require_key: false,
+                pass_through_without_scope: false,
                 retention: protocol::DEFAULT_RETENTION,
                 lease: protocol::DEFAULT_LEASE,
                 max_request_body: 1024 * 1024,
@@ -450,8 +469,60 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
         self
     }
 
+    /// Lets a keyed request whose scope is `None` pass through unprotected
+    /// (outcome [`Bypassed`](crate::IdempotencyOutcome::Bypassed)) instead of
+    /// refusing it with `500`: for an API whose anonymous callers may send
+    /// keys that nobody needs to honour. **Dangerous** where the scope is
+    /// `None` because the authentication runs after the layer: every request
+    /// then runs unprotected.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use http::request::Parts;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// #[derive(Clone)]
+    /// struct AccountId(String);
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .scope_with(|parts: &Parts| parts.extensions.get::<AccountId>().map(|a| a.0.clone()))
+    ///     // Guest checkout: no account, no protection.
+    ///     .pass_through_without_scope();
+    /// # let _ = layer;
+    /// ```
+    pub fn pass_through_without_scope(mut self) -> Self {
+        self.config().pass_through_without_scope = true;
+        self
+    }
+
+    /// Addresses every record by its key alone: one global scope, for a
+    /// service whose callers are all the same party (an internal service,
+    /// a single merchant's backend). Say so explicitly: on an API with
+    /// more than one tenant, two callers that pick the same key would
+    /// receive each other's responses — use
+    /// [`scope_with`](Self::scope_with) there.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use axum::{Router, routing::post};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let app: Router = Router::new()
+    ///     .route("/internal/transfers", post(|| async { "moved" }))
+    ///     .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
+    /// ```
+    pub fn single_tenant(self) -> IdempotencyLayer<St, NoScope, P, F> {
+        self.scope_with(NoScope)
+    }
+
     /// Addresses records by `(scope, key)`, with the scope taken from each
-    /// request (typically the authenticated account). See [`ScopeExtractor`].
+    /// request (typically the authenticated account, which your
+    /// authentication middleware — applied *outside* this layer, so that
+    /// it runs first — puts in the request's extensions). A request whose
+    /// scope is `None` is refused (see [`ScopeExtractor`]). See also
+    /// [`single_tenant`](Self::single_tenant).
     pub fn scope_with<Sc2: ScopeExtractor>(self, scope: Sc2) -> IdempotencyLayer<St, Sc2, P, F> {
         self.rebuild(|s| Shared {
             scope,

@@ -2,6 +2,7 @@
 //! protocol.
 
 pub(crate) mod buffer;
+pub(crate) mod encoding;
 pub(crate) mod future;
 pub(crate) mod grpc;
 pub(crate) mod handler;

@@ -34,7 +34,7 @@ use http::{HeaderMap, Response, header::CACHE_CONTROL};
 ///
 /// let app: Router = Router::new()
 ///     .route("/charges", post(charge))
-///     .layer(IdempotencyLayer::new(MemoryStore::new()));
+///     .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NoReplay {

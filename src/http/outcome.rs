@@ -38,7 +38,7 @@ impl Answered {
 ///
 /// let app = Router::new()
 ///     .route("/", post(|| async { "ok" }))
-///     .layer(IdempotencyLayer::new(MemoryStore::new()));
+///     .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
 /// let request = || http::Request::post("/").header("idempotency-key", "k1").body(Body::empty()).unwrap();
 ///
 /// let first = app.clone().oneshot(request()).await.unwrap();
@@ -100,6 +100,8 @@ impl IdempotencyOutcome {
                 RejectionKind::ResponseBodyFailed => "rejected_response_body_failed",
                 RejectionKind::TransactionHeld => "rejected_transaction_held",
                 RejectionKind::TransactionRefused => "rejected_transaction_refused",
+                RejectionKind::NoScope => "rejected_no_scope",
+                RejectionKind::NotAcceptable { .. } => "rejected_not_acceptable",
             },
             Self::Bypassed(BypassReason::UnguardedMethod) => "bypassed_method",
             Self::Bypassed(BypassReason::UnguardedPath) => "bypassed_path",
@@ -140,6 +142,7 @@ pub enum BypassReason {
     UnguardedPath,
     /// No `Idempotency-Key` and the key is not required.
     NoKey,
-    /// The scope extractor returned `None`.
+    /// The scope extractor returned `None`, and the layer
+    /// [passes such requests through](crate::IdempotencyLayer::pass_through_without_scope).
     NoScope,
 }

@@ -58,6 +58,20 @@ pub enum RejectionKind {
     /// The handler's response body failed while it was being read; the key was
     /// released (`502`).
     ResponseBodyFailed,
+    /// The layer could not tell whose request this is: its scope extractor
+    /// returned `None` — most often because the authentication that sets
+    /// the account runs after the layer instead of before it. The request
+    /// was not run (`500`): a server misconfiguration, never the client's
+    /// answer.
+    NoScope,
+    /// The stored response is in a content coding (`Content-Encoding`) the
+    /// retry does not accept, and not one the layer can decode (`406`):
+    /// compression placed inside the layer stored it so. Put the
+    /// compression layer outside the idempotency layer.
+    NotAcceptable {
+        /// The stored response's coding.
+        coding: String,
+    },
     /// The handler kept its transaction past its own end (e.g. moved it into
     /// a spawned task), so nothing was committed (`500`).
     TransactionHeld,
@@ -140,11 +154,13 @@ impl Rejection {
             | RejectionKind::BodyUnreadable => StatusCode::BAD_REQUEST,
             RejectionKind::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             RejectionKind::Mismatch => StatusCode::UNPROCESSABLE_ENTITY,
+            RejectionKind::NotAcceptable { .. } => StatusCode::NOT_ACCEPTABLE,
             RejectionKind::InFlight { .. } | RejectionKind::Unreplayable { .. } => {
                 StatusCode::CONFLICT
             }
             RejectionKind::StoreUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             RejectionKind::HandlerPanicked
+            | RejectionKind::NoScope
             | RejectionKind::TransactionHeld
             | RejectionKind::TransactionRefused => StatusCode::INTERNAL_SERVER_ERROR,
             RejectionKind::ResponseBodyFailed => StatusCode::BAD_GATEWAY,
@@ -185,6 +201,8 @@ impl Rejection {
                 GrpcCode::UNAVAILABLE
             }
             RejectionKind::HandlerPanicked
+            | RejectionKind::NoScope
+            | RejectionKind::NotAcceptable { .. }
             | RejectionKind::TransactionHeld
             | RejectionKind::TransactionRefused => GrpcCode::INTERNAL,
         }
@@ -215,6 +233,8 @@ impl Rejection {
                 "urn:tower-idempotency:problem:store-unavailable"
             }
             RejectionKind::HandlerPanicked => "urn:tower-idempotency:problem:handler-panicked",
+            RejectionKind::NoScope => "urn:tower-idempotency:problem:no-scope",
+            RejectionKind::NotAcceptable { .. } => "urn:tower-idempotency:problem:not-acceptable",
             RejectionKind::TransactionHeld => "urn:tower-idempotency:problem:transaction-held",
             RejectionKind::TransactionRefused => {
                 "urn:tower-idempotency:problem:transaction-refused"
@@ -241,6 +261,8 @@ impl Rejection {
                 "Internal server error"
             }
             RejectionKind::TransactionRefused => "Transaction refused",
+            RejectionKind::NoScope => "Request not attributed to an account",
+            RejectionKind::NotAcceptable { .. } => "Stored response not acceptable",
             RejectionKind::ResponseBodyFailed => "Response body failed",
         }
     }
@@ -280,6 +302,12 @@ impl Rejection {
             }
             RejectionKind::TransactionHeld => {
                 "The request's work was not committed; it may be retried with the same key.".into()
+            }
+            RejectionKind::NotAcceptable { coding } => format!(
+                "The original response was stored compressed ({coding}), which this request does not accept (Accept-Encoding). It was not executed again; retry accepting {coding}."
+            ),
+            RejectionKind::NoScope => {
+                "The server could not tell whose request this is, so it did not run it: the idempotency layer found no scope (the authenticated account) in it. This is a server configuration problem — the authentication that identifies the caller must run before the idempotency layer — and nothing was done or recorded.".into()
             }
             RejectionKind::TransactionRefused => {
                 "A statement of the request failed, so the database rolled its work back: nothing was committed and nothing was recorded.".into()

@@ -2,11 +2,12 @@
 //! the rejection that says it cannot be.
 
 use axum_core::body::Body;
-use http::{HeaderMap, HeaderName, HeaderValue, Response};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Response, header::CONTENT_ENCODING};
 
 use crate::{
     http::{
-        buffer,
+        buffer, encoding,
         grpc::Wire,
         outcome::{Answered, IdempotencyOutcome},
         rejection::RejectionKind,
@@ -19,17 +20,26 @@ use crate::{
 /// The header every replayed response carries: `Idempotent-Replayed: true`.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
-/// A completed key's answer.
+/// A completed key's answer, to a retry that accepts the content codings
+/// `accept` names.
 pub(crate) fn answer<St, Sc, P, F>(
     shared: &Shared<St, Sc, P, F>,
     key: &StorageKey,
     record: &CompletedRecord,
     wire: Wire,
+    accept: Option<&HeaderValue>,
 ) -> Answered {
     match record {
         CompletedRecord::Response(stored) => {
+            let decoded = match encoding::for_retry(stored.headers(), stored.body(), accept) {
+                Ok(decoded) => decoded,
+                Err(coding) => {
+                    tracing::warn!(%key, %coding, "idempotency: the stored response's coding is not one the retry accepts");
+                    return shared.rejection(RejectionKind::NotAcceptable { coding }, wire);
+                }
+            };
             tracing::debug!(%key, "idempotency: replayed");
-            Answered::new(replay(stored), IdempotencyOutcome::Replayed)
+            Answered::new(replay(stored, decoded), IdempotencyOutcome::Replayed)
         }
         CompletedRecord::Unreplayable { status, .. } => {
             tracing::info!(%key, "idempotency: completed but unreplayable");
@@ -50,18 +60,25 @@ pub(crate) fn answer<St, Sc, P, F>(
 }
 
 /// The response a retry receives: the stored status, headers (in order),
-/// body and trailers, plus `Idempotent-Replayed: true`.
-fn replay(stored: &StoredResponse) -> Response<Body> {
+/// body and trailers, plus `Idempotent-Replayed: true` — with the body
+/// `decoded` from its content coding, if given, and then no
+/// `Content-Encoding`.
+fn replay(stored: &StoredResponse, decoded: Option<Bytes>) -> Response<Body> {
     let trailers = (!stored.trailers().is_empty()).then(|| {
         let mut trailers = HeaderMap::with_capacity(stored.trailers().len());
         append(&mut trailers, stored.trailers());
         trailers
     });
-    let mut response = Response::new(buffer::body(stored.body().clone(), trailers));
+    let is_decoded = decoded.is_some();
+    let body = decoded.unwrap_or_else(|| stored.body().clone());
+    let mut response = Response::new(buffer::body(body, trailers));
     *response.status_mut() = stored.status();
     let headers = response.headers_mut();
     headers.reserve(stored.headers().len() + 1);
     append(headers, stored.headers());
+    if is_decoded {
+        headers.remove(CONTENT_ENCODING);
+    }
     headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response
 }

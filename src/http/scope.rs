@@ -15,10 +15,14 @@ use http::request::Parts;
 /// Extracts the scope of a request from its head.
 ///
 /// Implemented for closures `Fn(&Parts) -> Option<String>`. Returning `None`
-/// means the request cannot be attributed to anyone; the layer then passes it
-/// through unprotected (outcome [`Bypassed`](crate::IdempotencyOutcome::Bypassed)),
-/// so put authentication in front of the layer or make sure the handler
-/// rejects such requests.
+/// means the request cannot be attributed to anyone — most often because
+/// the authentication middleware that sets the account runs *after* the
+/// layer instead of before it. A keyed request is then refused with `500`
+/// ([`RejectionKind::NoScope`](crate::RejectionKind::NoScope)), not run,
+/// and the first such request is logged as an error: running it
+/// unprotected is how double charges happen. An application whose
+/// anonymous callers really should pass through unprotected says so with
+/// [`IdempotencyLayer::pass_through_without_scope`](crate::IdempotencyLayer::pass_through_without_scope).
 ///
 /// # Examples
 ///
@@ -35,6 +39,11 @@ use http::request::Parts;
 /// });
 /// # let _ = layer;
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` does not say whose idempotency keys these are",
+    label = "the layer's scope is not chosen",
+    note = "an IdempotencyLayer must be told whose keys it guards: `.scope_with(|parts| …)` for an API with more than one tenant (the authenticated account), or `.single_tenant()` when every caller is the same party"
+)]
 pub trait ScopeExtractor: Clone + Send + Sync + 'static {
     /// The scope of this request, or `None` if it has none.
     fn scope(&self, parts: &Parts) -> Option<String>;
@@ -49,7 +58,9 @@ where
     }
 }
 
-/// The default: every request shares one global scope.
+/// One global scope, chosen with
+/// [`IdempotencyLayer::single_tenant`](crate::IdempotencyLayer::single_tenant):
+/// every request shares it.
 ///
 /// **Unsafe for multi-tenant APIs**: two clients that pick the same key would
 /// receive each other's responses. Use
@@ -72,3 +83,13 @@ impl ScopeExtractor for NoScope {
         Some(String::new())
     }
 }
+
+/// A layer whose scope is not chosen yet: what
+/// [`IdempotencyLayer::new`](crate::IdempotencyLayer::new) starts with. It
+/// is no [`ScopeExtractor`], so such a layer cannot guard a service — the
+/// compiler asks for
+/// [`scope_with`](crate::IdempotencyLayer::scope_with) or
+/// [`single_tenant`](crate::IdempotencyLayer::single_tenant): a forgotten
+/// scope would replay one tenant's response to another.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScopeNotChosen;

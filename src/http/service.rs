@@ -3,7 +3,10 @@
 //! Everything that awaits lives in `crate::http::keyed`.
 
 use std::{
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     task::{Context, Poll},
 };
 
@@ -26,6 +29,10 @@ use crate::{
     key::{IdempotencyKey, InvalidKey},
     store::Store,
 };
+
+/// Whether a request without a scope was logged: once per process is
+/// enough to name the misconfiguration, and no more floods the log.
+static NO_SCOPE_SAID: AtomicBool = AtomicBool::new(false);
 
 /// The service produced by [`IdempotencyLayer`](crate::IdempotencyLayer).
 ///
@@ -112,7 +119,19 @@ where
         };
         let (parts, body) = req.into_parts();
         let Some(scope) = self.shared.scope.scope(&parts) else {
-            return self.bypass(Request::from_parts(parts, body), BypassReason::NoScope);
+            if config.pass_through_without_scope {
+                return self.bypass(Request::from_parts(parts, body), BypassReason::NoScope);
+            }
+            if !NO_SCOPE_SAID.swap(true, Ordering::Relaxed) {
+                tracing::error!(
+                    path = %parts.uri.path(),
+                    "idempotency: a keyed request has no scope (scope_with returned None), so it was refused with 500, not run. \
+                     The authentication that identifies the caller must run before the idempotency layer: apply it outside \
+                     (in axum, `.layer(auth)` after `.layer(idempotency)`, or on the router above). Anonymous callers that may \
+                     pass unprotected: .pass_through_without_scope(). Said once per process."
+                );
+            }
+            return self.reject(RejectionKind::NoScope, wire);
         };
         // The ready service is the one that must be called; leave a fresh
         // clone in its place. See

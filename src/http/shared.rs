@@ -24,6 +24,9 @@ pub(crate) struct Config {
     /// webhook's event id).
     pub(crate) body_key: Option<Arc<str>>,
     pub(crate) require_key: bool,
+    /// Whether a keyed request without a scope passes through unprotected
+    /// (else it is refused).
+    pub(crate) pass_through_without_scope: bool,
     pub(crate) retention: Duration,
     pub(crate) lease: Duration,
     pub(crate) max_request_body: usize,

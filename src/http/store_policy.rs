@@ -121,19 +121,37 @@ where
     }
 }
 
-/// The default policy: store every response except those that say "nothing
-/// was done, try again": `408`, `425`, `429`, `502`, `503`, `504`, and for
-/// gRPC calls `UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `ABORTED` and
-/// `DEADLINE_EXCEEDED`. On a transactional store, server errors roll back
-/// too (see [`StorePolicy::rolls_back_server_errors`]).
+/// The default policy, Stripe's rule in outcome: an answer is stored once
+/// the operation **executed**; a request refused before anything executed
+/// is not, so the corrected request with the same key executes.
 ///
-/// Other client errors (`400`, `401`, `404`, `409`, `422`, …) **are** stored,
-/// as Stripe does: they are the answer to these parameters, and a retry with
-/// the same key replays them. A client that fixes its request must use a new
-/// key. One consequence: a first request without `Content-Type:
-/// application/json` that got `400`, retried with the header, is a different
-/// request under the same key and gets `422`. If your clients correct and
-/// resend under one key, release client errors instead, as below.
+/// | status | stored? | why |
+/// |---|---|---|
+/// | `2xx`, `3xx` | yes | the operation's result |
+/// | `402`, `404`, `409`, `410`, other `4xx` | yes | an answer produced by executing: a card declined, no such customer |
+/// | `400`, `401`, `403`, `413`, `415`, `422`, `431` | **no** | refused for its parameters or credentials before anything ran: a malformed or mistyped body, a failing extractor, a webhook body the handler refuses |
+/// | `408`, `425`, `429`, `502`, `503`, `504` | **no** | "nothing was done, try again" |
+/// | `500` and other `5xx` | yes on a lease store; rolled back on a transactional store | see [`StorePolicy::rolls_back_server_errors`] |
+///
+/// gRPC calls likewise: `INVALID_ARGUMENT`, `UNAUTHENTICATED` and
+/// `PERMISSION_DENIED` are not stored, nor `UNAVAILABLE`,
+/// `RESOURCE_EXHAUSTED`, `ABORTED`, `DEADLINE_EXCEEDED` and the
+/// framework's own answers (see [`StorePolicy::should_store_grpc`]).
+///
+/// Why not store `400` and `422`, as Stripe's replays suggest? Stripe saves
+/// no result when parameters fail validation before the endpoint starts
+/// executing. Storing them would burn the key: a typo'd JSON body rejected
+/// by axum's `Json` extractor would answer the corrected retry with `422`
+/// (another request under a used key), and anyone who can reach a webhook
+/// route could squat an event id with a body the handler refuses, so that
+/// the provider's genuine event is refused for the whole retention.
+///
+/// The rule assumes what HTTP says: a handler that answers `400`, `401`,
+/// `403`, `413`, `415`, `422` or `431` did nothing. On a transactional
+/// store that holds by construction — the answer is not final, so its
+/// writes roll back. On a store whose claims are leases, a handler that
+/// changes something and then answers one of these must mark the answer
+/// final with a policy of its own (or answer another status).
 ///
 /// # Examples
 ///
@@ -143,23 +161,45 @@ where
 ///
 /// let h = HeaderMap::new();
 /// assert!(DefaultStorePolicy.should_store(StatusCode::CREATED, &h));
-/// assert!(DefaultStorePolicy.should_store(StatusCode::BAD_REQUEST, &h));
-/// assert!(DefaultStorePolicy.should_store(StatusCode::INTERNAL_SERVER_ERROR, &h));
+/// assert!(DefaultStorePolicy.should_store(StatusCode::PAYMENT_REQUIRED, &h));
+/// assert!(DefaultStorePolicy.should_store(StatusCode::NOT_FOUND, &h));
+/// assert!(!DefaultStorePolicy.should_store(StatusCode::BAD_REQUEST, &h));
+/// assert!(!DefaultStorePolicy.should_store(StatusCode::UNPROCESSABLE_ENTITY, &h));
 /// assert!(!DefaultStorePolicy.should_store(StatusCode::TOO_MANY_REQUESTS, &h));
 ///
-/// // Store no 4xx: a rejected request releases its key, so the client may
-/// // correct it and retry under the same key.
-/// let policy = DefaultStorePolicy.and(|status: StatusCode, _: &HeaderMap| !status.is_client_error());
-/// assert!(!policy.should_store(StatusCode::BAD_REQUEST, &h));
+/// // Store every 4xx, as a strict reading of Stripe's replays would: a
+/// // client that fixes its request must then use a new key.
+/// let policy = |status: StatusCode, h: &HeaderMap| {
+///     status.is_client_error() || DefaultStorePolicy.should_store(status, h)
+/// };
+/// assert!(policy.should_store(StatusCode::BAD_REQUEST, &h));
 /// let layer = IdempotencyLayer::new(MemoryStore::new()).store_when(policy);
 /// # let _ = layer;
 /// ```
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DefaultStorePolicy;
 
+impl DefaultStorePolicy {
+    /// Statuses that refuse a request for its parameters or credentials,
+    /// before anything ran.
+    const REFUSED: [u16; 7] = [400, 401, 403, 413, 415, 422, 431];
+    /// Statuses that say "nothing was done, try again".
+    const TRY_AGAIN: [u16; 6] = [408, 425, 429, 502, 503, 504];
+}
+
 impl StorePolicy for DefaultStorePolicy {
     fn should_store(&self, status: StatusCode, _headers: &HeaderMap) -> bool {
-        !matches!(status.as_u16(), 408 | 425 | 429 | 502 | 503 | 504)
+        let status = status.as_u16();
+        !Self::REFUSED.contains(&status) && !Self::TRY_AGAIN.contains(&status)
+    }
+
+    fn should_store_grpc(&self, code: GrpcCode, metadata: &HeaderMap) -> bool {
+        let refused = [
+            GrpcCode::INVALID_ARGUMENT,
+            GrpcCode::UNAUTHENTICATED,
+            GrpcCode::PERMISSION_DENIED,
+        ];
+        !refused.contains(&code) && !code.invites_retry() && !framework_answer(code, metadata)
     }
 }
 

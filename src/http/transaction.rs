@@ -4,7 +4,10 @@
 
 use std::{
     ops::{Deref, DerefMut},
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
 use axum_core::{
@@ -13,7 +16,7 @@ use axum_core::{
 };
 use http::{Extensions, StatusCode, request::Parts};
 
-use super::problem::Problem;
+use super::{opt_out::NoReplay, problem::Problem};
 use crate::lock::lock;
 
 /// Where a claim's transaction waits while the handler runs: taken by the
@@ -31,6 +34,51 @@ impl<T> TxSlot<T> {
         *lock(&self.0) = Some(tx);
     }
 }
+
+/// What the layer claimed a request's key with, put into its extensions so
+/// that an extractor that finds no transaction can say why.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ClaimedWith {
+    /// The transaction's type, for a transactional store; `None` for a
+    /// store whose claims are leases.
+    transaction: Option<&'static str>,
+}
+
+impl ClaimedWith {
+    /// A claim granted as `G`: a transaction, or a lease.
+    pub(crate) fn granted<G>(is_transaction: bool) -> Self {
+        Self {
+            transaction: is_transaction.then(std::any::type_name::<G>),
+        }
+    }
+}
+
+/// Why a handler asking for `IdempotentTx<T>` got none: the likely cause,
+/// from what the layer left in the request's extensions.
+fn missing_transaction<T>(extensions: &Extensions) -> String {
+    let asked = std::any::type_name::<T>();
+    match extensions.get::<ClaimedWith>() {
+        None => format!(
+            "The handler asks for IdempotentTx<{asked}>, but the idempotency layer claimed no key for this request. \
+             Likely: the route has no IdempotencyLayer (or it is applied to other routes); the method or path is not \
+             guarded; the request has no Idempotency-Key and the key is not required (.require_key(true)); or the \
+             store could not be reached and the layer fails open."
+        ),
+        Some(ClaimedWith { transaction: None }) => format!(
+            "The handler asks for IdempotentTx<{asked}>, but the layer's store claims keys with leases, not \
+             transactions: build it with .transactional() (e.g. PostgresStore::builder().transactional())."
+        ),
+        Some(ClaimedWith {
+            transaction: Some(given),
+        }) => format!(
+            "The handler asks for IdempotentTx<{asked}>, but the layer's store hands out {given}: ask for that type."
+        ),
+    }
+}
+
+/// Whether a missing transaction was logged: once per process names the
+/// misconfiguration.
+static MISSING_SAID: AtomicBool = AtomicBool::new(false);
 
 /// Puts `tx` into the request's extensions for the extractor; the returned
 /// slot gives it back once the handler has returned.
@@ -156,24 +204,36 @@ impl<T> std::fmt::Debug for IdempotentTx<T> {
 impl<S: Send + Sync, T: Send + Sync + 'static> FromRequestParts<S> for IdempotentTx<T> {
     type Rejection = Response;
 
+    /// Fails with `500` (`urn:tower-idempotency:problem:no-transaction`)
+    /// whose detail names the likely cause — a store built without
+    /// `.transactional()`, another transaction type, no layer or no key —
+    /// and which the layer never stores: a misconfiguration is never the
+    /// answer to the client's parameters, so the key is released and a
+    /// retry runs again once it is fixed. The first such failure in a
+    /// process is logged as an error.
     async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Response> {
-        let unavailable = |detail: &'static str| {
-            Problem::new(
+        let unavailable = |detail: String| {
+            if !MISSING_SAID.swap(true, Ordering::Relaxed) {
+                tracing::error!("idempotency: {detail} (said once per process)");
+            }
+            let mut response = Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "No idempotent transaction",
             )
             .problem_type("urn:tower-idempotency:problem:no-transaction")
             .detail(detail)
-            .into_response()
+            .into_response();
+            // The server's mistake, not the client's answer: never replayed.
+            response.extensions_mut().insert(NoReplay::rolling_back());
+            response
         };
         let Some(TxHandle(slot)) = parts.extensions.get::<TxHandle<T>>() else {
-            return Err(unavailable(
-                "This request has no idempotent transaction of this type: the route needs the IdempotencyLayer over the transactional store whose transaction the handler asks for, and the request an Idempotency-Key.",
-            ));
+            return Err(unavailable(missing_transaction::<T>(&parts.extensions)));
         };
         let tx = slot.take().ok_or_else(|| {
             unavailable(
-                "The request's transaction is already in use: extract IdempotentTx once per request.",
+                "The request's transaction is already in use: extract IdempotentTx once per request."
+                    .to_owned(),
             )
         })?;
         Ok(Self {

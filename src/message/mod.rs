@@ -33,11 +33,54 @@
 //!
 //! A job longer than the broker's timeout (SQS's visibility timeout,
 //! JetStream's `AckWait`) would be handed to a second consumer mid-work:
-//! [`IdempotencyProcessor::process_delivery`] extends the broker's hold
-//! through a [`DeliveryLease`] while the work runs. [`Disposition::of`]
-//! turns what processing came to into what to tell the broker —
-//! acknowledge, retry after a back-off, or dead-letter — the same way for
-//! every broker.
+//! the broker's hold on the delivery is extended through a
+//! [`DeliveryLease`] while the delivery is in hand.
+//! [`IdempotencyProcessor::settle`] runs a [`Delivery`] to its end and says
+//! what to tell the broker — a [`Disposition`]: acknowledge, give it back,
+//! or dead-letter it with a [`DeadLetterReason`] — the same way for every
+//! broker.
+//!
+//! # Nothing is lost
+//!
+//! Brokers deliver at least once; a consumer must never turn that into at
+//! most once. The rule, for every broker:
+//!
+//! 1. **What can pass is retried in hand.** The store unavailable or busy,
+//!    a commit whose outcome is unknown, the same message in flight on
+//!    another consumer, a failure of the work you judge passing: the
+//!    consumer keeps the delivery — its hold extended — and tries again
+//!    after a back-off ([`DeliveryBudget`]). It is never handed back for
+//!    that, so the broker's delivery budget is not spent on a fault that
+//!    heals: an outage of any length dead-letters nothing.
+//! 2. **Only what can never succeed is dead-lettered, with a true
+//!    reason**: not a valid message, the key reused with another payload,
+//!    a transaction the database refuses, a panic, a work error you judge
+//!    permanent, work that outlived its transaction on the budget's
+//!    attempts (3 by default) — counted by the consumer, not read off the
+//!    broker's delivery counter.
+//! 3. **Nothing is dropped.** A delivery goes back to the broker only when
+//!    the consumer [drains](IdempotencyProcessor::drain) (SIGTERM) or the
+//!    budget [says to](DeliveryBudget::give_back_after); on the broker's
+//!    last delivery it is dead-lettered as [undecided](DeadLetterReason::Undecided)
+//!    instead, loudly. A message that can never succeed with nowhere to go
+//!    is kept, never deleted: the examples refuse a dead-letter target that
+//!    cannot accept messages at start-up, and keep such a message out of
+//!    sight in its queue when they have none.
+//!
+//! Sizing — which broker setting must outlast what:
+//!
+//! | setting | must be | why |
+//! |---|---|---|
+//! | SQS visibility timeout, JetStream `AckWait` | well above the hold's extension interval (a third of it) | a late extension hands the message to a second consumer, which then waits in hand as a duplicate |
+//! | SQS `maxReceiveCount`, JetStream `MaxDeliver`, a quorum queue's `delivery-limit` | any (JetStream: unlimited is best) | only crashes and shutdowns spend it; undecided on the last, a message is dead-lettered as undecided |
+//! | RabbitMQ `consumer_timeout` (30 min) | above [`give_back_after`](DeliveryBudget::give_back_after) | RabbitMQ cannot extend a delivery: give it back before the broker closes the channel |
+//! | SQS's 12 hours of visibility | above `give_back_after` | a message's visibility cannot be extended past 12 hours from its receive |
+//! | the transactional store's `transaction_timeout` | above the work's longest duration | work that always outlives it is dead-lettered as timed out |
+//! | the retention | above the broker's longest redelivery (SQS keeps messages up to 14 days) | a redelivery after the record expired runs the work again |
+//!
+//! On a SQLite store, a consumer's claims wait their turn on the file's one
+//! writer ([`Store::claim_patiently`](crate::store::Store::claim_patiently))
+//! instead of timing out: one consumer's deliveries never fight each other.
 //!
 //! # Examples
 //!

@@ -59,7 +59,7 @@ fn deadline(now: Instant, after: Duration) -> Instant {
 ///
 /// let app: Router = Router::new()
 ///     .route("/v1/charges", post(|| async { "charged" }))
-///     .layer(IdempotencyLayer::new(MemoryStore::new()));
+///     .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());
 /// ```
 #[derive(Clone, Default)]
 pub struct MemoryStore {

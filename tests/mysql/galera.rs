@@ -46,7 +46,7 @@ fn app(store: MySqlTxStore, runs: Arc<AtomicUsize>) -> Router {
     };
     Router::new()
         .route("/charges", post(charge))
-        .layer(IdempotencyLayer::new(store))
+        .layer(IdempotencyLayer::new(store).single_tenant())
 }
 
 /// One app per node, each on its own store connected to that node.
@@ -56,10 +56,10 @@ async fn apps(cluster: &GaleraCluster, db: &TestDatabase, runs: &Arc<AtomicUsize
         let url = with_database(&cluster.url(i), db.name());
         let store = MySqlStore::builder()
             .transactional()
+            .create_table_if_missing()
             .connect(&url)
             .await
             .expect("connect to the node");
-        store.migrate().await.unwrap();
         sqlx::raw_sql(
             "CREATE TABLE IF NOT EXISTS charges (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT) ENGINE = InnoDB",
         )

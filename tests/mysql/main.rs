@@ -38,10 +38,10 @@ async fn transactional_on(url: &str, timeout: Duration) -> MySqlTxStore {
     let store = MySqlStore::builder()
         .transactional()
         .transaction_timeout(timeout)
+        .create_table_if_missing()
         .connect(url)
         .await
         .expect("connect to the test database");
-    store.migrate().await.unwrap();
     sqlx::raw_sql(
         "CREATE TABLE IF NOT EXISTS charges (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT) ENGINE = InnoDB",
     )
@@ -150,7 +150,7 @@ fn app(store: MySqlTxStore) -> Router {
         .route("/slow", post(slow_charge))
         .route("/waits", post(waits_for_a_lock))
         .route("/transfer", post(transfer))
-        .layer(IdempotencyLayer::new(store))
+        .layer(IdempotencyLayer::new(store).single_tenant())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -298,7 +298,7 @@ async fn the_request_transaction_is_read_committed_whatever_the_server_default()
     let db = TestDatabase::create();
     let app = Router::new()
         .route("/isolation", post(isolation))
-        .layer(IdempotencyLayer::new(transactional(&db).await));
+        .layer(IdempotencyLayer::new(transactional(&db).await).single_tenant());
     let reply = oneshot(&app, request("/isolation", "k", CHARGE)).await;
     assert_eq!(reply.body, "READ-COMMITTED");
 }
@@ -403,7 +403,7 @@ async fn a_handler_that_deletes_its_claim_commits_nothing_and_the_retry_charges_
                 (StatusCode::CREATED, "charged")
             }),
         )
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).single_tenant());
     let lost = oneshot(&app, request("/charges", "k", CHARGE)).await;
     assert!(lost.status.is_server_error(), "{lost:?}");
     assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
@@ -591,7 +591,7 @@ async fn an_answer_that_opts_out_commits_or_rolls_back_as_the_handler_chose() {
                 )
             }),
         )
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).single_tenant());
     for _ in 0..2 {
         let kept = oneshot(&app, request("/no-store", "kept", CHARGE)).await;
         assert_eq!(kept.status, StatusCode::CREATED);
@@ -613,4 +613,83 @@ async fn an_answer_that_opts_out_commits_or_rolls_back_as_the_handler_chose() {
         0,
         "no record, no claim left"
     );
+}
+
+/// What stops a store at start-up is told apart, each with its own fix: a
+/// missing table, a user without grants on it — not an unsafe engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_table_and_a_user_without_grants_say_what_they_are() {
+    use tower_idempotency::store::StoreError;
+
+    let db = TestDatabase::create();
+    let connect = async |url: &str| {
+        MySqlStore::builder()
+            .transactional()
+            .connect(url)
+            .await
+            .map(drop)
+    };
+    let missing = connect(db.url()).await.unwrap_err();
+    assert!(matches!(missing, StoreError::Misconfigured(_)), "{missing}");
+    assert!(
+        missing.to_string().contains("create_table_if_missing"),
+        "{missing}"
+    );
+    MySqlStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(db.url())
+        .await
+        .unwrap();
+
+    let user = format!("tiu_{}", db.name());
+    let user = &user[..user.len().min(32)];
+    let mut root = db.connect().await;
+    let admin = async |root: &mut sqlx::MySqlConnection, sql: String| {
+        sqlx::raw_sql(&sql).execute(root).await.unwrap();
+    };
+    admin(
+        &mut root,
+        format!(
+            "DROP USER IF EXISTS '{user}'@'%'; CREATE USER '{user}'@'%' IDENTIFIED BY 'secret'"
+        ),
+    )
+    .await;
+    let url = db
+        .url()
+        .replacen("root@", &format!("{user}:secret@"), 1)
+        .replacen("root:@", &format!("{user}:secret@"), 1);
+    assert!(
+        url.contains(user),
+        "the test database's URL names root: {url}"
+    );
+    for grant in [
+        None,
+        Some(format!(
+            "GRANT SELECT ON {}.idempotency_records TO '{user}'@'%'",
+            db.name()
+        )),
+    ] {
+        if let Some(grant) = grant {
+            admin(&mut root, grant).await;
+        }
+        let error = connect(&url).await.unwrap_err();
+        let said = error.to_string();
+        assert!(matches!(error, StoreError::Misconfigured(_)), "{said}");
+        assert!(said.contains("SELECT, INSERT, UPDATE"), "{said}");
+        assert!(
+            !said.contains("EngineCheck::Warn"),
+            "not an unsafe engine: {said}"
+        );
+    }
+    admin(
+        &mut root,
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON {}.idempotency_records TO '{user}'@'%'",
+            db.name()
+        ),
+    )
+    .await;
+    connect(&url).await.unwrap();
+    admin(&mut root, format!("DROP USER '{user}'@'%'")).await;
 }

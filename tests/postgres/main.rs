@@ -11,6 +11,7 @@ mod support;
 
 mod crashes;
 mod outages;
+mod startup;
 mod transactional;
 
 use std::time::Duration;
@@ -36,10 +37,10 @@ pub(crate) type Tx = tower_idempotency::IdempotentTx<PostgresTx>;
 pub(crate) async fn transactional(db: &TestDatabase) -> PostgresTxStore {
     let store = PostgresStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(db.url())
         .await
         .expect("connect to the test database");
-    store.migrate().await.unwrap();
     sqlx::raw_sql("CREATE TABLE charges (id serial PRIMARY KEY, note text)")
         .execute(store.pool())
         .await
@@ -119,7 +120,7 @@ pub(crate) fn app(store: PostgresTxStore) -> Router {
         .route("/panics", post(panics))
         .route("/leaks", post(leaks))
         .route("/loses-its-connection", post(loses_its_connection))
-        .layer(IdempotencyLayer::new(store))
+        .layer(IdempotencyLayer::new(store).single_tenant())
         .with_state(pool)
 }
 

@@ -69,7 +69,7 @@ fn plain_app(store: PostgresStore) -> Router {
     let pool = store.pool().clone();
     Router::new()
         .route("/charges", post(charge_apart))
-        .layer(IdempotencyLayer::new(store))
+        .layer(IdempotencyLayer::new(store).single_tenant())
         .with_state(pool)
 }
 
@@ -161,7 +161,7 @@ async fn a_database_lost_mid_request_is_a_503_and_the_retry_charges_once() {
         };
         Router::new()
             .route("/charges", post(handler))
-            .layer(IdempotencyLayer::new(store))
+            .layer(IdempotencyLayer::new(store).single_tenant())
     };
     let request_in_flight = {
         let app = app.clone();

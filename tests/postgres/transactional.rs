@@ -245,7 +245,7 @@ async fn a_claim_row_gone_before_the_commit_rolls_the_charge_back() {
     let db = TestDatabase::create();
     let app = Router::new()
         .route("/deletes", post(deletes_its_claim))
-        .layer(IdempotencyLayer::new(transactional(&db).await));
+        .layer(IdempotencyLayer::new(transactional(&db).await).single_tenant());
     let reply = oneshot(&app, request("/deletes", "k", CHARGE)).await;
     reply.assert_problem(500);
     assert_eq!(
@@ -295,7 +295,7 @@ async fn the_request_transaction_is_read_committed_whatever_the_database_default
     assert_eq!(default, "repeatable read");
     let app = Router::new()
         .route("/isolation", post(isolation))
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).single_tenant());
     let reply = oneshot(&app, request("/isolation", "k", CHARGE)).await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.body, "read committed");
@@ -311,7 +311,7 @@ async fn behind_a_cache_the_charge_commits_and_replays_come_from_the_cache() {
     let pool = store.pool().clone();
     let app = Router::new()
         .route("/charges", post(charge))
-        .layer(IdempotencyLayer::new(CachedStore::new(store, 1 << 20)))
+        .layer(IdempotencyLayer::new(CachedStore::new(store, 1 << 20)).single_tenant())
         .with_state(pool.clone());
     let first = oneshot(&app, request("/charges", "k", CHARGE)).await;
     assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
@@ -391,7 +391,11 @@ async fn expired_records_are_absent_at_once_and_deleted_in_batches() {
     let store = transactional(&db).await;
     let app = Router::new()
         .route("/charges", post(charge))
-        .layer(IdempotencyLayer::new(store.clone()).retention(Duration::from_secs(1)))
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .retention(Duration::from_secs(1)),
+        )
         .with_state(store.pool().clone());
     for i in 0..5 {
         oneshot(&app, request("/charges", &format!("k{i}"), CHARGE)).await;
@@ -431,6 +435,7 @@ async fn retention_counts_from_the_commit_and_every_instance_replays_one_charge(
             .route("/charges", post(charge))
             .layer(
                 IdempotencyLayer::new(CachedStore::new(store, 1 << 20))
+                    .single_tenant()
                     .retention(Duration::from_secs(1)),
             )
             .with_state(pool)
@@ -506,7 +511,7 @@ async fn a_handler_whose_statement_failed_gets_its_own_answer_not_a_store_outage
     .unwrap();
     let app = Router::new()
         .route("/notes", post(charge_note))
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).single_tenant());
     let records = "SELECT count(*) FROM idempotency_records";
 
     for attempt in 0..2 {
@@ -555,10 +560,10 @@ async fn stores_on_two_tables_do_not_share_key_locks() {
         let store = PostgresStore::builder()
             .table(table)
             .transactional()
+            .create_table_if_missing()
             .connect(db.url())
             .await
             .unwrap();
-        store.migrate().await.unwrap();
         apps.push(app(store));
     }
     let slow = {
@@ -722,7 +727,7 @@ async fn the_handlers_statements_do_not_inherit_the_claims_short_lock_wait() {
                     .unwrap_or(StatusCode::CONFLICT)
             }),
         )
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).single_tenant());
     let mut holder = db.connect().await;
     sqlx::raw_sql("BEGIN; SELECT * FROM charges FOR UPDATE")
         .execute(&mut holder)
@@ -780,7 +785,7 @@ async fn an_answer_that_opts_out_commits_or_rolls_back_as_the_handler_chose() {
                 },
             ),
         )
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).single_tenant());
     for _ in 0..2 {
         let kept = oneshot(&app, request("/no-store", "kept", CHARGE)).await;
         assert_eq!(kept.status, StatusCode::CREATED);

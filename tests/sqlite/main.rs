@@ -30,10 +30,10 @@ const CHARGES: &str = "SELECT count(*) FROM charges";
 async fn transactional(file: &TestFile) -> SqliteTxStore {
     let store = SqliteStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(&file.url())
         .await
         .expect("open the test database");
-    store.migrate().await.unwrap();
     sqlx::raw_sql("CREATE TABLE IF NOT EXISTS charges (id INTEGER PRIMARY KEY, note TEXT)")
         .execute(store.pool())
         .await
@@ -74,7 +74,7 @@ async fn charge(mut tx: IdempotentTx<SqliteTx>, Query(p): Query<Params>) -> (Sta
 fn app(store: SqliteTxStore) -> Router {
     Router::new()
         .route("/charges", post(charge))
-        .layer(IdempotencyLayer::new(store))
+        .layer(IdempotencyLayer::new(store).single_tenant())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,7 +358,7 @@ async fn a_server_error_over_a_broken_table_is_not_stored_and_the_fixed_retry_ch
     let pool = store.pool().clone();
     let app = Router::new()
         .route("/charges", post(charge_or_500))
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).single_tenant());
     sqlx::raw_sql("DROP TABLE charges")
         .execute(&pool)
         .await
@@ -537,12 +537,15 @@ async fn a_database_file_deleted_while_running_is_refused_and_said_in_the_log() 
     }
 }
 
-/// An operator forgets, without force, a key whose charge is in flight in
-/// another process on the same file: its claim is an uncommitted row no
-/// reader sees. The forget must not wait for that commit and then delete
-/// the fresh record (the retry charged again): it is refused as in flight.
+/// An operator looks up, then forgets without force, a key whose charge is
+/// in flight in another process on the same file: its claim is an
+/// uncommitted row no reader sees. The look-up answers what is known — a
+/// writer of the file holds it, so it may be in flight — not "the next
+/// request executes"; the forget must not wait for that commit and then
+/// delete the fresh record (the retry charged again): it is refused as in
+/// flight.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn forgetting_a_key_in_flight_in_another_process_is_refused() {
+async fn a_key_in_flight_in_another_process_is_reported_and_not_forgotten() {
     let file = TestFile::create();
     let url = file.url();
     let env = [
@@ -558,6 +561,17 @@ async fn forgetting_a_key_in_flight_in_another_process_is_refused() {
         async move { client.send(charge_request(&addr)).await }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
+    let inspect = http::Request::get(format!(
+        "http://{}/admin/idempotency/acct_crash/crash-1",
+        b.addr
+    ))
+    .header("authorization", "Bearer s3cret")
+    .body(axum::body::Body::empty())
+    .unwrap();
+    let looked_up = client.send(inspect).await;
+    assert_eq!(looked_up.status, StatusCode::OK, "{:?}", looked_up.body);
+    let state: serde_json::Value = serde_json::from_slice(&looked_up.body).unwrap();
+    assert_eq!(state["state"], "in_flight", "{state}");
     let forget = http::Request::delete(format!(
         "http://{}/admin/idempotency/acct_crash/crash-1",
         b.addr
@@ -615,7 +629,7 @@ async fn an_answer_that_opts_out_commits_or_rolls_back_as_the_handler_chose() {
                 },
             ),
         )
-        .layer(IdempotencyLayer::new(store));
+        .layer(IdempotencyLayer::new(store).single_tenant());
     for _ in 0..2 {
         let kept = oneshot(&app, request("/no-store", "kept", CHARGE)).await;
         assert_eq!(kept.status, StatusCode::CREATED);

@@ -107,13 +107,13 @@ impl Backend for Postgres {
     type Store = PostgresStore;
     async fn store(&self) -> PostgresStore {
         let table = fresh_prefix().replace(':', "");
-        let store = PostgresStore::builder()
+
+        PostgresStore::builder()
             .table(format!("records_{table}"))
+            .create_table_if_missing()
             .connect(self.0.url())
             .await
-            .expect("connect to the test database");
-        store.migrate().await.expect("create the table");
-        store
+            .expect("connect to the test database")
     }
 }
 
@@ -131,14 +131,14 @@ impl Backend for PostgresTx {
     const TRANSACTIONS: bool = true;
     async fn store(&self) -> PostgresTxStore {
         let table = fresh_prefix().replace(':', "");
-        let store = PostgresStore::builder()
+
+        PostgresStore::builder()
             .table(format!("records_{table}"))
             .transactional()
+            .create_table_if_missing()
             .connect(self.0.url())
             .await
-            .expect("connect to the test database");
-        store.migrate().await.expect("create the table");
-        store
+            .expect("connect to the test database")
     }
 }
 
@@ -156,13 +156,13 @@ impl Backend for Sqlite {
     type Store = SqliteStore;
     async fn store(&self) -> SqliteStore {
         let table = fresh_prefix().replace(':', "");
-        let store = SqliteStore::builder()
+
+        SqliteStore::builder()
             .table(format!("records_{table}"))
+            .create_table_if_missing()
             .connect(&self.0.url())
             .await
-            .expect("open the test database");
-        store.migrate().await.expect("create the table");
-        store
+            .expect("open the test database")
     }
 }
 
@@ -181,14 +181,14 @@ impl Backend for SqliteTx {
     const TRANSACTIONS: bool = true;
     async fn store(&self) -> SqliteTxStore {
         let table = fresh_prefix().replace(':', "");
-        let store = SqliteStore::builder()
+
+        SqliteStore::builder()
             .table(format!("records_{table}"))
             .transactional()
+            .create_table_if_missing()
             .connect(&self.0.url())
             .await
-            .expect("open the test database");
-        store.migrate().await.expect("create the table");
-        store
+            .expect("open the test database")
     }
 }
 
@@ -206,13 +206,13 @@ impl Backend for MySql {
     type Store = MySqlStore;
     async fn store(&self) -> MySqlStore {
         let table = fresh_prefix().replace(':', "");
-        let store = MySqlStore::builder()
+
+        MySqlStore::builder()
             .table(format!("records_{table}"))
+            .create_table_if_missing()
             .connect(self.0.url())
             .await
-            .expect("connect to the test database");
-        store.migrate().await.expect("create the table");
-        store
+            .expect("connect to the test database")
     }
 }
 
@@ -231,13 +231,13 @@ impl Backend for MySqlTx {
     const TRANSACTIONS: bool = true;
     async fn store(&self) -> MySqlTxStore {
         let table = fresh_prefix().replace(':', "");
-        let store = MySqlStore::builder()
+
+        MySqlStore::builder()
             .table(format!("records_{table}"))
             .transactional()
+            .create_table_if_missing()
             .connect(self.0.url())
             .await
-            .expect("connect to the test database");
-        store.migrate().await.expect("create the table");
-        store
+            .expect("connect to the test database")
     }
 }

@@ -122,9 +122,12 @@ async fn sqlite(url: &str) -> Result<(SqliteTxStore, Ledger), Box<dyn Error>> {
     } else {
         format!("{url}?mode=rwc")
     };
-    let store = SqliteStore::builder().transactional().connect(&url).await?;
+    let store = SqliteStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(&url)
+        .await?;
     let ledger = Ledger::sqlite(store.pool()).await?;
-    store.migrate().await?;
     Ok((store, ledger))
 }
 
@@ -132,10 +135,10 @@ async fn sqlite(url: &str) -> Result<(SqliteTxStore, Ledger), Box<dyn Error>> {
 async fn postgres(url: &str) -> Result<(PostgresTxStore, Ledger), Box<dyn Error>> {
     let store = PostgresStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(url)
         .await?;
     let ledger = Ledger::postgres(store.pool()).await?;
-    store.migrate().await?;
     Ok((store, ledger))
 }
 

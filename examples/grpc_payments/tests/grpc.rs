@@ -74,7 +74,7 @@ fn replayed<T>(response: &tonic::Response<T>) -> bool {
 }
 
 #[tokio::test]
-async fn a_retry_replays_the_reply_and_an_error_replays_its_status() {
+async fn a_retry_replays_the_reply_and_a_refused_argument_does_not_burn_the_key() {
     let ledger = memory();
     let addr = serve(MemoryStore::new(), ledger.clone(), Settings::default()).await;
     let mut client = client(addr).await;
@@ -86,8 +86,9 @@ async fn a_retry_replays_the_reply_and_an_error_replays_its_status() {
     assert_eq!(retry.into_inner(), first.into_inner());
     assert_eq!(charges(&ledger).await.len(), 1, "one execution");
 
-    // An error is the call's answer too: stored, and replayed with its
-    // status and message, without running the handler again.
+    // A call refused for its arguments, before anything ran, is not
+    // stored: its retry is refused afresh, and the corrected call executes
+    // under the same key.
     let refused = client
         .charge(charge(Some("order-2"), -5))
         .await
@@ -98,8 +99,10 @@ async fn a_retry_replays_the_reply_and_an_error_replays_its_status() {
         .await
         .unwrap_err();
     assert_eq!(again.code(), Code::InvalidArgument);
-    assert_eq!(again.message(), refused.message());
-    assert_eq!(again.metadata().get("idempotent-replayed").unwrap(), "true");
+    assert!(again.metadata().get("idempotent-replayed").is_none());
+    let corrected = client.charge(charge(Some("order-2"), 500)).await.unwrap();
+    assert!(!replayed(&corrected));
+    assert_eq!(charges(&ledger).await.len(), 2);
 }
 
 #[tokio::test]
@@ -127,7 +130,9 @@ async fn trailers_are_stored_and_replayed_byte_for_byte() {
             }
         })
     };
-    let service = IdempotencyLayer::new(MemoryStore::new()).layer(service);
+    let service = IdempotencyLayer::new(MemoryStore::new())
+        .single_tenant()
+        .layer(service);
     let call = || {
         http::Request::post("/payments.v1.Payments/Charge")
             .header("content-type", "application/grpc")
@@ -320,7 +325,7 @@ async fn serve_with<St: Store, P: Payments>(store: St, service: P) -> PaymentsCl
     let addr = listener.local_addr().unwrap();
     tokio::spawn(
         tonic::transport::Server::builder()
-            .layer(IdempotencyLayer::new(store))
+            .layer(IdempotencyLayer::new(store).single_tenant())
             .add_service(PaymentsServer::new(service))
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );
@@ -332,11 +337,11 @@ async fn serve_with<St: Store, P: Payments>(store: St, service: P) -> PaymentsCl
 async fn postgres(database: &TestDatabase) -> (PostgresTxStore, Ledger) {
     let store = PostgresStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(database.url())
         .await
         .unwrap();
     let ledger = Ledger::postgres(store.pool()).await.unwrap();
-    store.migrate().await.unwrap();
     (store, ledger)
 }
 
@@ -389,11 +394,11 @@ async fn a_sqlite_transaction_commits_the_charge_with_its_reply_or_nothing() {
     let file = TestFile::create();
     let store = SqliteStore::builder()
         .transactional()
+        .create_table_if_missing()
         .connect(&file.url())
         .await
         .unwrap();
     Ledger::sqlite(store.pool()).await.unwrap();
-    store.migrate().await.unwrap();
     let executions = Arc::new(AtomicUsize::new(0));
     let flaky = Flaky {
         executions: executions.clone(),
@@ -727,7 +732,7 @@ async fn serve_counted<P: Payments>(service: P) -> (SocketAddr, Arc<AtomicUsize>
                     r
                 },
             ))
-            .layer(IdempotencyLayer::new(MemoryStore::new()))
+            .layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant())
             .add_service(PaymentsServer::new(service))
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );

@@ -192,7 +192,7 @@ impl RedisStoreBuilder {
     /// # let _ = store; Ok(()) }
     /// ```
     pub async fn connect(self, url: &str) -> Result<RedisStore, StoreError> {
-        let client = redis::Client::open(url)?;
+        let client = redis::Client::open(url).map_err(misconfigured)?;
         let config = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(self.timeout))
             // No client-level response timeout (redis-rs defaults to 500 ms,
@@ -244,7 +244,8 @@ impl RedisStoreBuilder {
             // course and a late claim reply still arrives (see `claim`).
             .response_timeout(self.timeout.max(LATE_REPLY_WAIT) + wait)
             .retries(2)
-            .build()?;
+            .build()
+            .map_err(misconfigured)?;
         let connection = Connection::Cluster(client.get_async_connection().await?);
         let durable = match self.replicas {
             Some(_) => Some(Connection::Cluster(client.get_async_connection().await?)),
@@ -445,5 +446,16 @@ fn collect_strings(value: &Value, out: &mut Vec<String>) {
         }
         Value::Map(pairs) => pairs.iter().for_each(|(_, v)| collect_strings(v, out)),
         _ => {}
+    }
+}
+
+/// A client that cannot even be built (a URL that does not parse, an
+/// unknown scheme) is a configuration mistake, not an outage.
+fn misconfigured(error: redis::RedisError) -> StoreError {
+    match error.kind() {
+        redis::ErrorKind::InvalidClientConfig => {
+            StoreError::Misconfigured(format!("the Redis URL is not valid: {error}"))
+        }
+        _ => StoreError::from(error),
     }
 }

@@ -1,5 +1,41 @@
 //! The Redis store (feature `redis`; Redis Cluster with feature `cluster`).
 //!
+//! # What a lease store cannot promise
+//!
+//! The record lives in Redis and the handler's effect elsewhere, so they
+//! are two facts, not one. **A second execution of a key is possible** in
+//! two windows: a holder paused longer than its lease (`SIGSTOP`, a VM
+//! stall, a long GC) loses the key mid-handler, the retry executes on
+//! another instance, and the paused one finishes its effect too; a process
+//! killed after its effect committed and before the record reached Redis
+//! leaves the key free once its lease runs out. Where a second effect
+//! costs money, either keep the effect and the record in one transaction
+//! (the transactional SQL stores), or give the effect a **downstream key**:
+//! the idempotency key (with its scope) stored with the effect under a
+//! unique constraint, so that a second execution finds the first effect
+//! instead of making another — as a payment processor's own idempotency
+//! key does.
+//!
+//! ```no_run
+//! # #[cfg(feature = "postgres")]
+//! # async fn demo(pool: sqlx::PgPool, account: &str, key: &tower_idempotency::IdempotencyKey) -> Result<(), sqlx::Error> {
+//! // CREATE TABLE charges (id text PRIMARY KEY, account text, amount bigint,
+//! //     idempotency_key text, UNIQUE (account, idempotency_key));
+//! sqlx::query(
+//!     "INSERT INTO charges (id, account, amount, idempotency_key) VALUES ($1, $2, $3, $4)
+//!      ON CONFLICT (account, idempotency_key) DO NOTHING",
+//! )
+//! .bind("ch_123").bind(account).bind(1999_i64).bind(key.as_str())
+//! .execute(&pool)
+//! .await?;
+//! // Then answer with the charge that stands under (account, key).
+//! # Ok(()) }
+//! ```
+//!
+//! The handler finds the key in its request's extensions
+//! (`Extension<IdempotencyKey>`); the `payments` example's Redis mode does
+//! exactly this, tested with `kill -9` and `SIGSTOP`.
+//!
 //! # Protocol
 //!
 //! Every decision is one atomic command touching exactly one key, so it runs
@@ -118,7 +154,7 @@ static FORGET: LazyLock<Lua> = LazyLock::new(|| Lua::new(include_str!("forget.lu
 ///     .await?;
 /// let app: Router = Router::new()
 ///     .route("/v1/charges", post(|| async { "charged" }))
-///     .layer(IdempotencyLayer::new(store));
+///     .layer(IdempotencyLayer::new(store).single_tenant());
 /// # Ok(()) }
 /// ```
 #[derive(Clone)]

@@ -133,11 +133,15 @@ impl<D: Engine> Base<D> {
 
     /// Creates the table and its index if they are missing, then runs the
     /// start-up check on it.
-    ///
-    /// Safe to run from many instances at once on a new database: one that
-    /// loses the race to create an object runs the schema again, and finds
-    /// it there.
     pub(crate) async fn migrate(&self) -> Result<(), StoreError> {
+        self.create_table().await?;
+        super::check::run(self).await
+    }
+
+    /// Creates the table and its index if they are missing. Safe to run
+    /// from many instances at once on a new database: one that loses the
+    /// race to create an object runs the schema again, and finds it there.
+    pub(crate) async fn create_table(&self) -> Result<(), StoreError> {
         let mut attempt = 0;
         loop {
             attempt += 1;
@@ -155,7 +159,7 @@ impl<D: Engine> Base<D> {
                 Err(error) => return Err(self.error(error)),
             }
         }
-        super::check::run(self, true).await
+        Ok(())
     }
 }
 

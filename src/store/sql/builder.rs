@@ -24,6 +24,8 @@ pub(crate) struct Settings {
     pub(crate) compression: Compression,
     pub(crate) transaction_timeout: Duration,
     pub(crate) claim_wait: Duration,
+    /// Whether `connect` creates the table if it is missing.
+    pub(crate) create_table: bool,
 }
 
 /// Configures and connects a SQL store: a [`SqlStore`] (claims are leases),
@@ -97,6 +99,7 @@ impl<D: Engine> SqlStore<D> {
                 compression: Compression::none(),
                 transaction_timeout: Duration::from_secs(30),
                 claim_wait: Duration::from_millis(50),
+                create_table: false,
             },
             mode: PhantomData,
         }
@@ -105,6 +108,29 @@ impl<D: Engine> SqlStore<D> {
 
 #[allow(private_bounds)]
 impl<D: Engine, M> SqlStoreBuilder<D, M> {
+    /// Creates the records table (and its index) when the store connects,
+    /// if they are missing — safe when many instances start together on a
+    /// new database. Without it, the table must exist (apply the engine's
+    /// `SCHEMA` with your own migrations): a store that connects to a
+    /// database without it refuses to start, saying so.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+    /// let store = tower_idempotency::SqliteStore::builder()
+    ///     .transactional()
+    ///     .create_table_if_missing()
+    ///     .connect("sqlite://payments.db")
+    ///     .await?;
+    /// # let _ = store; Ok(()) }
+    /// ```
+    pub fn create_table_if_missing(mut self) -> Self {
+        self.settings.create_table = true;
+        self
+    }
+
     /// The table that holds the records (default `idempotency_records`): a
     /// plain lowercase identifier, optionally schema-qualified
     /// (`billing.idempotency`).
@@ -206,7 +232,10 @@ impl<D: Engine, M> SqlStoreBuilder<D, M> {
             engine_check: self.settings.engine_check,
             compression: self.settings.compression.clone(),
         });
-        super::check::run(&base, false).await?;
+        if self.settings.create_table {
+            base.create_table().await?;
+        }
+        super::check::run(&base).await?;
         Ok(base)
     }
 

@@ -17,10 +17,12 @@
 //!    transactions (MySQL's MyISAM or MEMORY commit each statement on its
 //!    own, so a record could outlive a rolled-back effect).
 //!
-//! A database that is merely busy (another process holds its write lock,
-//! or a migration its table lock) is waited for, with a log line saying so,
-//! for at most [`BUSY_WAIT`]; one that is read-only says so. Neither is a
-//! failed check.
+//! What is not the engine's fault is told apart, each with its own fix: a
+//! database that is merely busy (another process holds its write lock, or
+//! a migration its table lock) is waited for, with a log line saying so,
+//! for at most [`BUSY_WAIT`]; one that is read-only, a table that does not
+//! exist, or a user without the grants the claims need says so. None of
+//! them is a failed check.
 
 use std::time::{Duration, Instant};
 
@@ -100,24 +102,39 @@ impl EngineCheck {
 
 /// What one attempt at the check came to.
 enum Attempt {
-    /// Skipped: the table does not exist yet.
-    NoTable,
     /// The engine and why it failed, if it did.
     Verdict(String, Option<String>),
     /// The database could not be written now: waited for, then retried.
     Busy(String),
     /// The database cannot be written at all.
     ReadOnly(String),
+    /// The table does not exist.
+    NoTable,
+    /// The user may not read or write the table.
+    Denied(String),
 }
 
-/// Runs the check, if the table exists (or `required`, after `migrate()`
-/// created it).
-pub(crate) async fn run<D: Engine>(base: &Base<D>, required: bool) -> Result<(), StoreError> {
+/// Runs the check on the table, which must exist.
+pub(crate) async fn run<D: Engine>(base: &Base<D>) -> Result<(), StoreError> {
     let started = Instant::now();
     let mut said = started;
+    let table = &base.sql.table;
     loop {
-        match attempt(base, required).await? {
-            Attempt::NoTable => return Ok(()),
+        match attempt(base).await? {
+            Attempt::NoTable => {
+                return Err(StoreError::Misconfigured(format!(
+                    "the idempotency table {table} does not exist in this database: create it at start-up \
+                     with .create_table_if_missing() on the store's builder, or apply the engine's SCHEMA with \
+                     your migrations"
+                )));
+            }
+            Attempt::Denied(why) => {
+                return Err(StoreError::Misconfigured(format!(
+                    "the database user may not use the idempotency table {table} ({why}): grant it SELECT, \
+                     INSERT, UPDATE and DELETE on the table (GRANT SELECT, INSERT, UPDATE, DELETE ON {table} \
+                     TO <user>), or connect as a user who has them. This is a permission, not an unsafe engine"
+                )));
+            }
             Attempt::Verdict(engine, why) => return base.engine_check.verdict(&engine, why),
             Attempt::ReadOnly(why) => {
                 return Err(StoreError::Unavailable(
@@ -153,16 +170,15 @@ pub(crate) async fn run<D: Engine>(base: &Base<D>, required: bool) -> Result<(),
     }
 }
 
-async fn attempt<D: Engine>(base: &Base<D>, required: bool) -> Result<Attempt, StoreError> {
+async fn attempt<D: Engine>(base: &Base<D>) -> Result<Attempt, StoreError> {
     let error = |e: sqlx::Error| store_error(&base.engine, &base.sql.table, e);
     let options = base.pool.connect_options();
     let mut first = options.connect().await.map_err(error)?;
     let exists = D::fetch(&mut first, &base.sql.exists, &Args::default()).await;
     if let Err(e) = exists {
-        if !required && D::classify(&e) == ErrorClass::MissingTable {
-            return Ok(Attempt::NoTable);
-        }
         return Ok(match D::classify(&e) {
+            ErrorClass::MissingTable => Attempt::NoTable,
+            ErrorClass::PermissionDenied => Attempt::Denied(e.to_string()),
             ErrorClass::Busy | ErrorClass::LockTimeout => Attempt::Busy(e.to_string()),
             _ => Attempt::Verdict(
                 D::STORE.into(),
@@ -186,6 +202,7 @@ async fn attempt<D: Engine>(base: &Base<D>, required: bool) -> Result<Attempt, S
         },
         Err(Failed::Busy(why)) => Attempt::Busy(why),
         Err(Failed::ReadOnly(why)) => Attempt::ReadOnly(why),
+        Err(Failed::Denied(why)) => Attempt::Denied(why),
         Err(Failed::Check(why)) => Attempt::Verdict(engine, Some(why)),
     })
 }
@@ -194,6 +211,7 @@ async fn attempt<D: Engine>(base: &Base<D>, required: bool) -> Result<Attempt, S
 enum Failed {
     Busy(String),
     ReadOnly(String),
+    Denied(String),
     Check(String),
 }
 
@@ -207,6 +225,7 @@ async fn holds<D: Engine>(
     let failed = |what: &str, e: sqlx::Error| match D::classify(&e) {
         ErrorClass::Busy | ErrorClass::LockTimeout => Failed::Busy(e.to_string()),
         ErrorClass::ReadOnly => Failed::ReadOnly(e.to_string()),
+        ErrorClass::PermissionDenied => Failed::Denied(e.to_string()),
         _ => Failed::Check(format!("{what} fails ({e})")),
     };
     let sql = &base.sql;

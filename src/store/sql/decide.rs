@@ -64,9 +64,12 @@ pub(crate) fn store_error<D: Engine>(engine: &D, table: &str, error: sqlx::Error
     match class {
         ErrorClass::Refused => StoreError::Refused(Box::new(error)),
         ErrorClass::MissingTable => said(format!(
-            "the idempotency table {table} does not exist (run migrate(), or the table was dropped)"
+            "the idempotency table {table} does not exist (create it: create_table_if_missing() on the store's builder, or migrate(); or it was dropped)"
         )),
         ErrorClass::ReadOnly => said("the database is read-only".to_owned()),
+        ErrorClass::PermissionDenied => said(format!(
+            "the database user may not use the idempotency table {table} (grant it SELECT, INSERT, UPDATE and DELETE)"
+        )),
         ErrorClass::Busy => said("the database is busy: another connection holds its write lock".to_owned()),
         ErrorClass::Conflict => said(
             "the database ended the transaction to resolve a conflict with another (a deadlock, or a failed certification on a cluster); nothing committed".to_owned(),

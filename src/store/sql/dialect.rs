@@ -269,6 +269,9 @@ pub(crate) enum ErrorClass {
     ReadOnly,
     /// The records table does not exist.
     MissingTable,
+    /// The database user may not do this (no grant on the table, the
+    /// database or the server).
+    PermissionDenied,
     /// Anything else: the database failing or out of reach.
     Other,
 }

@@ -41,11 +41,13 @@ use crate::{
 /// use axum::{Router, routing::post};
 /// use tower_idempotency::{IdempotencyLayer, SqliteStore};
 ///
-/// let store = SqliteStore::builder().connect("sqlite://records.db").await?;
-/// store.migrate().await?;
+/// let store = SqliteStore::builder()
+///     .create_table_if_missing()
+///     .connect("sqlite://records.db")
+///     .await?;
 /// let app: Router = Router::new()
 ///     .route("/v1/emails", post(|| async { "sent" }))
-///     .layer(IdempotencyLayer::new(store));
+///     .layer(IdempotencyLayer::new(store).single_tenant());
 /// # Ok(()) }
 /// ```
 pub struct SqlStore<D: Dialect> {

@@ -108,8 +108,44 @@ pub(crate) fn millis(d: Duration, what: &str) -> Result<i64, StoreError> {
 
 impl From<sqlx::Error> for StoreError {
     fn from(error: sqlx::Error) -> Self {
-        StoreError::Unavailable(Box::new(error))
+        match error {
+            // A URL that does not parse, an unknown option: a mistake in the
+            // configuration, not an outage.
+            sqlx::Error::Configuration(why) => {
+                StoreError::Misconfigured(format!("the database URL is not valid: {why}"))
+            }
+            error => StoreError::Unavailable(Box::new(error)),
+        }
     }
+}
+
+/// Opens `D`'s pool with `options`: when no connection could be made
+/// before the pool's timeout — all the pool says then is that it timed out
+/// — one direct connection says why (refused, unknown host); a user the
+/// database refuses is a configuration mistake, said as such.
+pub(crate) async fn connect_pool<D: dialect::Engine>(
+    pool: sqlx::pool::PoolOptions<D::Db>,
+    options: <<D::Db as sqlx::Database>::Connection as sqlx::Connection>::Options,
+) -> Result<sqlx::Pool<D::Db>, StoreError> {
+    use sqlx::Connection;
+    let error = match pool.connect_with(options.clone()).await {
+        Ok(pool) => return Ok(pool),
+        Err(sqlx::Error::PoolTimedOut) => {
+            match <D::Db as sqlx::Database>::Connection::connect_with(&options).await {
+                Err(error) => error,
+                Ok(_) => sqlx::Error::PoolTimedOut,
+            }
+        }
+        Err(error) => error,
+    };
+    Err(match D::classify(&error) {
+        dialect::ErrorClass::PermissionDenied => StoreError::Misconfigured(format!(
+            "the database refuses this user ({error}): check the credentials in the URL, and grant \
+             the user access to the database and SELECT, INSERT, UPDATE and DELETE on the idempotency table"
+        )),
+        _ if matches!(error, sqlx::Error::Configuration(_)) => StoreError::from(error),
+        _ => StoreError::Unavailable(format!("cannot connect to the database: {error}").into()),
+    })
 }
 
 /// The table's methods, the same on both stores of every engine: the pool,
@@ -124,15 +160,21 @@ macro_rules! table_methods {
                 &self.base.pool
             }
 
-            /// Creates the table and its index if they are missing
-            /// (idempotent), then runs the start-up check on it.
+            /// Creates the table and its index again if they are missing
+            /// (idempotent) — dropped while the store runs, say — then runs
+            /// the start-up check on it. A store connects only where the
+            /// table exists: create it at start-up with
+            /// [`create_table_if_missing`](crate::store::sql::SqlStoreBuilder::create_table_if_missing).
             ///
             /// # Examples
             ///
             /// ```no_run
             /// # #[cfg(feature = "sqlite")]
             /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
-            /// let store = tower_idempotency::SqliteStore::builder().connect("sqlite://records.db").await?;
+            /// let store = tower_idempotency::SqliteStore::builder()
+            ///     .create_table_if_missing()
+            ///     .connect("sqlite://records.db")
+            ///     .await?;
             /// store.migrate().await?;
             /// # Ok(()) }
             /// ```

@@ -70,9 +70,9 @@ pub(crate) const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 ///
 /// let store = SqliteStore::builder()
 ///     .transactional()
+///     .create_table_if_missing()
 ///     .connect("sqlite://payments.db")
 ///     .await?;
-/// store.migrate().await?;
 ///
 /// async fn charge(mut tx: IdempotentTx<SqliteTx>) -> Result<StatusCode, StatusCode> {
 ///     sqlx::query("INSERT INTO charges (amount) VALUES (?1)")
@@ -86,7 +86,7 @@ pub(crate) const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 ///
 /// let app: Router = Router::new()
 ///     .route("/v1/charges", post(charge))
-///     .layer(IdempotencyLayer::new(store));
+///     .layer(IdempotencyLayer::new(store).single_tenant());
 /// # Ok(()) }
 /// ```
 pub struct SqlTxStore<D: Dialect> {

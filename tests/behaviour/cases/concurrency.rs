@@ -13,7 +13,7 @@ use crate::support::{
 };
 
 pub async fn concurrent_duplicates_execute_once<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     let server = Server::start(app).await;
     let replies = fire(&server, 64, "/slow?ms=200", "same").await;
     assert_eq!(runs.get(), 1, "64 concurrent duplicates, one execution");
@@ -37,7 +37,9 @@ pub async fn concurrent_duplicates_execute_once<B: Backend>(b: &B) {
 }
 
 pub async fn concurrent_duplicates_wait_and_replay<B: Backend>(b: &B) {
-    let layer = IdempotencyLayer::new(b.store().await).wait_for_in_flight(Duration::from_secs(10));
+    let layer = IdempotencyLayer::new(b.store().await)
+        .single_tenant()
+        .wait_for_in_flight(Duration::from_secs(10));
     let (app, runs) = app_with(layer);
     let server = Server::start(app).await;
     let replies = fire(&server, 64, "/slow?ms=200", "same").await;
@@ -49,7 +51,7 @@ pub async fn concurrent_duplicates_wait_and_replay<B: Backend>(b: &B) {
 
 pub async fn client_disconnect_does_not_cancel<B: Backend>(b: &B) {
     use tokio::io::AsyncWriteExt;
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     let server = Server::start(app).await;
     let mut socket = tokio::net::TcpStream::connect(server.addr).await.unwrap();
     let raw = format!(
@@ -83,7 +85,7 @@ async fn until_settled(send: impl AsyncFn() -> Reply) -> Reply {
 
 /// The same, without a network: the caller drops the response future.
 pub async fn dropped_response_future_still_completes<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     let mut request = Box::pin(oneshot(&app, post("/slow?ms=300", "k", CHARGE)));
     let started = async {
         while runs.get() == 0 {

@@ -17,7 +17,7 @@ where
     B::Store: Store<Granted = LeaseToken>,
 {
     let store = b.store().await;
-    let (app, runs) = app_with(IdempotencyLayer::new(store.clone()));
+    let (app, runs) = app_with(IdempotencyLayer::new(store.clone()).single_tenant());
     let server = Server::start(app).await;
     // A process claimed the key with a short lease, then crashed.
     let key = StorageKey::new("", &IdempotencyKey::new("k").unwrap());
@@ -47,7 +47,9 @@ where
 {
     // A 3 s handler under a 600 ms lease: five lease periods. (With 300 ms,
     // a heartbeat delayed past 200 ms by a loaded CI machine lost the claim.)
-    let layer = IdempotencyLayer::new(b.store().await).lease(Duration::from_millis(600));
+    let layer = IdempotencyLayer::new(b.store().await)
+        .single_tenant()
+        .lease(Duration::from_millis(600));
     let (app, runs) = app_with(layer);
     let server = Server::start(app).await;
     let first = server.post("/slow?ms=3000", "k", CHARGE);

@@ -39,7 +39,7 @@ macro_rules! behaviour_cases {
             non_final_responses_release_the_key,
             a_response_that_opts_out_is_sent_not_stored,
             store_all_keeps_every_status,
-            a_fixed_request_executes_under_its_key_only_if_client_errors_are_released,
+            a_corrected_request_executes_under_its_key_unless_client_errors_are_stored,
             handler_error_releases_the_key,
             handler_panic_releases_the_key,
             oversized_response_is_sent_and_unreplayable,

@@ -187,7 +187,11 @@ pub async fn declared_fingerprint_rules_decide_what_is_the_same_request<B: Backe
     let rules = DefaultFingerprint::new()
         .ignore("/metadata/client_time")
         .header("api-version");
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).fingerprint_with(rules));
+    let (app, runs) = app_with(
+        IdempotencyLayer::new(b.store().await)
+            .single_tenant()
+            .fingerprint_with(rules),
+    );
     let charge = |client_time: &str, amount: u32, version: Option<&str>| {
         let mut request = post(
             "/charges",
@@ -225,6 +229,7 @@ pub async fn declared_fingerprint_rules_decide_what_is_the_same_request<B: Backe
 pub async fn rejections_link_to_the_published_policy<B: Backend>(b: &B) {
     const DOCS: &str = "https://docs.example.com/idempotency";
     let layer = IdempotencyLayer::new(b.store().await)
+        .single_tenant()
         .require_key(true)
         .documentation(DOCS);
     let (app, _) = app_with(layer);

@@ -22,7 +22,11 @@ use crate::support::{
 /// store both): sent, not stored, the key released — every retry runs the
 /// handler.
 pub async fn a_response_that_opts_out_is_sent_not_stored<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(StoreAllPolicy));
+    let (app, runs) = app_with(
+        IdempotencyLayer::new(b.store().await)
+            .single_tenant()
+            .store_when(StoreAllPolicy),
+    );
     for (path, status) in [("/no-store", 201), ("/no-replay", 422)] {
         let before = runs.get();
         for attempt in 1..=3 {
@@ -40,7 +44,7 @@ pub async fn a_response_that_opts_out_is_sent_not_stored<B: Backend>(b: &B) {
 }
 
 pub async fn non_final_responses_release_the_key<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     for (i, code) in [408u16, 425, 429, 502, 503, 504].into_iter().enumerate() {
         let path = format!("/status/{code}");
         let key = format!("k{code}");
@@ -55,8 +59,25 @@ pub async fn non_final_responses_release_the_key<B: Backend>(b: &B) {
             assert_eq!(runs.get(), i * 2 + attempt);
         }
     }
-    // Final statuses, including errors, are stored.
-    for code in [200u16, 400, 404] {
+    // Refused for its parameters or credentials before anything ran: the
+    // corrected request executes under the same key.
+    let before = runs.get();
+    for code in [400u16, 401, 403, 413, 415, 422, 431] {
+        let path = format!("/status/{code}");
+        let key = format!("k{code}");
+        for _ in 0..2 {
+            let reply = oneshot(&app, post(&path, &key, "")).await;
+            assert_eq!(reply.status.as_u16(), code);
+            assert_eq!(
+                reply.outcome,
+                Some(IdempotencyOutcome::Executed(Completion::Released)),
+                "{code}"
+            );
+        }
+    }
+    assert_eq!(runs.get(), before + 14);
+    // Answers produced by executing, errors included, are stored.
+    for code in [200u16, 402, 404] {
         let path = format!("/status/{code}");
         let key = format!("k{code}");
         oneshot(&app, post(&path, &key, "")).await;
@@ -64,7 +85,7 @@ pub async fn non_final_responses_release_the_key<B: Backend>(b: &B) {
         assert!(retry.is_replay(), "{code} should be stored");
         assert_eq!(retry.status.as_u16(), code);
     }
-    assert_eq!(runs.get(), 12 + 3);
+    assert_eq!(runs.get(), 12 + 14 + 3);
     // A server error is stored where the handler's effects live apart from
     // the record; where they commit with it, it rolls back and releases the
     // key, on every engine.
@@ -76,15 +97,19 @@ pub async fn non_final_responses_release_the_key<B: Backend>(b: &B) {
             !retry.is_replay(),
             "a 5xx rolls back on a transactional store"
         );
-        assert_eq!(runs.get(), 12 + 3 + 2);
+        assert_eq!(runs.get(), 12 + 14 + 3 + 2);
     } else {
         assert!(retry.is_replay(), "500 should be stored");
-        assert_eq!(runs.get(), 12 + 3 + 1);
+        assert_eq!(runs.get(), 12 + 14 + 3 + 1);
     }
 }
 
 pub async fn store_all_keeps_every_status<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(StoreAllPolicy));
+    let (app, runs) = app_with(
+        IdempotencyLayer::new(b.store().await)
+            .single_tenant()
+            .store_when(StoreAllPolicy),
+    );
     for code in ["503", "500"] {
         let path = format!("/status/{code}");
         oneshot(&app, post(&path, code, "")).await;
@@ -98,11 +123,12 @@ pub async fn store_all_keeps_every_status<B: Backend>(b: &B) {
     assert_eq!(runs.get(), 2);
 }
 
-/// A client fixes a rejected request (it had no JSON content type) and
-/// sends it again under the same key. The default policy stored the `415`,
-/// so the fixed request is another request under a used key: `422`. A
-/// policy that stores no client errors released the key: it executes.
-pub async fn a_fixed_request_executes_under_its_key_only_if_client_errors_are_released<
+/// A client fixes a rejected request — it had no JSON content type, then
+/// a typo in its JSON — and sends it again under the same key: by default
+/// the rejections released the key, so the corrected request executes. A
+/// policy that stores every client error burns the key instead: the fixed
+/// request is another request under a used key, `422`.
+pub async fn a_corrected_request_executes_under_its_key_unless_client_errors_are_stored<
     B: Backend,
 >(
     b: &B,
@@ -113,16 +139,27 @@ pub async fn a_fixed_request_executes_under_its_key_only_if_client_errors_are_re
         req
     };
 
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let every_client_error = |status: StatusCode, h: &HeaderMap| {
+        status.is_client_error() || DefaultStorePolicy.should_store(status, h)
+    };
+    let (app, runs) = app_with(
+        IdempotencyLayer::new(b.store().await)
+            .single_tenant()
+            .store_when(every_client_error),
+    );
     let rejected = oneshot(&app, unlabelled("stored")).await;
     assert_eq!(rejected.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
     let fixed = oneshot(&app, post("/orders", "stored", CHARGE)).await;
     fixed.assert_problem(422);
     assert_eq!(runs.get(), 0);
 
-    let no_client_errors =
-        DefaultStorePolicy.and(|status: StatusCode, _: &HeaderMap| !status.is_client_error());
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).store_when(no_client_errors));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
+    let typo = oneshot(&app, post("/orders", "released", r#"{"amount": 500,"#)).await;
+    assert_eq!(typo.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        typo.outcome,
+        Some(IdempotencyOutcome::Executed(Completion::Released))
+    );
     let rejected = oneshot(&app, unlabelled("released")).await;
     assert_eq!(rejected.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
     assert_eq!(
@@ -152,7 +189,10 @@ pub async fn handler_error_releases_the_key<B: Backend>(b: &B) {
             }
         }
     });
-    let service = tower::Layer::layer(&IdempotencyLayer::new(b.store().await), service);
+    let service = tower::Layer::layer(
+        &IdempotencyLayer::new(b.store().await).single_tenant(),
+        service,
+    );
     let req = || post("/x", "k", CHARGE);
     let error = service.clone().oneshot(req()).await.unwrap_err();
     assert_eq!(error.to_string(), "database down");
@@ -168,7 +208,7 @@ pub async fn handler_error_releases_the_key<B: Backend>(b: &B) {
 }
 
 pub async fn handler_panic_releases_the_key<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     let server = Server::start(app).await;
     server
         .post("/panic-once", "k", CHARGE)
@@ -189,7 +229,11 @@ pub async fn handler_panic_releases_the_key<B: Backend>(b: &B) {
 }
 
 pub async fn oversized_response_is_sent_and_unreplayable<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).max_stored_body(1024));
+    let (app, runs) = app_with(
+        IdempotencyLayer::new(b.store().await)
+            .single_tenant()
+            .max_stored_body(1024),
+    );
     let first = oneshot(&app, post("/big/4096", "k", "")).await;
     assert_eq!(first.status, StatusCode::OK);
     assert_eq!(
@@ -213,8 +257,11 @@ pub async fn oversized_response_is_sent_and_unreplayable<B: Backend>(b: &B) {
 }
 
 pub async fn record_expires_after_retention<B: Backend>(b: &B) {
-    let (app, runs) =
-        app_with(IdempotencyLayer::new(b.store().await).retention(Duration::from_secs(1)));
+    let (app, runs) = app_with(
+        IdempotencyLayer::new(b.store().await)
+            .single_tenant()
+            .retention(Duration::from_secs(1)),
+    );
     oneshot(&app, post("/charges", "k", CHARGE)).await;
     assert!(
         oneshot(&app, post("/charges", "k", CHARGE))
@@ -228,8 +275,9 @@ pub async fn record_expires_after_retention<B: Backend>(b: &B) {
 }
 
 pub async fn rejections_are_customisable<B: Backend>(b: &B) {
-    let layer =
-        IdempotencyLayer::new(b.store().await).on_rejection(|r: tower_idempotency::Rejection| {
+    let layer = IdempotencyLayer::new(b.store().await)
+        .single_tenant()
+        .on_rejection(|r: tower_idempotency::Rejection| {
             let mut response = http::Response::new(Body::from(format!("custom: {}", r.title())));
             *response.status_mut() = r.status();
             response

@@ -14,7 +14,7 @@ use crate::support::{
 };
 
 pub async fn replay_is_byte_identical<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     let first = oneshot(&app, post("/charges", "k1", CHARGE)).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(
@@ -53,7 +53,7 @@ pub async fn replay_is_byte_identical<B: Backend>(b: &B) {
 }
 
 pub async fn mismatch_on_body_path_query_and_method<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     let first = oneshot(&app, post("/charges?mode=live", "k", CHARGE)).await;
     assert_eq!(first.status, StatusCode::CREATED);
     let changed = [
@@ -85,7 +85,7 @@ pub async fn mismatch_on_body_path_query_and_method<B: Backend>(b: &B) {
 }
 
 pub async fn canonical_json_variants_replay<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     let variants = [
         r#"{"amount":1999,"currency":"eur","meta":{"a":1,"b":[1,2]}}"#,
         r#"{ "currency" : "eur", "amount" : 1999, "meta" : { "b" : [ 1, 2 ], "a" : 1 } }"#,
@@ -106,7 +106,7 @@ pub async fn canonical_json_variants_replay<B: Backend>(b: &B) {
 }
 
 pub async fn query_parameter_order_is_irrelevant<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     oneshot(&app, post("/charges?a=1&b=2", "k", CHARGE)).await;
     assert!(
         oneshot(&app, post("/charges?b=2&a=1", "k", CHARGE))
@@ -117,7 +117,7 @@ pub async fn query_parameter_order_is_irrelevant<B: Backend>(b: &B) {
 }
 
 pub async fn missing_key_passes_through_unless_required<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     for _ in 0..2 {
         let reply = oneshot(&app, request(Method::POST, "/charges", None, CHARGE)).await;
         assert_eq!(reply.status, StatusCode::CREATED);
@@ -130,7 +130,11 @@ pub async fn missing_key_passes_through_unless_required<B: Backend>(b: &B) {
     }
     assert_eq!(runs.get(), 2, "without a key every request executes");
 
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).require_key(true));
+    let (app, runs) = app_with(
+        IdempotencyLayer::new(b.store().await)
+            .single_tenant()
+            .require_key(true),
+    );
     let reply = oneshot(&app, request(Method::POST, "/charges", None, CHARGE)).await;
     reply.assert_problem(400);
     assert_eq!(
@@ -141,7 +145,7 @@ pub async fn missing_key_passes_through_unless_required<B: Backend>(b: &B) {
 }
 
 pub async fn key_validation<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     let longest = "k".repeat(255);
     let reply = oneshot(&app, post("/charges", &longest, CHARGE)).await;
     assert_eq!(reply.status, StatusCode::CREATED);
@@ -186,7 +190,7 @@ pub async fn key_validation<B: Backend>(b: &B) {
 }
 
 pub async fn quoted_key_is_the_bare_key<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     oneshot(&app, post("/charges", "\"order-7\"", CHARGE)).await;
     assert!(
         oneshot(&app, post("/charges", "order-7", CHARGE))
@@ -198,7 +202,7 @@ pub async fn quoted_key_is_the_bare_key<B: Backend>(b: &B) {
 }
 
 pub async fn unguarded_methods_are_untouched<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await));
+    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).single_tenant());
     for _ in 0..2 {
         let reply = oneshot(&app, request(Method::GET, "/charges", Some("k"), "")).await;
         assert!(!reply.is_replay());
@@ -214,7 +218,11 @@ pub async fn unguarded_methods_are_untouched<B: Backend>(b: &B) {
 }
 
 pub async fn oversized_request_is_413_and_stores_nothing<B: Backend>(b: &B) {
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).max_request_body(1024));
+    let (app, runs) = app_with(
+        IdempotencyLayer::new(b.store().await)
+            .single_tenant()
+            .max_request_body(1024),
+    );
     let big = format!(r#"{{"pad":"{}"}}"#, "x".repeat(2048));
     let reply = oneshot(&app, post("/charges", "k", &big)).await;
     reply.assert_problem(413);
@@ -251,7 +259,19 @@ pub async fn scopes_are_isolated<B: Backend>(b: &B) {
     let alice_again = oneshot(&app, as_account("alice")).await;
     assert!(alice_again.is_replay());
     assert_eq!(alice_again.body, alice.body);
-    // No scope: not protected, and says so.
+    // No scope — the authentication placed inside the layer, say: refused,
+    // never run unprotected.
+    let unscoped = oneshot(&app, post("/charges", "shared-key", CHARGE)).await;
+    unscoped.assert_problem(500);
+    assert_eq!(
+        unscoped.outcome,
+        Some(IdempotencyOutcome::Rejected(
+            tower_idempotency::RejectionKind::NoScope
+        ))
+    );
+    assert_eq!(runs.get(), 2, "not run");
+    // Unless the application lets such requests through, on purpose.
+    let (app, runs) = app_with(scoped(b.store().await).pass_through_without_scope());
     let unscoped = oneshot(&app, post("/charges", "shared-key", CHARGE)).await;
     assert_eq!(
         unscoped.outcome,
@@ -259,6 +279,7 @@ pub async fn scopes_are_isolated<B: Backend>(b: &B) {
             tower_idempotency::BypassReason::NoScope
         ))
     );
+    assert_eq!(runs.get(), 1);
 }
 
 pub async fn scope_encoding_cannot_collide<B: Backend>(b: &B) {
@@ -292,6 +313,7 @@ pub async fn a_webhook_is_keyed_by_its_event_id_in_the_body<B: Backend>(b: &B) {
         request
     };
     let layer = IdempotencyLayer::new(b.store().await)
+        .single_tenant()
         .key_from_body("/id")
         .require_key(true);
     let (app, runs) = app_with(layer);
@@ -318,7 +340,11 @@ pub async fn a_webhook_is_keyed_by_its_event_id_in_the_body<B: Backend>(b: &B) {
     assert_eq!(runs.get(), 1);
 
     // The key optional: a body without one runs unprotected.
-    let (app, runs) = app_with(IdempotencyLayer::new(b.store().await).key_from_body("/id"));
+    let (app, runs) = app_with(
+        IdempotencyLayer::new(b.store().await)
+            .single_tenant()
+            .key_from_body("/id"),
+    );
     for _ in 0..2 {
         let through = oneshot(&app, delivery(r#"{"type":"x"}"#, "s")).await;
         assert_eq!(through.status, StatusCode::CREATED);

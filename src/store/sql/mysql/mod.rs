@@ -162,11 +162,10 @@ impl Engine for MySql {
     }
 
     async fn open(url: &str, settings: &Settings) -> Result<MySqlPool, StoreError> {
-        Ok(MySqlPoolOptions::new()
+        let pool = MySqlPoolOptions::new()
             .max_connections(settings.max_connections)
-            .acquire_timeout(settings.timeout)
-            .connect(url)
-            .await?)
+            .acquire_timeout(settings.timeout);
+        super::connect_pool::<Self>(pool, url.parse()?).await
     }
 
     async fn new(pool: &MySqlPool) -> Result<Self, StoreError> {
@@ -217,6 +216,10 @@ impl Engine for MySql {
             Some(1062) => ErrorClass::Duplicate,
             // ER_NO_SUCH_TABLE
             Some(1146) => ErrorClass::MissingTable,
+            // ER_TABLEACCESS_DENIED_ERROR, ER_COLUMNACCESS_DENIED_ERROR,
+            // ER_DBACCESS_DENIED_ERROR, ER_ACCESS_DENIED_ERROR,
+            // ER_SPECIFIC_ACCESS_DENIED_ERROR
+            Some(1142 | 1143 | 1044 | 1045 | 1227) => ErrorClass::PermissionDenied,
             // --read-only, a read-only transaction, innodb_read_only.
             Some(1290 | 1792 | 1836 | 1015) => ErrorClass::ReadOnly,
             Some(_) => {

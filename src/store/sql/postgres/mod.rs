@@ -196,11 +196,10 @@ impl Engine for Postgres {
     }
 
     async fn open(url: &str, settings: &Settings) -> Result<PgPool, StoreError> {
-        Ok(PgPoolOptions::new()
+        let pool = PgPoolOptions::new()
             .max_connections(settings.max_connections)
-            .acquire_timeout(settings.timeout)
-            .connect(url)
-            .await?)
+            .acquire_timeout(settings.timeout);
+        super::connect_pool::<Self>(pool, url.parse()?).await
     }
 
     async fn new(_: &PgPool) -> Result<Self, StoreError> {
@@ -239,6 +238,8 @@ impl Engine for Postgres {
             "40001" | "40P01" => ErrorClass::Conflict,
             "25006" => ErrorClass::ReadOnly,
             "42P01" => ErrorClass::MissingTable,
+            // insufficient_privilege
+            "42501" => ErrorClass::PermissionDenied,
             // Data exceptions and integrity constraints (the completion's own
             // guard is a division by zero).
             code if code.starts_with("22") || code.starts_with("23") => ErrorClass::Refused,

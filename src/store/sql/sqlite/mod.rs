@@ -201,6 +201,8 @@ impl Engine for Sqlite {
             8 => ErrorClass::ReadOnly,
             // SQLITE_CONSTRAINT
             19 => ErrorClass::Refused,
+            // SQLITE_PERM, SQLITE_AUTH
+            3 | 23 => ErrorClass::PermissionDenied,
             // SQLITE_ERROR
             1 if error.message().starts_with("no such table") => ErrorClass::MissingTable,
             _ => ErrorClass::Other,
@@ -277,11 +279,11 @@ impl Engine for Sqlite {
         tx.end("COMMIT").await.map_err(|e| store.base.error(e))
     }
 
-    async fn tx_in_flight(
+    fn tx_in_flight(
         store: &SqliteTxStore,
         key: &crate::store::StorageKey,
-    ) -> Result<bool, StoreError> {
-        Ok(store.state.in_flight(key))
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        transactional::in_flight(store, key)
     }
 
     fn tx_forget(

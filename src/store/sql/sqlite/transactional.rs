@@ -26,8 +26,8 @@ use crate::{
     },
 };
 
-/// How long a forget waits for the write lock before it takes another
-/// process's writer for the key's claim in flight.
+/// How long a forget (or an inspect) waits for the write lock before it
+/// takes another process's writer for the key's claim in flight.
 const FORGET_WAIT: Duration = Duration::from_millis(100);
 
 /// What the transactional store keeps: its statements, and the keys this
@@ -254,6 +254,49 @@ pub(super) async fn forget(
 }
 
 async fn forget_committed(base: &Base<Sqlite>, key: &StorageKey) -> Result<Forgotten, StoreError> {
+    let args = Args {
+        key: key.as_str(),
+        now: now_ms(),
+        ..Args::default()
+    };
+    let deleted = holding_the_write_lock(base, async |connection| {
+        let deleted = Sqlite::execute(connection, &base.sql.forget_completed, &args).await?;
+        Ok((deleted, true))
+    })
+    .await?;
+    Ok(match deleted {
+        None => Forgotten::InFlight,
+        Some(0) => Forgotten::Nothing,
+        Some(_) => Forgotten::Completed,
+    })
+}
+
+/// Whether a claim may be in flight for `key`: in this process (the
+/// registry), or in another one — a writer there holds the file's write
+/// lock, and its uncommitted row is invisible, so that is all that can be
+/// known of it.
+pub(super) async fn in_flight(store: &SqliteTxStore, key: &StorageKey) -> Result<bool, StoreError> {
+    if store.state.in_flight(key) {
+        return Ok(true);
+    }
+    let base = store.base.clone();
+    let probed =
+        tokio::spawn(async move { holding_the_write_lock(&base, async |_| Ok(((), false))).await });
+    let free = probed
+        .await
+        .map_err(|e| StoreError::Unavailable(e.into()))??;
+    Ok(free.is_none())
+}
+
+/// Runs `work` inside an `IMMEDIATE` transaction — the file's write lock,
+/// waited for briefly ([`FORGET_WAIT`]) — which commits if `work` says so
+/// and rolls back otherwise: `None` when another process holds the lock.
+/// Run it on a task of its own: a caller that stops waiting must not leave
+/// the connection inside the transaction.
+async fn holding_the_write_lock<T>(
+    base: &Base<Sqlite>,
+    work: impl AsyncFnOnce(&mut sqlx::SqliteConnection) -> Result<(T, bool), sqlx::Error>,
+) -> Result<Option<T>, StoreError> {
     let _turn = base.engine.turn(Some(base.timeout)).await?;
     let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
     let begin = format!(
@@ -267,19 +310,14 @@ async fn forget_committed(base: &Base<Sqlite>, key: &StorageKey) -> Result<Forgo
             connection.close_on_drop();
         }
         return match Sqlite::classify(&error) {
-            super::ErrorClass::Busy => Ok(Forgotten::InFlight),
+            super::ErrorClass::Busy => Ok(None),
             _ => Err(base.error(error)),
         };
     }
-    let args = Args {
-        key: key.as_str(),
-        now: now_ms(),
-        ..Args::default()
-    };
-    let deleted = Sqlite::execute(&mut connection, &base.sql.forget_completed, &args).await;
-    let end = match deleted {
-        Ok(_) => "COMMIT",
-        Err(_) => "ROLLBACK",
+    let done = work(&mut connection).await;
+    let end = match done {
+        Ok((_, true)) => "COMMIT",
+        _ => "ROLLBACK",
     };
     if Sqlite::raw(&mut connection, &format!("{end}; {restore}"))
         .await
@@ -287,9 +325,6 @@ async fn forget_committed(base: &Base<Sqlite>, key: &StorageKey) -> Result<Forgo
     {
         connection.close_on_drop();
     }
-    match deleted {
-        Ok(0) => Ok(Forgotten::Nothing),
-        Ok(_) => Ok(Forgotten::Completed),
-        Err(error) => Err(base.error(error)),
-    }
+    done.map(|(value, _)| Some(value))
+        .map_err(|error| base.error(error))
 }
