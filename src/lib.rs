@@ -1,13 +1,15 @@
 //! Stripe-style `Idempotency-Key` semantics for [tower] and [axum] services
-//! and for queue consumers: a retry never runs the work twice, never runs
-//! it alongside the original, never receives another tenant's answer, and a
-//! key reused with other parameters is refused.
+//! (and tonic), for queue consumers, and for the clients that call them: a
+//! retry never runs the work twice, never runs it alongside the original,
+//! never receives another tenant's answer, a key reused with other
+//! parameters is refused — and nothing is lost.
 //!
 //! Networks and processes fail between "the work was done" and "the caller
 //! heard about it", so clients retry and brokers redeliver. The layer names
 //! each operation by its `Idempotency-Key`, claims the key atomically, runs
 //! the handler once, stores its response and replays it — byte for byte,
-//! with `Idempotent-Replayed: true` — to every retry.
+//! with `Idempotent-Replayed: true` — to every retry. What each request gets
+//! is in [`guide::semantics`].
 //!
 //! # Quick start
 //!
@@ -28,23 +30,61 @@
 //! let app: Router = Router::new()
 //!     .route("/v1/charges", post(|| async { "charged once" }))
 //!     .route_layer(idempotency);
+//! // Authentication goes outside, so it runs first: `.layer(auth)` here.
 //! ```
 //!
-//! | Request | Answer | Handler runs? |
-//! |---|---|---|
-//! | unguarded method (guarded: `POST`, `PATCH`) or no key | passed through (or `400` with `require_key`) | yes |
-//! | invalid key; body over the limit | `400`; `413` | no |
-//! | new key | the handler runs under a claim; its response is stored, then sent | once |
-//! | same key and request, completed | the stored response, `Idempotent-Replayed: true` | no |
-//! | same key and request, still running | `409` + `Retry-After` (or wait, then replay) | no |
-//! | same key, other method, path, query or body | `422` | no |
-//! | store unreachable | `503` + `Retry-After` (fail closed) | no |
+//! # The record and the charge in one transaction
 //!
-//! Rejections are RFC 9457 `application/problem+json` ([`Rejection`]), never
-//! stored; every response carries an [`IdempotencyOutcome`]. See
-//! [`IdempotencyLayer`] for the configuration, [`StorePolicy`] for which
-//! responses are stored, [`FingerprintStrategy`] for what counts as the same
-//! request, and [`ScopeExtractor`] for scopes.
+//! With a transactional store, the handler writes its effect in the
+//! request's own transaction ([`IdempotentTx`]) and the layer commits the
+//! stored response with it: a crash anywhere leaves both or neither —
+//! exactly one effect. SQLite is built in; PostgreSQL and MySQL/MariaDB are
+//! the same family ([`guide::sql`]).
+//!
+//! ```no_run
+//! # #[cfg(feature = "postgres")]
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use axum::{Router, http::StatusCode, routing::post};
+//! use tower_idempotency::{IdempotencyLayer, IdempotentTx, PostgresStore, PostgresTx};
+//!
+//! async fn charge(mut tx: IdempotentTx<PostgresTx>) -> Result<StatusCode, StatusCode> {
+//!     sqlx::query("INSERT INTO charges (amount) VALUES (1999)")
+//!         .execute(&mut *tx)
+//!         .await
+//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+//!     Ok(StatusCode::CREATED) // committed with the stored response, or not at all
+//! }
+//!
+//! let store = PostgresStore::builder()
+//!     .transactional()
+//!     .create_table_if_missing()
+//!     .connect("postgres://postgres@127.0.0.1:5432/payments")
+//!     .await?;
+//! let app: Router = Router::new()
+//!     .route("/v1/charges", post(charge))
+//!     .route_layer(IdempotencyLayer::new(store).single_tenant().require_key(true));
+//! # let _ = app; Ok(()) }
+//! ```
+//!
+//! # The doors
+//!
+//! - **HTTP** — [`IdempotencyLayer`], for any tower service: axum routes,
+//!   webhook receivers whose key is in the body
+//!   ([`key_from_body`](IdempotencyLayer::key_from_body)). Its settings:
+//!   [`guide::configuration`].
+//! - **gRPC** — the same layer on a tonic server: unary calls guarded, the
+//!   reply replayed with its trailers, rejections as gRPC statuses
+//!   ([`guide::grpc`]).
+//! - **Queue consumers** — [`message::IdempotencyProcessor`]: the same
+//!   protocol keyed by a business identifier, which keeps each delivery in
+//!   hand until it is decided, so that no order is lost ([`message`],
+//!   [`guide::consumers`]).
+//! - **Clients** — `client::IdempotentClientLayer` (feature `client`): one
+//!   key per operation, kept across its retries; only what is safe retried
+//!   ([`guide::client`]).
+//! - **Operators** — every store answers "what happened to this key?" and
+//!   can forget one ([`store::Store::inspect`], [`store::Store::forget`]);
+//!   tracing spans and metrics ([`guide::operations`]).
 //!
 //! # Stores
 //!
@@ -59,56 +99,12 @@
 //! | [`CachedStore`] | `cache` | the inner store's | replays without a round trip |
 //!
 //! A store whose claims are **transactions** commits the record with the
-//! handler's own writes: the handler takes the transaction with
-//! [`IdempotentTx`], and a crash anywhere leaves both or neither — exactly
-//! one effect. A store whose claims are **leases** keeps the record apart
-//! from the effect: a crash between them means the retry executes again
-//! once the lease expires. The SQL stores are one family, [`store::sql`].
-//! Custom stores implement [`store::Store`].
-//!
-//! ```no_run
-//! # #[cfg(feature = "sqlite")]
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use axum::{Router, http::StatusCode, routing::post};
-//! use tower_idempotency::{IdempotencyLayer, IdempotentTx, SqliteStore, SqliteTx};
-//!
-//! async fn charge(mut tx: IdempotentTx<SqliteTx>) -> Result<StatusCode, StatusCode> {
-//!     sqlx::query("INSERT INTO charges (amount) VALUES (1999)")
-//!         .execute(&mut *tx)
-//!         .await
-//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
-//!     Ok(StatusCode::CREATED) // committed with the stored response, or not at all
-//! }
-//!
-//! let store = SqliteStore::builder()
-//!     .transactional()
-//!     .create_table_if_missing()
-//!     .connect("sqlite://payments.db")
-//!     .await?;
-//! let app: Router = Router::new()
-//!     .route("/v1/charges", post(charge))
-//!     .route_layer(IdempotencyLayer::new(store).single_tenant().require_key(true));
-//! # let _ = app; Ok(()) }
-//! ```
-//!
-//! # Queue consumers
-//!
-//! [`message::IdempotencyProcessor`] runs the same protocol for messages,
-//! keyed by a business identifier, with the same stores; on a transactional
-//! store the message's record commits in the work's transaction.
-//!
-//! # gRPC
-//!
-//! On a tonic server (`Server::builder().layer(…)`), the same layer guards
-//! unary calls: the key is the `idempotency-key` metadata, the reply is
-//! stored and replayed with its trailers (`grpc-status`, `grpc-message`,
-//! trailing metadata), the layer's own answers are gRPC statuses
-//! ([`Rejection::grpc_code`]), and the store policy reads the status
-//! ([`StorePolicy::should_store_grpc`]: `UNAVAILABLE`,
-//! `RESOURCE_EXHAUSTED`, `ABORTED` and `DEADLINE_EXCEEDED` release the key).
-//! A method behind a transactional store takes its transaction with
-//! [`IdempotentTx::from_extensions`]. Streaming methods are not guarded:
-//! list them in [`IdempotencyLayer::unguarded_paths`].
+//! handler's own writes. A store whose claims are **leases** keeps the record
+//! apart from the effect: a crash between them, or a pause longer than the
+//! lease, lets the retry execute again — give the effect a downstream key
+//! ([`store::redis`] shows how). Custom stores implement [`store::Store`]
+//! and can run the contract suite (`testing`). More: [`guide::stores`],
+//! [`guide::capacity`].
 //!
 //! # Feature flags
 //!
@@ -123,6 +119,17 @@
 //! | `cache` | | [`CachedStore`] |
 //! | `metrics` | | counters and histograms through the `metrics` facade |
 //! | `compression` | | zstd for stored bodies ([`codec::Compression`], opt-in per store) |
+//! | `client` | | `client::IdempotentClientLayer`: one key per call, safe retries |
+//! | `testing` | | `testing::StoreContract`: the store contract, for a custom store's tests |
+//!
+//! # Versions
+//!
+//! For axum 0.8, tower 0.5, tonic 0.14, sqlx 0.9, redis 1 and tokio 1.
+//! The minimum supported Rust version is 1.94, and follows this rule: a
+//! Rust release at least six months old, raised only in a minor release
+//! (before 1.0) and said in the changelog. A new major of a re-exported
+//! client (`sqlx`, `redis`) is a minor release of this crate before 1.0
+//! that moves to it; the previous release line keeps the previous major.
 //!
 //! [tower]: https://docs.rs/tower
 //! [axum]: https://docs.rs/axum
@@ -139,6 +146,7 @@
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;
 mod fingerprint;
+pub mod guide;
 mod http;
 mod key;
 mod lock;

@@ -4,20 +4,22 @@
 //! missing makes the fixture panic with what to install, never a silent
 //! skip.
 
-pub mod amqp;
 pub mod cluster;
+#[cfg(feature = "galera")]
 pub mod galera;
+#[cfg(feature = "mysql")]
 pub mod mysql;
-pub mod nats;
+#[cfg(feature = "postgres")]
 pub mod postgres;
 pub mod redis_server;
 pub mod relay;
+#[cfg(feature = "sqlite")]
 pub mod sqlite;
-pub mod sqs;
 pub mod tmpfs;
 
 /// Runs `f` on its own thread and runtime: set-up and tear-down happen
 /// from synchronous places (constructors, `Drop`), inside tests' runtimes.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn blocking<T: Send + 'static>(f: impl AsyncFnOnce() -> T + Send + 'static) -> T {
     std::thread::spawn(move || {
         tokio::runtime::Builder::new_current_thread()

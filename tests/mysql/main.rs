@@ -23,10 +23,8 @@ use tower_idempotency::{
 };
 
 use support::{
-    http::{HttpClient, Server, oneshot, post as request},
+    http::{Server, oneshot, post as request},
     mysql::TestDatabase,
-    payments::{Payments, charge_request, kill_mid_charge, retry_until_done},
-    redis_server::free_port,
 };
 
 const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
@@ -523,34 +521,6 @@ async fn tables_that_cannot_keep_exactly_once_are_refused_at_start_up() {
             .await;
         assert!(opted_out.is_ok(), "{opted_out:?}");
     }
-}
-
-/// The example on MySQL, killed (-9) while its handler holds an uncommitted
-/// charge: nothing committed, the key free once the server sees the
-/// connection close, and the retry charges once; after a restart the
-/// charge replays.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_mid_charge_on_mysql_leaves_nothing_and_the_retry_charges_once() {
-    let db = TestDatabase::create();
-    let client = HttpClient::default();
-    let env = [("DATABASE_URL", db.url()), ("PROCESSOR_LATENCY_MS", "2000")];
-    // The handler's charge, inserted and not committed yet.
-    let uncommitted = async |_: &str| db.count_uncommitted(CHARGES).await > 0;
-    let payments = kill_mid_charge(&client, &env, uncommitted).await;
-    assert_eq!(
-        db.count(CHARGES).await,
-        0,
-        "the uncommitted charge died with the process"
-    );
-    let (executed, conflicts) = retry_until_done(&client, &payments.addr).await;
-    assert_eq!(executed.status, StatusCode::CREATED);
-    assert!(!executed.is_replay());
-    eprintln!("mysql: the retry executed after {conflicts} × 409");
-    drop(payments);
-    let restarted = Payments::start(free_port(), &env);
-    let replay = client.send(charge_request(&restarted.addr)).await;
-    assert!(replay.is_replay(), "{}", replay.status);
-    assert_eq!(db.count(CHARGES).await, 1, "exactly one charge");
 }
 
 /// A handler's answer marked not to be replayed: its writes commit without

@@ -9,7 +9,6 @@
 #[path = "../support/mod.rs"]
 mod support;
 
-mod crashes;
 mod outages;
 mod startup;
 mod transactional;

@@ -2,7 +2,7 @@
 //! `nats_orders`) as child processes: their stdout lines, one per
 //! delivery, read as they come.
 
-use super::payments::example_binary;
+use super::process::example_binary;
 use std::{
     io::{BufRead, BufReader},
     process::{Child, Command, Stdio},

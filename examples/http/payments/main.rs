@@ -3,7 +3,7 @@
 //! Run with:
 //!
 //! ```not_rust
-//! cargo run --release --all-features --example payments
+//! cargo run --release --example payments
 //! ```
 //!
 //! Charges and idempotency records live in one SQLite file, `payments.db` in

@@ -4,7 +4,7 @@
 //! Run the payments example, then:
 //!
 //! ```not_rust
-//! cargo run --release --all-features --example charge_client -- \
+//! cargo run --release --example charge_client -- \
 //!     --url http://127.0.0.1:3000 --token tok_alice --amount 1999 --currency usd [--key K]
 //! ```
 //!

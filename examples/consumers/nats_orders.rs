@@ -4,7 +4,7 @@
 //! Run with:
 //!
 //! ```not_rust
-//! DATABASE_URL=sqlite://orders.db cargo run --release --all-features --example nats_orders
+//! DATABASE_URL=sqlite://orders.db cargo run --release --example nats_orders
 //! ```
 //!
 //! Environment: `NATS_URL` (default `nats://127.0.0.1:4222`); `STREAM`

@@ -4,7 +4,7 @@
 //! Run with:
 //!
 //! ```not_rust
-//! DATABASE_URL=sqlite://orders.db cargo run --release --all-features --example orders_consumer
+//! DATABASE_URL=sqlite://orders.db cargo run --release --example orders_consumer
 //! ```
 //!
 //! Environment: `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`);

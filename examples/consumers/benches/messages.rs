@@ -246,6 +246,14 @@ async fn main() {
     }
 }
 
+// The brokers' fixtures, as the consumers' tests start them.
+#[path = "../tests/support/nats.rs"]
+#[allow(dead_code)]
+mod nats;
+#[path = "../tests/support/sqs.rs"]
+#[allow(dead_code)]
+mod sqs;
+
 mod brokers {
     //! The broker variants: each round fills a fresh queue (stream) with
     //! more messages than a run can drain, then `CONSUMERS / 8` consumer
@@ -260,6 +268,10 @@ mod brokers {
         time::{Duration, Instant},
     };
 
+    use super::{
+        nats::{NatsServer, TestStream},
+        sqs::{SqsServer, TestQueue},
+    };
     use async_nats::jetstream::{self, consumer::pull};
     use aws_sdk_sqs::types::{DeleteMessageBatchRequestEntry, SendMessageBatchRequestEntry};
     use futures_util::{StreamExt, future::join_all};
@@ -267,10 +279,6 @@ mod brokers {
         PostgresTx, PostgresTxStore,
         message::{IdempotencyProcessor, ProcessOutcome, extend_every},
         sqlx::{self, PgPool},
-    };
-    use tower_idempotency_harness::{
-        nats::{NatsServer, TestStream},
-        sqs::{SqsServer, TestQueue},
     };
 
     const RECEIVERS: usize = 4;

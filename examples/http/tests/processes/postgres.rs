@@ -1,12 +1,9 @@
-//! The point of the transactional store, shown on the example process:
-//! killed (-9) or paused (SIGSTOP) while its handler holds an uncommitted
-//! charge.
+//! On PostgreSQL: the charge and its record in one transaction.
 
 use std::time::Duration;
 
-use axum::http::StatusCode;
+use http::StatusCode;
 
-use super::*;
 use crate::support::{
     http::HttpClient,
     payments::{Payments, charge_request, kill_mid_charge, retry_until_done},
@@ -14,8 +11,12 @@ use crate::support::{
     redis_server::free_port,
 };
 
-// The point of the transactional store, shown on the example process: kill
-// -9 while the handler holds an uncommitted charge.
+const CHARGES: &str = "SELECT count(*) FROM charges";
+/// The charges written by a transaction still open: the handler's, before
+/// its commit.
+const UNCOMMITTED_CHARGES: &str = "SELECT count(*) FROM pg_stat_activity \
+    WHERE datname = current_database() AND state = 'idle in transaction' \
+    AND query LIKE 'INSERT INTO charges%'";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_charge_on_postgres_leaves_nothing_and_the_retry_charges_once() {
@@ -72,14 +73,14 @@ async fn a_paused_instance_holds_its_key_no_longer_than_the_transaction_timeout(
         "the charge was never written",
     )
     .await;
-    signal(&paused, "STOP");
+    paused.signal("STOP");
 
     let (executed, conflicts) = retry_until_done(&client, &other.addr).await;
     assert_eq!(executed.status, StatusCode::CREATED, "{:?}", executed.body);
     assert!(!executed.is_replay());
     eprintln!("the paused instance's key was free after {conflicts} × 409");
 
-    signal(&paused, "CONT");
+    paused.signal("CONT");
     let withheld = tokio::time::timeout(Duration::from_secs(10), doomed)
         .await
         .expect("the resumed instance answered")
@@ -89,10 +90,23 @@ async fn a_paused_instance_holds_its_key_no_longer_than_the_transaction_timeout(
     assert!(client.send(charge_request(&paused.addr)).await.is_replay());
 }
 
-fn signal(process: &Payments, signal: &str) {
-    let status = std::process::Command::new("kill")
-        .args([format!("-{signal}"), process.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success(), "kill -{signal}");
+/// Four instances started at once on a new database: every one comes up
+/// (`CREATE TABLE IF NOT EXISTS` races itself on PostgreSQL: the store's
+/// table and the example's own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn instances_started_together_on_a_new_database_all_come_up() {
+    let db = TestDatabase::create();
+    let started = (0..4).map(|_| {
+        let url = db.url().to_owned();
+        std::thread::spawn(move || Payments::start(free_port(), &[("DATABASE_URL", &url)]))
+    });
+    let instances: Vec<Payments> = started
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().expect("an instance came up"))
+        .collect();
+    let client = HttpClient::default();
+    let (reply, _) = retry_until_done(&client, &instances[3].addr).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert_eq!(db.count(CHARGES).await, 1);
 }

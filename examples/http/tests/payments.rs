@@ -1,13 +1,13 @@
 //! The `payments` example's own tests, which live beside its `app()` in
-//! `examples/payments/app.rs`.
+//! `payments/app.rs`.
 
 // Start-up code the example's `main` uses is dead here.
 #[allow(dead_code)]
-#[path = "../examples/payments/admin.rs"]
+#[path = "../payments/admin.rs"]
 mod admin;
 #[allow(dead_code)]
-#[path = "../examples/payments/app.rs"]
+#[path = "../payments/app.rs"]
 mod app;
 #[allow(dead_code)]
-#[path = "../examples/payments/ledger.rs"]
+#[path = "../payments/ledger.rs"]
 mod ledger;

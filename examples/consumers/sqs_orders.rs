@@ -7,7 +7,7 @@
 //! ```not_rust
 //! SQS_QUEUE_URL=https://sqs.eu-west-1.amazonaws.com/123456789012/orders \
 //! DATABASE_URL=sqlite://orders.db \
-//! cargo run --release --all-features --example sqs_orders
+//! cargo run --release --example sqs_orders
 //! ```
 //!
 //! Environment: `SQS_QUEUE_URL` (required; a standard or a FIFO queue); the

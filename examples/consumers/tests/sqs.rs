@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use support::{
     consumer::{CHARGES, OrdersConsumer, count, order},
-    payments::run_example_to_exit,
     postgres::TestDatabase,
+    process::run_example_to_exit,
     relay::Relay,
     sqlite::TestFile,
     sqs::{SqsServer, TestQueue},

@@ -23,9 +23,7 @@ use tower::{Service, ServiceBuilder, ServiceExt};
 use tower_idempotency::client::{ClientError, IdempotentCall, IdempotentClientLayer};
 
 use support::{
-    payments::{Payments, example_binary},
-    redis_server::free_port,
-    relay::Relay,
+    payments::Payments, process::example_binary, redis_server::free_port, relay::Relay,
     sqlite::TestFile,
 };
 

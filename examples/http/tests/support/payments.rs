@@ -11,27 +11,9 @@ use std::{
 
 use super::{
     http::{HttpClient, Reply},
+    process::{example_binary, run_example_to_exit},
     redis_server::free_port,
 };
-
-/// An example binary built by `cargo test` beside the tests, or a panic
-/// that says how to build it.
-pub fn example_binary(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        bin.exists(),
-        "{} is missing: run the tests with `cargo test --all-features`, which builds the examples",
-        bin.display()
-    );
-    bin
-}
 
 fn payments_binary() -> PathBuf {
     example_binary("payments")
@@ -92,6 +74,15 @@ impl Payments {
         }
     }
 
+    /// Sends `signal` (`STOP`, `CONT`, …) to the process, as `kill -SIGNAL`.
+    pub fn signal(&self, signal: &str) {
+        let status = std::process::Command::new("kill")
+            .args([format!("-{signal}"), self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal}");
+    }
+
     /// What the process printed so far, besides its "listening on" line.
     pub fn output(&self) -> String {
         self.output.lock().unwrap().clone()
@@ -109,28 +100,6 @@ impl Drop for Payments {
 /// or kills it after 10 s: its exit status and everything it printed.
 pub fn run_to_exit(env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
     run_example_to_exit("payments", env)
-}
-
-/// Runs the example `name` with `env` until it exits, or kills it after
-/// 10 s: its exit status and everything it printed.
-pub fn run_example_to_exit(name: &str, env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
-    let mut child = Command::new(example_binary(name))
-        .env("BIND_ADDR", "127.0.0.1:0")
-        .envs(env.iter().copied())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run the payments example");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    let _ = child.kill();
-    let out = child.wait_with_output().unwrap();
-    let text =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    (out.status, text)
 }
 
 /// The example's crash-test charge: account `acct_crash`, key `crash-1`.

@@ -14,7 +14,7 @@ use aws_sdk_sqs::{
     types::{MessageSystemAttributeName, QueueAttributeName},
 };
 
-use crate::redis_server::free_port;
+use tower_idempotency_harness::redis_server::free_port;
 
 const INSTALL_HINT: &str = "moto_server was not found on PATH. The SQS tests need an SQS-compatible server: \
 install moto's server mode (`pip install 'moto[server]'`), or point SQS_TEST_ENDPOINT at any server speaking the SQS protocol, and run the tests again.";

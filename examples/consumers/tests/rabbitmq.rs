@@ -1,0 +1,340 @@
+//! The `orders_consumer` example on a real RabbitMQ and real databases
+//! (PostgreSQL, SQLite, MySQL), counting rows of `order_charges` (no unique
+//! constraint: a double execution shows).
+
+mod support;
+
+use std::time::Duration;
+
+use support::{
+    amqp::TestQueue,
+    consumer::{CHARGES, OrdersConsumer, count, order},
+    postgres::TestDatabase,
+    relay::Relay,
+    sqlite::TestFile,
+};
+
+async fn charges(db: &TestDatabase) -> i64 {
+    db.count(CHARGES).await
+}
+
+/// Waits until the queue holds no ready message (up to 20 s).
+async fn drained(queue: &TestQueue) {
+    for _ in 0..200 {
+        if queue.ready().await == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{} still has {} messages", queue.name, queue.ready().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_order_published_twice_charges_once_and_both_are_acknowledged() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let consumer =
+        OrdersConsumer::start(&[("DATABASE_URL", db.url()), ("QUEUE", &queue.name)]).await;
+
+    queue.publish(&order("order-1", 500)).await;
+    queue.publish(&order("order-1", 500)).await;
+    consumer.wait_for(|l| l == "executed order-1").await;
+    consumer.wait_for(|l| l == "duplicate order-1").await;
+    // Same order id, other amount: rejected, not charged.
+    queue.publish(&order("order-1", 900)).await;
+    consumer.wait_for(|l| l == "rejected order-1").await;
+    // Not an order at all.
+    queue.publish("{not json").await;
+    consumer.wait_for(|l| l.starts_with("invalid ")).await;
+    drained(&queue).await;
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_between_commit_and_ack_the_redelivery_is_a_duplicate() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let env = [("DATABASE_URL", db.url()), ("QUEUE", queue.name.as_str())];
+    let mut consumer = OrdersConsumer::start(&[env[0], env[1], ("ACK_DELAY_MS", "5000")]).await;
+    queue.publish(&order("order-1", 500)).await;
+    // Committed, not yet acknowledged.
+    db.wait_for_count(CHARGES, |n| n == 1, "the order was never charged")
+        .await;
+    consumer.kill();
+
+    // The broker redelivers the unacknowledged message to the new consumer.
+    let consumer = OrdersConsumer::start(&env).await;
+    consumer.wait_for(|l| l == "duplicate order-1").await;
+    drained(&queue).await;
+    assert_eq!(charges(&db).await, 1, "still one charge");
+    assert!(!consumer.lines().iter().any(|l| l.starts_with("executed")));
+    queue.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_work_nothing_commits_and_the_redelivery_executes_once() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let env = [("DATABASE_URL", db.url()), ("QUEUE", queue.name.as_str())];
+    let mut consumer = OrdersConsumer::start(&[env[0], env[1], ("WORK_DELAY_MS", "5000")]).await;
+    queue.publish(&order("order-1", 500)).await;
+    // Killed once the row is inserted, uncommitted, while the "processor"
+    // waits.
+    let inserted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                    AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
+    db.wait_for_count(inserted, |n| n == 1, "the work never inserted its row")
+        .await;
+    consumer.kill();
+    assert_eq!(charges(&db).await, 0, "nothing committed");
+
+    let consumer = OrdersConsumer::start(&env).await;
+    consumer.wait_for(|l| l == "executed order-1").await;
+    drained(&queue).await;
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
+}
+
+/// The database unreachable while an order waits: the consumer puts the
+/// message back (no ack, nothing charged, nothing lost) and charges the
+/// order once the database is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_database_unreachable_an_order_waits_and_is_charged_once_it_returns() {
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let queue = TestQueue::declare().await;
+    let url = db.url_via(relay.port());
+    let consumer = OrdersConsumer::start(&[("DATABASE_URL", &url), ("QUEUE", &queue.name)]).await;
+
+    relay.cut();
+    queue.publish(&order("order-1", 500)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !consumer.lines().iter().any(|l| l.ends_with("order-1")),
+        "no outcome while the database is away: {:?}",
+        consumer.lines()
+    );
+    assert_eq!(charges(&db).await, 0);
+
+    relay.restore();
+    consumer.wait_for(|l| l == "executed order-1").await;
+    drained(&queue).await;
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_consumers_and_concurrent_duplicates_one_charge_per_order() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let env = [
+        ("DATABASE_URL", db.url()),
+        ("QUEUE", queue.name.as_str()),
+        ("WORK_DELAY_MS", "20"),
+    ];
+    let first = OrdersConsumer::start(&env).await;
+    let second = OrdersConsumer::start(&env).await;
+    let orders = 20;
+    let publishes = (0..orders * 3).map(|i| {
+        let queue = &queue;
+        async move {
+            queue
+                .publish(&order(&format!("order-{}", i % orders), 500))
+                .await
+        }
+    });
+    futures_util::future::join_all(publishes).await;
+    drained(&queue).await;
+    // Every delivery answered: executed or duplicate (in-flight ones requeued).
+    for _ in 0..200 {
+        let done = [&first, &second]
+            .iter()
+            .flat_map(|c| c.lines())
+            .filter(|l| l.starts_with("executed") || l.starts_with("duplicate"))
+            .count();
+        if done == (orders * 3) as usize {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let per_order = db
+        .count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
+        .await;
+    assert_eq!(per_order, 0, "no order charged twice");
+    assert_eq!(charges(&db).await, orders);
+    let executed = [&first, &second]
+        .iter()
+        .flat_map(|c| c.lines())
+        .filter(|l| l.starts_with("executed"))
+        .count();
+    assert_eq!(executed, orders as usize);
+    queue.delete().await;
+}
+
+/// Orders that can never be processed — an order id that is no valid key, a
+/// currency the database refuses (a NUL byte) — are rejected, not requeued
+/// at the head of the queue: the valid order behind them is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_malformed_order_never_holds_up_the_orders_behind_it() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let consumer =
+        OrdersConsumer::start(&[("DATABASE_URL", db.url()), ("QUEUE", &queue.name)]).await;
+
+    let too_long = "x".repeat(256);
+    for bad_id in ["order 42", "", "ördér-1", too_long.as_str()] {
+        queue.publish(&order(bad_id, 500)).await;
+    }
+    queue
+        .publish(r#"{"order_id":"order-nul","amount":500,"currency":"e\u0000r"}"#)
+        .await;
+    queue.publish(&order("order-1", 500)).await;
+
+    consumer.wait_for(|l| l == "executed order-1").await;
+    drained(&queue).await;
+    // Rejected for good: no redelivery comes back.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let lines = consumer.lines();
+    assert_eq!(
+        lines.iter().filter(|l| l.starts_with("invalid ")).count(),
+        5,
+        "each invalid order rejected once: {lines:?}"
+    );
+    let kinds: Vec<_> = queue
+        .dead_letters()
+        .await
+        .into_iter()
+        .map(|(_, kind)| kind.unwrap_or_default())
+        .collect();
+    assert_eq!(
+        kinds, ["invalid"; 5],
+        "each in the dead-letter queue, with its reason"
+    );
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
+}
+
+/// Work longer than its transaction's bound can never commit: it is
+/// rolled back on each delivery, and after a bounded number of them
+/// rejected for good (`rejected <order_id>`) instead of looping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_longer_than_its_transaction_bound_is_rejected_after_bounded_deliveries() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let consumer = OrdersConsumer::start(&[
+        ("DATABASE_URL", db.url()),
+        ("QUEUE", &queue.name),
+        ("WORK_DELAY_MS", "1500"),
+        ("IDEMPOTENCY_TX_TIMEOUT_MS", "500"),
+    ])
+    .await;
+    queue.publish(&order("order-slow", 500)).await;
+    consumer
+        .wait_for_within(|l| l == "rejected order-slow", Duration::from_secs(40))
+        .await;
+    drained(&queue).await;
+    // Not redelivered again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(consumer.lines()[1..], ["rejected order-slow"]);
+    assert_eq!(charges(&db).await, 0, "nothing ever committed");
+    let dead = queue.dead_letters().await;
+    assert_eq!(dead, [(order("order-slow", 500), Some("timed_out".into()))]);
+    // The bound raised, the order (published again) is charged.
+    drop(consumer);
+    let consumer = OrdersConsumer::start(&[
+        ("DATABASE_URL", db.url()),
+        ("QUEUE", &queue.name),
+        ("WORK_DELAY_MS", "1500"),
+        ("IDEMPOTENCY_TX_TIMEOUT_MS", "5000"),
+    ])
+    .await;
+    queue.publish(&order("order-slow", 500)).await;
+    consumer.wait_for(|l| l == "executed order-slow").await;
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
+}
+
+/// A consumer whose queue is deleted is ended by the broker: the process
+/// must fail, so that a supervisor restarts it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_consumer_exits_non_zero_when_the_broker_ends_it() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let mut consumer =
+        OrdersConsumer::start(&[("DATABASE_URL", db.url()), ("QUEUE", &queue.name)]).await;
+    queue.delete().await;
+    for _ in 0..100 {
+        if let Some(status) = consumer.child.try_wait().unwrap() {
+            assert!(!status.success(), "exited with {status}");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("still running 10 s after its queue was deleted");
+}
+
+/// The example on SQLite (`DATABASE_URL=sqlite://…`): the order's charge
+/// and its record commit together in one file; the duplicate is
+/// acknowledged without a second charge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_an_order_published_twice_charges_once() {
+    let file = TestFile::create();
+    let queue = TestQueue::declare().await;
+    let url = file.url();
+    let consumer = OrdersConsumer::start(&[("DATABASE_URL", &url), ("QUEUE", &queue.name)]).await;
+    queue.publish(&order("order-1", 500)).await;
+    queue.publish(&order("order-1", 500)).await;
+    consumer.wait_for(|l| l == "executed order-1").await;
+    consumer.wait_for(|l| l == "duplicate order-1").await;
+    drained(&queue).await;
+    assert_eq!(file.count(CHARGES).await, 1);
+    queue.delete().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql_an_order_published_twice_charges_once_and_a_kill_mid_work_commits_nothing() {
+    let db = support::mysql::TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let env = [("DATABASE_URL", db.url()), ("QUEUE", queue.name.as_str())];
+    let mut consumer = OrdersConsumer::start(&[env[0], env[1], ("WORK_DELAY_MS", "5000")]).await;
+    queue.publish(&order("order-1", 500)).await;
+    // Killed while the work's row is inserted, uncommitted.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while db.count_uncommitted(CHARGES).await == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the work never inserted its row"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    consumer.kill();
+    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
+    let consumer = OrdersConsumer::start(&env).await;
+    consumer.wait_for(|l| l == "executed order-1").await;
+    queue.publish(&order("order-1", 500)).await;
+    consumer.wait_for(|l| l == "duplicate order-1").await;
+    drained(&queue).await;
+    assert_eq!(db.count(CHARGES).await, 1);
+    queue.delete().await;
+}
+
+/// Four consumers started at once on a new database: every one comes up
+/// (`CREATE TABLE IF NOT EXISTS` races itself on PostgreSQL), and the order
+/// is charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn consumers_started_together_on_a_new_database_all_come_up() {
+    let db = TestDatabase::create();
+    let queue = TestQueue::declare().await;
+    let env = [("DATABASE_URL", db.url()), ("QUEUE", queue.name.as_str())];
+    let consumers =
+        futures_util::future::join_all((0..4).map(|_| OrdersConsumer::start(&env))).await;
+    queue.publish(&order("order-1", 500)).await;
+    let all: Vec<&OrdersConsumer> = consumers.iter().collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while count(&all, |l| l == "executed order-1") == 0 {
+        assert!(std::time::Instant::now() < deadline, "never charged");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(charges(&db).await, 1);
+    queue.delete().await;
+}
