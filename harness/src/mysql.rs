@@ -73,7 +73,7 @@ impl TestDatabase {
         blocking(async move || {
             connect(&admin)
                 .await
-                .execute(create.as_str())
+                .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(create)))
                 .await
                 .expect("create the test database");
         });
@@ -101,7 +101,7 @@ impl TestDatabase {
     /// the first row, as a number.
     pub async fn count(&self, sql: &str) -> i64 {
         let mut connection = self.connect().await;
-        sqlx::query_scalar(sql)
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .fetch_one(&mut connection)
             .await
             .unwrap()
@@ -115,7 +115,7 @@ impl TestDatabase {
             .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ UNCOMMITTED")
             .await
             .unwrap();
-        sqlx::query_scalar(sql)
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .fetch_one(&mut connection)
             .await
             .unwrap()
@@ -138,7 +138,9 @@ impl Drop for TestDatabase {
         let admin = self.server.clone();
         blocking(async move || {
             if let Ok(mut admin) = MySqlConnection::connect(&admin).await {
-                let _ = admin.execute(drop.as_str()).await;
+                let _ = admin
+                    .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(drop)))
+                    .await;
             }
         });
     }

@@ -72,7 +72,7 @@ impl TestDatabase {
         blocking(async move || {
             let mut admin = admin().await;
             admin
-                .execute(create.as_str())
+                .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(create)))
                 .await
                 .expect("create the test database");
         });
@@ -112,7 +112,7 @@ impl TestDatabase {
     /// the first row, as a number.
     pub async fn count(&self, sql: &str) -> i64 {
         let mut connection = PgConnection::connect(&self.url).await.unwrap();
-        sqlx::query_scalar(sql)
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .fetch_one(&mut connection)
             .await
             .unwrap()
@@ -133,7 +133,10 @@ impl Drop for TestDatabase {
     fn drop(&mut self) {
         let drop = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
         blocking(async move || {
-            let _ = admin().await.execute(drop.as_str()).await;
+            let _ = admin()
+                .await
+                .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(drop)))
+                .await;
         });
     }
 }

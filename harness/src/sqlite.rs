@@ -38,7 +38,7 @@ impl TestFile {
     /// the first row, as a number.
     pub async fn count(&self, sql: &str) -> i64 {
         let mut connection = SqliteConnection::connect(&self.url()).await.unwrap();
-        sqlx::query_scalar(sql)
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
             .fetch_one(&mut connection)
             .await
             .unwrap()

@@ -80,7 +80,10 @@ async fn count_on(cluster: &GaleraCluster, i: usize, db: &TestDatabase, sql: &st
         .execute(&mut on)
         .await
         .unwrap();
-    sqlx::query_scalar(sql).fetch_one(&mut on).await.unwrap()
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .fetch_one(&mut on)
+        .await
+        .unwrap()
 }
 
 /// Retries `path` with `key` on `server` while the answer is "try again"

@@ -496,7 +496,7 @@ async fn tables_that_cannot_keep_exactly_once_are_refused_at_start_up() {
         ),
     ] {
         let db = TestDatabase::create();
-        sqlx::raw_sql(&format!("CREATE TABLE idempotency_records ({table}"))
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE TABLE idempotency_records ({table}")))
             .execute(&mut db.connect().await)
             .await
             .unwrap();
@@ -616,7 +616,10 @@ async fn a_missing_table_and_a_user_without_grants_say_what_they_are() {
     let user = &user[..user.len().min(32)];
     let mut root = db.connect().await;
     let admin = async |root: &mut sqlx::MySqlConnection, sql: String| {
-        sqlx::raw_sql(&sql).execute(root).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(root)
+            .await
+            .unwrap();
     };
     admin(
         &mut root,

@@ -25,9 +25,9 @@ impl Role {
             SEQ.fetch_add(1, Ordering::Relaxed)
         );
         let mut admin = db.connect().await;
-        sqlx::raw_sql(&format!(
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "DROP ROLE IF EXISTS {name}; CREATE ROLE {name} LOGIN PASSWORD 'secret'"
-        ))
+        )))
         .execute(&mut admin)
         .await
         .unwrap();
@@ -40,7 +40,7 @@ impl Role {
 
     /// Runs `sql` as the test database's owner.
     async fn admin(db: &TestDatabase, sql: &str) {
-        sqlx::raw_sql(sql)
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
             .execute(&mut db.connect().await)
             .await
             .unwrap();

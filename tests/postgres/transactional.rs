@@ -631,12 +631,12 @@ async fn a_table_without_its_primary_key_is_refused_at_start_up() {
 async fn a_key_column_that_does_not_compare_bytes_is_refused_at_start_up() {
     for key_type in ["text COLLATE case_insensitive", "citext"] {
         let db = TestDatabase::create();
-        sqlx::raw_sql(&format!(
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
             "CREATE COLLATION case_insensitive (provider = icu, locale = 'und-u-ks-level2', deterministic = false); \
              CREATE EXTENSION citext; \
              CREATE TABLE idempotency_records (key {key_type} PRIMARY KEY, fingerprint bytea NOT NULL, \
              token bytea, record bytea, expires_at timestamptz NOT NULL)"
-        ))
+        )))
         .execute(&mut db.connect().await)
         .await
         .unwrap();

@@ -154,10 +154,10 @@ impl Ledger {
 }
 
 fn bind<'q, DB: sqlx::Database>(
-    query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>,
+    query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments>,
     account: &str,
     charge: &ChargeReply,
-) -> sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments<'q>>
+) -> sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments>
 where
     String: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,

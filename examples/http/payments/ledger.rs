@@ -128,7 +128,7 @@ pub async fn insert<'c, DB: Engine>(
     charge: &Charge,
 ) -> Result<(), sqlx::Error>
 where
-    for<'q> <DB as Database>::Arguments<'q>: IntoArguments<'q, DB>,
+    <DB as Database>::Arguments: IntoArguments<DB>,
     for<'q> &'q str: Encode<'q, DB> + Type<DB>,
     for<'q> Option<&'q str>: Encode<'q, DB> + Type<DB>,
     for<'q> i64: Encode<'q, DB> + Type<DB>,
@@ -154,7 +154,7 @@ pub async fn insert_once<DB: Engine>(
 ) -> Result<Charge, sqlx::Error>
 where
     for<'c> &'c Pool<DB>: Executor<'c, Database = DB>,
-    for<'q> <DB as Database>::Arguments<'q>: IntoArguments<'q, DB>,
+    <DB as Database>::Arguments: IntoArguments<DB>,
     for<'q> &'q str: Encode<'q, DB> + Type<DB>,
     for<'q> Option<&'q str>: Encode<'q, DB> + Type<DB>,
     for<'q> i64: Encode<'q, DB> + Type<DB>,
@@ -187,7 +187,7 @@ pub async fn insert_event<'c, DB: Engine>(
     event: &Event,
 ) -> Result<(), sqlx::Error>
 where
-    for<'q> <DB as Database>::Arguments<'q>: IntoArguments<'q, DB>,
+    <DB as Database>::Arguments: IntoArguments<DB>,
     for<'q> &'q str: Encode<'q, DB> + Type<DB>,
     for<'q> Option<&'q str>: Encode<'q, DB> + Type<DB>,
 {
@@ -203,7 +203,7 @@ where
 pub async fn list_events<DB: Engine>(pool: &Pool<DB>) -> Result<Vec<Event>, sqlx::Error>
 where
     for<'c> &'c Pool<DB>: Executor<'c, Database = DB>,
-    for<'q> <DB as Database>::Arguments<'q>: IntoArguments<'q, DB>,
+    <DB as Database>::Arguments: IntoArguments<DB>,
     for<'r> &'r str: sqlx::ColumnIndex<DB::Row>,
     for<'r> String: Decode<'r, DB> + Type<DB>,
     for<'r> Option<String>: Decode<'r, DB> + Type<DB>,
@@ -223,7 +223,7 @@ where
 pub async fn list<DB: Engine>(pool: &Pool<DB>, account: &str) -> Result<Vec<Charge>, sqlx::Error>
 where
     for<'c> &'c Pool<DB>: Executor<'c, Database = DB>,
-    for<'q> <DB as Database>::Arguments<'q>: IntoArguments<'q, DB>,
+    <DB as Database>::Arguments: IntoArguments<DB>,
     for<'q> &'q str: Encode<'q, DB> + Type<DB>,
     for<'r> &'r str: sqlx::ColumnIndex<DB::Row>,
     for<'r> String: Decode<'r, DB> + Type<DB>,
@@ -371,7 +371,7 @@ impl<C> LedgerWrites for C
 where
     C: sqlx::Connection<Database: Engine>,
     for<'c> &'c mut C: Executor<'c, Database = C::Database>,
-    for<'q> <C::Database as Database>::Arguments<'q>: IntoArguments<'q, C::Database>,
+    <C::Database as Database>::Arguments: IntoArguments<C::Database>,
     for<'q> &'q str: Encode<'q, C::Database> + Type<C::Database>,
     for<'q> Option<&'q str>: Encode<'q, C::Database> + Type<C::Database>,
     for<'q> i64: Encode<'q, C::Database> + Type<C::Database>,

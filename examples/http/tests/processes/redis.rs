@@ -118,7 +118,7 @@ async fn a_holder_paused_past_its_lease_on_redis_executes_twice_and_charges_once
 async fn file_value(file: &TestFile, sql: &str) -> String {
     use sqlx::Connection;
     let mut connection = sqlx::SqliteConnection::connect(&file.url()).await.unwrap();
-    sqlx::query_scalar(sql)
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
         .fetch_one(&mut connection)
         .await
         .unwrap()

@@ -82,7 +82,7 @@ async fn found(
     let read = sql.read_after_rollback(key.as_str());
     let row = {
         let on: &mut sqlx::MySqlConnection = &mut tx;
-        sqlx::Executor::fetch_optional(on, sqlx::raw_sql(&read)).await
+        sqlx::Executor::fetch_optional(on, sqlx::raw_sql(sqlx::AssertSqlSafe(read))).await
     };
     let row = match row.map(|row| row.as_ref().map(MySql::key_row).transpose()) {
         Ok(Ok(row)) => row,
@@ -107,7 +107,7 @@ async fn found(
             );
             let taken = {
                 let on: &mut sqlx::MySqlConnection = &mut tx;
-                sqlx::Executor::execute(on, sqlx::raw_sql(&take_over)).await
+                sqlx::Executor::execute(on, sqlx::raw_sql(sqlx::AssertSqlSafe(take_over))).await
             };
             match taken {
                 Ok(done) if done.rows_affected() == 1 => Ok(TxClaim::Acquired(tx)),

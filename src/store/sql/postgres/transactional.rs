@@ -69,7 +69,10 @@ async fn begin_claim(
         // transaction at the same (READ COMMITTED) level.
         let sql = format!("ROLLBACK AND CHAIN; {claim}");
         let on: &mut PgConnection = &mut parked;
-        match on.fetch_optional(sqlx::raw_sql(&sql)).await {
+        match on
+            .fetch_optional(sqlx::raw_sql(sqlx::AssertSqlSafe(sql)))
+            .await
+        {
             Ok(row) => {
                 parked.began = Instant::now();
                 return Ok(Some((parked, row)));
@@ -98,7 +101,9 @@ async fn begin_claim(
     // rows committed before it, each statement on a fresh snapshot.
     let begin = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {claim}");
     let on: &mut PgConnection = &mut tx;
-    let mut claimed = on.fetch_optional(sqlx::raw_sql(&begin)).await;
+    let mut claimed = on
+        .fetch_optional(sqlx::raw_sql(sqlx::AssertSqlSafe(begin)))
+        .await;
     if claimed
         .as_ref()
         .is_err_and(|e| sqlstate(e).as_deref() == Some(NOT_PREPARED))
@@ -109,7 +114,9 @@ async fn begin_claim(
         // database's default isolation level).
         let on: &mut PgConnection = &mut tx;
         let session = on
-            .execute(sqlx::raw_sql(&state.sql.session(store.bound)))
+            .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(
+                state.sql.session(store.bound),
+            )))
             .await;
         if let Err(error) = session {
             tx.close_on_drop();
@@ -118,7 +125,9 @@ async fn begin_claim(
         let prepare = state.sql.prepare();
         let sql = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {prepare}; {claim}");
         let on: &mut PgConnection = &mut tx;
-        claimed = on.fetch_optional(sqlx::raw_sql(&sql)).await;
+        claimed = on
+            .fetch_optional(sqlx::raw_sql(sqlx::AssertSqlSafe(sql)))
+            .await;
     }
     match claimed {
         Ok(row) => Ok(Some((tx, row))),
@@ -156,7 +165,8 @@ pub(super) async fn claim(
             break;
         }
         let on: &mut PgConnection = &mut tx;
-        answer = match on.fetch_optional(sqlx::raw_sql(&claim)).await {
+        let again = sqlx::raw_sql(sqlx::AssertSqlSafe(claim.as_str()));
+        answer = match on.fetch_optional(again).await {
             Ok(row) => Answer::read(row),
             Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
                 state.idle.park(tx, &store.base.pool);
@@ -198,7 +208,7 @@ async fn take_over(
 ) -> Result<TxClaim<Postgres>, StoreError> {
     let lifetime = store.claim_lifetime_ms()?;
     let on: &mut PgConnection = &mut tx;
-    let taken = sqlx::query(&store.state.sql.take_over)
+    let taken = sqlx::query(sqlx::AssertSqlSafe(store.state.sql.take_over.clone()))
         .bind(key.as_str())
         .bind(&fingerprint.as_bytes()[..])
         .bind(lifetime)

@@ -173,7 +173,9 @@ async fn insert_claim(
         _registered: registered,
         expires_at,
     };
-    let claimed = sqlx::Executor::fetch_optional(&mut *connection, sqlx::raw_sql(&claim)).await;
+    let claimed =
+        sqlx::Executor::fetch_optional(&mut *connection, sqlx::raw_sql(sqlx::AssertSqlSafe(claim)))
+            .await;
     // From here on, dropped unfinished, it closes its connection.
     let mut tx = SqlTx::begun(connection, held, began);
     match claimed {
