@@ -1,6 +1,7 @@
-//! The store contract kit (`testing::StoreContract`): every lease store of
-//! the crate keeps it, on real servers; and each rule fails against a toy
-//! store with that one bug planted.
+//! The store contract kits (`testing::StoreContract`,
+//! `testing::TxStoreContract`): every store of the crate keeps its
+//! contract, on real servers; and each rule fails against a toy store with
+//! that one bug planted.
 
 mod support;
 
@@ -12,12 +13,13 @@ use std::{
 
 use tower_idempotency::{
     CompletedRecord, Fingerprint,
-    store::{Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError},
-    testing::{RULES, StoreContract},
+    store::{Claim, Forgotten, Granted, KeyState, LeaseToken, StorageKey, Store, StoreError},
+    testing::{RULES, StoreContract, TX_RULES, TxEffects, TxStoreContract},
 };
 
 use support::backend::{
-    Backend, CachedRedis, Cluster, Memory, MySql, Postgres, SingleRedis, Sqlite,
+    Backend, CachedRedis, Cluster, Memory, MySql, MySqlTx, Postgres, PostgresTx, SingleRedis,
+    Sqlite, SqliteTx, TxBackend,
 };
 
 async fn keeps_the_contract<B: Backend>(backend: B)
@@ -88,6 +90,14 @@ enum Bug {
     /// The check and the insert of a claim are two steps: concurrent claims
     /// both pass the check.
     RacyClaim,
+    /// Records are addressed by the key alone: another tenant's replays.
+    IgnoresScope,
+    /// Keys are folded to lower case: `Order-42` replays `order-42`'s.
+    FoldsCase,
+    /// Records are kept 5 s at most, whatever the retention asked.
+    CapsRetention,
+    /// A release is not fenced: a stranger's token frees the key.
+    ReleaseUnfenced,
 }
 
 type Entry = (
@@ -101,7 +111,7 @@ type Entry = (
 #[derive(Clone)]
 struct Toy {
     bug: Bug,
-    map: Arc<Mutex<HashMap<StorageKey, Entry>>>,
+    map: Arc<Mutex<HashMap<String, Entry>>>,
 }
 
 impl Toy {
@@ -112,9 +122,22 @@ impl Toy {
         }
     }
 
+    /// Where a key's record lives: its storage key, unless a bug says
+    /// otherwise.
+    fn slot(&self, key: &StorageKey) -> String {
+        let (scope, key) = key.as_str().split_once(':').expect("scope:key");
+        match self.bug {
+            Bug::IgnoresScope => key.to_owned(),
+            Bug::FoldsCase => format!("{scope}:{}", key.to_ascii_lowercase()),
+            _ => format!("{scope}:{key}"),
+        }
+    }
+
     fn live(&self, key: &StorageKey) -> Option<Entry> {
         let map = self.map.lock().unwrap();
-        map.get(key).filter(|e| e.3 > Instant::now()).cloned()
+        map.get(&self.slot(key))
+            .filter(|e| e.3 > Instant::now())
+            .cloned()
     }
 
     fn held_by(&self, key: &StorageKey, token: LeaseToken) -> bool {
@@ -141,9 +164,10 @@ impl Store for Toy {
         if self.bug == Bug::RacyClaim {
             tokio::task::yield_now().await;
         }
-        let grant = |map: &mut HashMap<StorageKey, Entry>| {
+        let slot = self.slot(key);
+        let grant = |map: &mut HashMap<String, Entry>| {
             let token = LeaseToken::generate();
-            map.insert(key.clone(), (*fp, Err(token), now, expiry));
+            map.insert(slot, (*fp, Err(token), now, expiry));
             Ok(Claim::Acquired(token))
         };
         let mut map = self.map.lock().unwrap();
@@ -173,7 +197,7 @@ impl Store for Toy {
             return Ok(false);
         }
         if self.bug != Bug::FakeHeartbeat
-            && let Some(entry) = self.map.lock().unwrap().get_mut(key)
+            && let Some(entry) = self.map.lock().unwrap().get_mut(&self.slot(key))
         {
             entry.3 = Instant::now() + lease;
         }
@@ -192,7 +216,7 @@ impl Store for Toy {
             return Ok(false);
         }
         let mut map = self.map.lock().unwrap();
-        let Some(entry) = map.get_mut(key) else {
+        let Some(entry) = map.get_mut(&self.slot(key)) else {
             return Ok(false);
         };
         entry.1 = Ok(record);
@@ -201,16 +225,23 @@ impl Store for Toy {
         } else {
             Instant::now()
         };
+        let retention = if self.bug == Bug::CapsRetention {
+            retention.min(Duration::from_secs(5))
+        } else {
+            retention
+        };
         entry.3 = from + retention;
         Ok(true)
     }
 
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
-        if !self.held_by(key, token) {
+        let unfenced =
+            self.bug == Bug::ReleaseUnfenced && matches!(self.live(key), Some((_, Err(_), ..)));
+        if !self.held_by(key, token) && !unfenced {
             return Ok(false);
         }
         if self.bug != Bug::ReleaseKeeps {
-            self.map.lock().unwrap().remove(key);
+            self.map.lock().unwrap().remove(&self.slot(key));
         }
         Ok(true)
     }
@@ -231,16 +262,17 @@ impl Store for Toy {
     }
 
     async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        let slot = self.slot(key);
         let mut map = self.map.lock().unwrap();
-        let live = map.get(key).filter(|e| e.3 > Instant::now()).cloned();
+        let live = map.get(&slot).filter(|e| e.3 > Instant::now()).cloned();
         Ok(match live {
             None => Forgotten::Nothing,
             Some((_, Ok(_), ..)) => {
-                map.remove(key);
+                map.remove(&slot);
                 Forgotten::Completed
             }
             Some((_, Err(_), ..)) if force => {
-                map.remove(key);
+                map.remove(&slot);
                 Forgotten::ForcedInFlight
             }
             Some(_) => Forgotten::InFlight,
@@ -251,6 +283,7 @@ impl Store for Toy {
 async fn broken_rules(bug: Bug) -> Vec<&'static str> {
     StoreContract::new(|| async move { Toy::new(bug) })
         .time_unit(Duration::from_millis(100))
+        .model_cases(24, 1)
         .check()
         .await
         .into_iter()
@@ -279,10 +312,19 @@ async fn each_rule_fails_against_a_store_with_its_bug_planted() {
         ),
         (Bug::BlindInspect, "inspect_and_forget_tell_the_truth"),
         (Bug::RacyClaim, "concurrent_claims_grant_the_key_once"),
+        (Bug::IgnoresScope, "scopes_keep_keys_apart"),
+        (Bug::FoldsCase, "keys_compare_byte_for_byte"),
+        (Bug::CapsRetention, "retention_is_kept_as_long_as_asked"),
+        (Bug::ReleaseUnfenced, "behaves_as_the_model"),
     ];
+    // The rules mostly wait on the clock: check the toys side by side.
+    let checks: Vec<_> = planted
+        .iter()
+        .map(|&(bug, _)| tokio::spawn(broken_rules(bug)))
+        .collect();
     let mut caught = Vec::new();
-    for (bug, rule) in planted {
-        let broken = broken_rules(bug).await;
+    for ((bug, rule), check) in planted.into_iter().zip(checks) {
+        let broken = check.await.expect("the check runs to its end");
         assert!(
             broken.contains(&rule),
             "{bug:?} should break {rule}, broke {broken:?}"
@@ -293,4 +335,491 @@ async fn each_rule_fails_against_a_store_with_its_bug_planted() {
     let mut all = RULES.to_vec();
     all.sort_unstable();
     assert_eq!(caught, all, "every rule is shown to fail");
+}
+
+/// Every transactional store of the crate keeps the transactional
+/// contract on its real server, its effects rows of a table beside the
+/// records.
+async fn keeps_the_tx_contract<B: TxBackend>(backend: B) {
+    let (store, charges) = backend.store_and_charges().await;
+    TxStoreContract::new(store, charges).assert().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_tx_keeps_the_tx_contract() {
+    keeps_the_tx_contract(PostgresTx::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_tx_keeps_the_tx_contract() {
+    keeps_the_tx_contract(SqliteTx::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_tx_keeps_the_tx_contract() {
+    keeps_the_tx_contract(MySqlTx::start()).await;
+}
+
+/// One bug a toy transactional store can have.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TxBug {
+    None,
+    /// The record commits, the effects are dropped.
+    RecordOnly,
+    /// A release commits the effects.
+    ReleaseCommits,
+    /// A dropped transaction leaves its claim behind: the key is wedged.
+    DropWedges,
+    /// After a failed statement the record commits without the effects.
+    PartsAfterAFailure,
+    /// Rolling back to a savepoint undoes nothing.
+    SavepointIgnored,
+    /// A duplicate waits for the holder's transaction to end.
+    DuplicateWaits,
+    /// A claim lapses like a lease: a paused holder's key is claimed again.
+    ClaimLapses,
+    /// The check and the insert of a claim are two steps.
+    RacyClaim,
+    /// Writes kept without a record are rolled back.
+    KeepingRollsBack,
+    /// Records never expire.
+    NeverExpires,
+    /// Records are addressed by the key alone.
+    IgnoresScope,
+}
+
+/// The toy's committed state: claims, records and effects.
+#[derive(Default)]
+struct Ledger {
+    keys: HashMap<String, Slot>,
+    effects: Vec<String>,
+}
+
+enum Slot {
+    Held {
+        tx: u64,
+        until: Instant,
+    },
+    Done {
+        fp: Fingerprint,
+        record: Arc<CompletedRecord>,
+        until: Instant,
+    },
+}
+
+/// The toy's connection: the writes of a transaction not yet committed.
+#[derive(Default)]
+struct ToyConnection {
+    pending: Vec<String>,
+    savepoint: Option<usize>,
+    aborted: bool,
+    bug: Option<TxBug>,
+}
+
+struct ToyTx {
+    id: u64,
+    slot: String,
+    connection: ToyConnection,
+    ledger: Arc<Mutex<Ledger>>,
+    open: bool,
+    wedge: bool,
+}
+
+impl std::ops::Deref for ToyTx {
+    type Target = ToyConnection;
+    fn deref(&self) -> &ToyConnection {
+        &self.connection
+    }
+}
+
+impl std::ops::DerefMut for ToyTx {
+    fn deref_mut(&mut self) -> &mut ToyConnection {
+        &mut self.connection
+    }
+}
+
+impl Granted for ToyTx {
+    fn lease_token(&self) -> Option<LeaseToken> {
+        None
+    }
+}
+
+impl ToyTx {
+    /// Ends the transaction: the claim goes, and so does everything else
+    /// unless `commit` says what stays.
+    fn end(&mut self, commit: Option<(Fingerprint, Arc<CompletedRecord>, Duration, bool)>) {
+        self.open = false;
+        let mut ledger = self.ledger.lock().unwrap();
+        let ours =
+            matches!(ledger.keys.get(&self.slot), Some(Slot::Held { tx, .. }) if *tx == self.id);
+        if ours {
+            ledger.keys.remove(&self.slot);
+        }
+        if let Some((fp, record, retention, effects)) = commit {
+            if effects {
+                ledger.effects.append(&mut self.connection.pending);
+            }
+            if retention > Duration::ZERO {
+                ledger.keys.insert(
+                    self.slot.clone(),
+                    Slot::Done {
+                        fp,
+                        record,
+                        until: Instant::now() + retention,
+                    },
+                );
+            }
+        }
+    }
+}
+
+impl Drop for ToyTx {
+    fn drop(&mut self) {
+        if self.open && !self.wedge {
+            self.end(None);
+        }
+    }
+}
+
+#[derive(Clone)]
+struct ToyTxStore {
+    bug: TxBug,
+    ledger: Arc<Mutex<Ledger>>,
+    next: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl ToyTxStore {
+    fn new(bug: TxBug) -> Self {
+        Self {
+            bug,
+            ledger: Arc::default(),
+            next: Arc::default(),
+        }
+    }
+
+    fn slot(&self, key: &StorageKey) -> String {
+        let (scope, key) = key.as_str().split_once(':').expect("scope:key");
+        if self.bug == TxBug::IgnoresScope {
+            key.to_owned()
+        } else {
+            format!("{scope}:{key}")
+        }
+    }
+}
+
+impl ToyTxStore {
+    fn grant(&self, ledger: &mut Ledger, slot: String, lease: Duration) -> Claim<ToyTx> {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let until = Instant::now() + lease;
+        ledger
+            .keys
+            .insert(slot.clone(), Slot::Held { tx: id, until });
+        Claim::Acquired(ToyTx {
+            id,
+            slot,
+            connection: ToyConnection {
+                bug: Some(self.bug),
+                ..ToyConnection::default()
+            },
+            ledger: self.ledger.clone(),
+            open: true,
+            wedge: self.bug == TxBug::DropWedges,
+        })
+    }
+}
+
+impl Store for ToyTxStore {
+    type Granted = ToyTx;
+
+    async fn claim(
+        &self,
+        key: &StorageKey,
+        fp: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim<ToyTx>, StoreError> {
+        let slot = self.slot(key);
+        if self.bug == TxBug::RacyClaim {
+            let free = !self.ledger.lock().unwrap().keys.contains_key(&slot);
+            if free {
+                // Checked, then inserted: another claim may pass between.
+                tokio::task::yield_now().await;
+                return Ok(self.grant(&mut self.ledger.lock().unwrap(), slot, lease));
+            }
+        }
+        if self.bug == TxBug::DuplicateWaits {
+            while matches!(
+                self.ledger.lock().unwrap().keys.get(&slot),
+                Some(Slot::Held { .. })
+            ) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        {
+            let now = Instant::now();
+            let mut ledger = self.ledger.lock().unwrap();
+            match ledger.keys.get(&slot) {
+                Some(Slot::Held { until, .. })
+                    if self.bug == TxBug::ClaimLapses && *until <= now => {}
+                Some(Slot::Done { until, .. }) if *until <= now => {}
+                Some(Slot::Held { .. }) => {
+                    return Ok(Claim::InFlight {
+                        retry_after: Duration::from_secs(1),
+                    });
+                }
+                Some(Slot::Done { fp: stored, .. }) if stored != fp => return Ok(Claim::Mismatch),
+                Some(Slot::Done { record, until, .. }) => {
+                    return Ok(Claim::Completed {
+                        record: record.clone(),
+                        expires_in: *until - now,
+                    });
+                }
+                None => {}
+            }
+            Ok(self.grant(&mut ledger, slot, lease))
+        }
+    }
+
+    async fn extend(&self, _: &StorageKey, _: LeaseToken, _: Duration) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+
+    async fn complete(
+        &self,
+        _: &StorageKey,
+        tx: &mut ToyTx,
+        fp: &Fingerprint,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Result<bool, StoreError> {
+        let retention = if self.bug == TxBug::NeverExpires {
+            Duration::from_secs(86_400)
+        } else {
+            retention
+        };
+        if tx.connection.aborted && self.bug != TxBug::PartsAfterAFailure {
+            tx.end(None);
+            return Ok(false);
+        }
+        let effects = self.bug != TxBug::RecordOnly && !tx.connection.aborted;
+        tx.end(Some((*fp, record, retention, effects)));
+        Ok(true)
+    }
+
+    async fn release(&self, _: &StorageKey, mut tx: ToyTx) -> Result<bool, StoreError> {
+        if self.bug == TxBug::ReleaseCommits {
+            tx.end(Some((
+                Fingerprint::from_bytes([0; 32]),
+                Arc::new(toy_record()),
+                Duration::ZERO,
+                true,
+            )));
+        } else {
+            tx.end(None);
+        }
+        Ok(true)
+    }
+
+    async fn release_keeping_writes(
+        &self,
+        _: &StorageKey,
+        mut tx: ToyTx,
+    ) -> Result<bool, StoreError> {
+        let keep = self.bug != TxBug::KeepingRollsBack;
+        tx.end(Some((
+            Fingerprint::from_bytes([0; 32]),
+            Arc::new(toy_record()),
+            Duration::ZERO,
+            keep,
+        )));
+        Ok(true)
+    }
+}
+
+fn toy_record() -> CompletedRecord {
+    CompletedRecord::Message {
+        result: None,
+        created_at: std::time::SystemTime::UNIX_EPOCH,
+    }
+}
+
+/// The toy's effects: its connection's pending writes, its ledger's
+/// committed ones.
+struct ToyEffects(Arc<Mutex<Ledger>>);
+
+impl TxEffects<ToyConnection> for ToyEffects {
+    async fn write(&self, tx: &mut ToyConnection, id: &str) -> Result<(), String> {
+        if tx.aborted {
+            return Err("the transaction is aborted".into());
+        }
+        tx.pending.push(id.to_owned());
+        Ok(())
+    }
+
+    async fn write_in_rolled_back_savepoint(
+        &self,
+        tx: &mut ToyConnection,
+        id: &str,
+    ) -> Result<(), String> {
+        tx.savepoint = Some(tx.pending.len());
+        self.write(tx, id).await?;
+        if tx.bug != Some(TxBug::SavepointIgnored) {
+            let at = tx.savepoint.take().expect("set above");
+            tx.pending.truncate(at);
+        }
+        Ok(())
+    }
+
+    async fn fail_a_statement(&self, tx: &mut ToyConnection) {
+        // As PostgreSQL does: the rest of the transaction is refused.
+        tx.aborted = true;
+    }
+
+    async fn count(&self, id: &str) -> Result<u64, String> {
+        Ok(self
+            .0
+            .lock()
+            .unwrap()
+            .effects
+            .iter()
+            .filter(|e| *e == id)
+            .count() as u64)
+    }
+}
+
+async fn broken_tx_rules(bug: TxBug) -> Vec<&'static str> {
+    let store = ToyTxStore::new(bug);
+    let effects = ToyEffects(store.ledger.clone());
+    TxStoreContract::new(store, effects)
+        .time_unit(Duration::from_millis(100))
+        .check()
+        .await
+        .into_iter()
+        .map(|v| v.rule)
+        .collect()
+}
+
+/// The toy transactional store without bugs keeps the contract; each
+/// planted bug breaks the rule that names it, so every rule can fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tx_rule_fails_against_a_store_with_its_bug_planted() {
+    assert_eq!(broken_tx_rules(TxBug::None).await, Vec::<&str>::new());
+    let planted = [
+        (TxBug::RecordOnly, "record_and_effects_commit_together"),
+        (TxBug::ReleaseCommits, "a_release_rolls_the_effects_back"),
+        (TxBug::DropWedges, "a_dropped_transaction_leaves_nothing"),
+        (
+            TxBug::PartsAfterAFailure,
+            "a_failed_statement_commits_all_or_nothing",
+        ),
+        (
+            TxBug::SavepointIgnored,
+            "a_rolled_back_savepoint_keeps_the_rest",
+        ),
+        (
+            TxBug::DuplicateWaits,
+            "a_duplicate_is_answered_at_once_then_replays",
+        ),
+        (TxBug::ClaimLapses, "a_paused_holder_keeps_its_claim"),
+        (TxBug::RacyClaim, "concurrent_claims_grant_the_key_once"),
+        (
+            TxBug::KeepingRollsBack,
+            "kept_writes_commit_without_a_record",
+        ),
+        (
+            TxBug::NeverExpires,
+            "an_expired_record_lets_the_key_run_again",
+        ),
+        (TxBug::IgnoresScope, "scopes_keep_keys_apart"),
+    ];
+    let checks: Vec<_> = planted
+        .iter()
+        .map(|&(bug, _)| tokio::spawn(broken_tx_rules(bug)))
+        .collect();
+    let mut caught = Vec::new();
+    for ((bug, rule), check) in planted.into_iter().zip(checks) {
+        let broken = check.await.expect("the check runs to its end");
+        assert!(
+            broken.contains(&rule),
+            "{bug:?} should break {rule}, broke {broken:?}"
+        );
+        caught.push(rule);
+    }
+    caught.sort_unstable();
+    let mut all = TX_RULES.to_vec();
+    all.sort_unstable();
+    assert_eq!(caught, all, "every rule is shown to fail");
+}
+
+/// The layer over a store that fails on purpose — claims that error or
+/// whose grant is lost, completions whose acknowledgement is lost,
+/// heartbeats and releases that stall or fail — never executes a key
+/// twice, and every key is answered once the client retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layer_over_a_faulty_store_executes_each_key_once() {
+    use axum::{Router, extract::State, http::HeaderMap, routing::post};
+    use support::http::{oneshot, post as request};
+    use tower_idempotency::{
+        IdempotencyLayer, MemoryStore,
+        testing::{FaultyStore, Op},
+    };
+
+    type Runs = Arc<Mutex<HashMap<String, usize>>>;
+    async fn charge(
+        State(runs): State<Runs>,
+        headers: HeaderMap,
+    ) -> (http::StatusCode, &'static str) {
+        let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+        *runs.lock().unwrap().entry(key).or_default() += 1;
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(0..60))).await;
+        (http::StatusCode::CREATED, "charged")
+    }
+
+    let store = FaultyStore::new(MemoryStore::new())
+        .seed(38)
+        .errors(Op::Claim, 0.15)
+        .lost_acknowledgements(Op::Claim, 0.1)
+        .lost_acknowledgements(Op::Complete, 0.3)
+        .errors(Op::Complete, 0.1)
+        .delays(Op::Extend, 0.3, Duration::from_millis(150))
+        .errors(Op::Release, 0.2);
+    let runs = Runs::default();
+    let app = Router::new()
+        .route("/charges", post(charge))
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .lease(Duration::from_millis(300)),
+        )
+        .with_state(runs.clone());
+
+    let keys: Vec<String> = (0..60).map(|i| format!("faulty-{i}")).collect();
+    // Each key by two clients at once, each retrying until answered.
+    let clients = keys
+        .iter()
+        .flat_map(|key| [key.clone(), key.clone()])
+        .map(|key| {
+            let app = app.clone();
+            async move {
+                for _ in 0..100 {
+                    let reply = oneshot(&app, request("/charges", &key, r#"{"amount":1}"#)).await;
+                    match reply.status.as_u16() {
+                        201 => return true,
+                        409 | 500 | 503 => tokio::time::sleep(Duration::from_millis(50)).await,
+                        other => panic!("{key}: unexpected {other} {:?}", reply.body),
+                    }
+                }
+                false
+            }
+        });
+    let answered = futures_util::future::join_all(clients).await;
+    assert!(answered.iter().all(|a| *a), "every key is answered");
+    let runs = runs.lock().unwrap();
+    for key in &keys {
+        assert_eq!(runs.get(key), Some(&1), "{key} executed once");
+    }
+    let injected = store.injected();
+    assert!(
+        injected.errors > 10 && injected.lost > 10 && injected.delays > 0,
+        "the faults were injected: {injected:?}"
+    );
 }

@@ -92,6 +92,29 @@ impl TestDatabase {
         &self.name
     }
 
+    /// The server's `host:port`, e.g. for a [`Relay`](super::relay::Relay).
+    pub fn host_port(&self) -> String {
+        let (_, rest) = self.url.split_once("://").unwrap_or(("", &self.url));
+        let authority = rest.split('/').next().unwrap_or_default();
+        let host_port = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+        if host_port.contains(':') {
+            host_port.to_owned()
+        } else {
+            format!("{host_port}:3306")
+        }
+    }
+
+    /// This database's URL with the server at `127.0.0.1:port` instead.
+    pub fn url_via(&self, port: u16) -> String {
+        let (scheme, rest) = self.url.split_once("://").unwrap_or(("mysql", &self.url));
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let credentials = authority.rsplit_once('@').map(|(c, _)| format!("{c}@"));
+        format!(
+            "{scheme}://{}127.0.0.1:{port}/{path}",
+            credentials.unwrap_or_default()
+        )
+    }
+
     /// A fresh connection to this database.
     pub async fn connect(&self) -> MySqlConnection {
         connect(&self.url).await

@@ -11,10 +11,7 @@ mod support;
 
 mod galera;
 
-use std::{
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::{sync::Arc, time::Duration};
 
 use axum::{Router, extract::Query, http::StatusCode, routing::post};
 use tower_idempotency::{
@@ -151,76 +148,23 @@ fn app(store: MySqlTxStore) -> Router {
         .layer(IdempotencyLayer::new(store).single_tenant())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_charge_and_the_record_commit_together_and_replay() {
-    let db = TestDatabase::create();
-    let app = app(transactional(&db).await);
-    let first = oneshot(&app, request("/charges", "k", CHARGE)).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(first.body, "charge 1");
-    let replay = oneshot(&app, request("/charges", "k", CHARGE)).await;
-    assert!(replay.is_replay());
-    assert_eq!(replay.body, first.body);
-    oneshot(&app, request("/charges", "k", "{}"))
-        .await
-        .assert_problem(422);
-    let busy = oneshot(&app, request("/charges?status=503", "n", CHARGE)).await;
-    assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(
-        db.count(CHARGES).await,
-        1,
-        "a non-final response rolls back"
-    );
-    assert_eq!(
-        db.count("SELECT count(*) FROM idempotency_records WHERE record IS NOT NULL")
-            .await,
-        1
-    );
-}
-
-/// 64 duplicates of a slow charge: one execution; every duplicate gets
-/// `409` with `Retry-After` while the first still runs — its insert waits
-/// on the uncommitted row for a bounded time only — and no transaction is
-/// left open once the lock-wait timeouts are rolled back.
+/// Duplicates of a slow charge wait on its uncommitted row for a bounded
+/// time only (the one-charge, answered-at-once half is the behaviour
+/// suite's, on every engine): once their lock waits are rolled back, no
+/// transaction is left open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sixty_four_concurrent_duplicates_one_charge_and_no_one_waits_for_it() {
+async fn duplicates_waiting_on_the_row_lock_leave_no_transaction_open() {
     let db = TestDatabase::create();
     let server = Server::start(app(transactional(&db).await)).await;
-    let finished = Arc::new(Mutex::new(Vec::new()));
-    let requests = (0..64).map(|_| {
-        let finished = finished.clone();
-        let server = &server;
-        async move {
-            let reply = server.post("/charges?ms=1500", "k", CHARGE).await;
-            finished
-                .lock()
-                .unwrap()
-                .push((reply.status, Instant::now()));
-            reply
-        }
-    });
-    let replies = futures_util::future::join_all(requests).await;
+    let replies = futures_util::future::join_all(
+        (0..32).map(|_| server.post("/charges?ms=1500", "k", CHARGE)),
+    )
+    .await;
     let created = replies
         .iter()
         .filter(|r| r.status == StatusCode::CREATED)
         .count();
     assert_eq!(created, 1, "one execution");
-    for reply in replies.iter().filter(|r| r.status != StatusCode::CREATED) {
-        reply.assert_problem(409);
-        assert!(reply.header("retry-after").is_some());
-    }
-    let finished = std::mem::take(&mut *finished.lock().unwrap());
-    let done = finished
-        .iter()
-        .find(|(s, _)| *s == StatusCode::CREATED)
-        .unwrap()
-        .1;
-    assert!(
-        finished
-            .iter()
-            .all(|(s, at)| *s == StatusCode::CREATED || *at < done),
-        "every duplicate was answered while the first still ran"
-    );
     assert_eq!(db.count(CHARGES).await, 1);
     db.wait_for_count(
         "SELECT count(*) FROM information_schema.INNODB_TRX",
@@ -413,41 +357,6 @@ async fn a_handler_that_deletes_its_claim_commits_nothing_and_the_retry_charges_
     assert_eq!(db.count(CHARGES).await, 1, "charged once");
 }
 
-/// A handler's `500` over a broken table (MySQL does not abort a
-/// transaction when a statement fails): not stored, nothing committed;
-/// after the fix the retry charges once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_server_error_over_a_broken_table_is_not_stored_and_the_fixed_retry_charges_once() {
-    let db = TestDatabase::create();
-    let store = transactional(&db).await;
-    let pool = store.pool().clone();
-    let app = app(store);
-    sqlx::raw_sql("DROP TABLE charges")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let broken = oneshot(&app, request("/charges", "k", CHARGE)).await;
-    assert_eq!(broken.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(
-        db.count("SELECT count(*) FROM idempotency_records").await,
-        0
-    );
-    sqlx::raw_sql(
-        "CREATE TABLE charges (id BIGINT AUTO_INCREMENT PRIMARY KEY, note TEXT) ENGINE = InnoDB",
-    )
-    .execute(&pool)
-    .await
-    .unwrap();
-    let fixed = oneshot(&app, request("/charges", "k", CHARGE)).await;
-    assert_eq!(fixed.status, StatusCode::CREATED, "{:?}", fixed.body);
-    assert!(
-        oneshot(&app, request("/charges", "k", CHARGE))
-            .await
-            .is_replay()
-    );
-    assert_eq!(db.count(CHARGES).await, 1);
-}
-
 /// A transaction that outlives its bound (MariaDB's
 /// `idle_transaction_timeout`) is ended by the server: its commit fails,
 /// the response is withheld, nothing commits, and the retry charges once.
@@ -521,68 +430,6 @@ async fn tables_that_cannot_keep_exactly_once_are_refused_at_start_up() {
             .await;
         assert!(opted_out.is_ok(), "{opted_out:?}");
     }
-}
-
-/// A handler's answer marked not to be replayed: its writes commit without
-/// a record (`Cache-Control: no-store`, `NoReplay::new`) or roll back
-/// (`NoReplay::rolling_back`), and the key is released either way.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_answer_that_opts_out_commits_or_rolls_back_as_the_handler_chose() {
-    use tower_idempotency::NoReplay;
-
-    async fn write(tx: &mut tower_idempotency::IdempotentTx<MySqlTx>) {
-        sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
-            .execute(&mut **tx)
-            .await
-            .unwrap();
-    }
-    let db = TestDatabase::create();
-    let store = transactional(&db).await;
-    let app = Router::new()
-        .route(
-            "/no-store",
-            post(async |mut tx: tower_idempotency::IdempotentTx<MySqlTx>| {
-                write(&mut tx).await;
-                (
-                    StatusCode::CREATED,
-                    [(http::header::CACHE_CONTROL, "no-store")],
-                    "kept",
-                )
-            }),
-        )
-        .route(
-            "/rolled-back",
-            post(async |mut tx: tower_idempotency::IdempotentTx<MySqlTx>| {
-                write(&mut tx).await;
-                (
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    NoReplay::rolling_back(),
-                    "undone",
-                )
-            }),
-        )
-        .layer(IdempotencyLayer::new(store).single_tenant());
-    for _ in 0..2 {
-        let kept = oneshot(&app, request("/no-store", "kept", CHARGE)).await;
-        assert_eq!(kept.status, StatusCode::CREATED);
-        assert!(!kept.is_replay());
-    }
-    assert_eq!(
-        db.count(CHARGES).await,
-        2,
-        "each execution's write committed"
-    );
-    for _ in 0..2 {
-        let undone = oneshot(&app, request("/rolled-back", "undone", CHARGE)).await;
-        assert_eq!(undone.status, StatusCode::UNPROCESSABLE_ENTITY);
-        assert!(!undone.is_replay());
-    }
-    assert_eq!(db.count(CHARGES).await, 2, "rolled back");
-    assert_eq!(
-        db.count("SELECT count(*) FROM idempotency_records").await,
-        0,
-        "no record, no claim left"
-    );
 }
 
 /// What stops a store at start-up is told apart, each with its own fix: a

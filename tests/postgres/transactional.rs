@@ -2,10 +2,7 @@
 //! together or not at all; duplicates, replays, retention, a handler's
 //! failed statement, the start-up check.
 
-use std::{
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::time::Duration;
 
 use axum::{Router, extract::Query, http::StatusCode, routing::post};
 use tower_idempotency::store::{StoreError, postgres::EngineCheck};
@@ -20,32 +17,6 @@ use crate::support::{
     http::{Server, oneshot, post as request},
     postgres::TestDatabase,
 };
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_charge_and_the_record_commit_together_and_replay() {
-    let db = TestDatabase::create();
-    let app = app(transactional(&db).await);
-
-    let first = oneshot(&app, request("/charges", "k", CHARGE)).await;
-    assert_eq!(first.status, StatusCode::CREATED);
-    assert_eq!(first.body, "charge 1");
-    for _ in 0..3 {
-        let replay = oneshot(&app, request("/charges", "k", CHARGE)).await;
-        assert!(replay.is_replay(), "{} {:?}", replay.status, replay.body);
-        assert_eq!(replay.body, first.body);
-    }
-    oneshot(&app, request("/charges", "k", "{}"))
-        .await
-        .assert_problem(422);
-    assert_eq!(charges(&db).await, 1);
-    assert_eq!(
-        db.count(
-            "SELECT count(*) FROM idempotency_records WHERE record IS NOT NULL AND token IS NULL"
-        )
-        .await,
-        1
-    );
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn non_final_responses_panics_and_errors_roll_the_charge_back() {
@@ -105,49 +76,6 @@ async fn a_connection_lost_mid_request_is_a_503_and_writes_nothing() {
     // The retry executes for the first time.
     let retry = oneshot(&app, request("/charges", "k", CHARGE)).await;
     assert_eq!(retry.status, StatusCode::CREATED);
-    assert_eq!(charges(&db).await, 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn sixty_four_concurrent_duplicates_one_charge_and_no_one_waits_for_it() {
-    let db = TestDatabase::create();
-    let server = Server::start(app(transactional(&db).await)).await;
-    let finished = Arc::new(Mutex::new(Vec::new()));
-    let requests = (0..64).map(|_| {
-        let finished = finished.clone();
-        let server = &server;
-        async move {
-            let reply = server.post("/charges?ms=1500", "k", CHARGE).await;
-            finished
-                .lock()
-                .unwrap()
-                .push((reply.status, Instant::now()));
-            reply
-        }
-    });
-    let replies = futures_util::future::join_all(requests).await;
-    let created: Vec<_> = replies
-        .iter()
-        .filter(|r| r.status == StatusCode::CREATED)
-        .collect();
-    assert_eq!(created.len(), 1, "one execution");
-    for reply in replies.iter().filter(|r| r.status != StatusCode::CREATED) {
-        reply.assert_problem(409);
-        assert!(reply.header("retry-after").is_some());
-    }
-    // Every duplicate was answered while the first still ran: none waited
-    // on its lock.
-    let finished = std::mem::take(&mut *finished.lock().unwrap());
-    let done = finished
-        .iter()
-        .find(|(s, _)| *s == StatusCode::CREATED)
-        .unwrap()
-        .1;
-    assert!(
-        finished
-            .iter()
-            .all(|(s, at)| *s == StatusCode::CREATED || *at < done)
-    );
     assert_eq!(charges(&db).await, 1);
 }
 
@@ -383,38 +311,6 @@ async fn a_waiting_transaction_the_server_closed_does_not_fail_the_next_claim() 
     assert_eq!(next.status, StatusCode::CREATED, "{:?}", next.body);
     assert!(server.post("/charges", "k", CHARGE).await.is_replay());
     assert_eq!(charges(&db).await, 2);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn expired_records_are_absent_at_once_and_deleted_in_batches() {
-    let db = TestDatabase::create();
-    let store = transactional(&db).await;
-    let app = Router::new()
-        .route("/charges", post(charge))
-        .layer(
-            IdempotencyLayer::new(store.clone())
-                .single_tenant()
-                .retention(Duration::from_secs(1)),
-        )
-        .with_state(store.pool().clone());
-    for i in 0..5 {
-        oneshot(&app, request("/charges", &format!("k{i}"), CHARGE)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(1200)).await;
-    // Expired but not deleted yet: a retry executes again, as retention says.
-    let again = oneshot(&app, request("/charges", "k0", CHARGE)).await;
-    assert_eq!(again.status, StatusCode::CREATED);
-    assert!(!again.is_replay());
-    assert_eq!(charges(&db).await, 6);
-
-    assert_eq!(store.delete_expired(3).await.unwrap(), 3);
-    assert_eq!(store.delete_expired(3).await.unwrap(), 1);
-    assert_eq!(store.delete_expired(3).await.unwrap(), 0);
-    assert_eq!(
-        db.count("SELECT count(*) FROM idempotency_records").await,
-        1,
-        "the live record stays"
-    );
 }
 
 /// A handler slower than the retention: its record must still be live once
@@ -741,67 +637,4 @@ async fn the_handlers_statements_do_not_inherit_the_claims_short_lock_wait() {
     sqlx::raw_sql("COMMIT").execute(&mut holder).await.unwrap();
     let reply = reply.await.unwrap();
     assert_eq!(reply.status, StatusCode::CREATED, "{:?}", reply.body);
-}
-
-/// A handler's answer marked not to be replayed: its writes commit without
-/// a record (`Cache-Control: no-store`, `NoReplay::new`) or roll back
-/// (`NoReplay::rolling_back`), and the key is released either way.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_answer_that_opts_out_commits_or_rolls_back_as_the_handler_chose() {
-    use tower_idempotency::NoReplay;
-
-    async fn write(tx: &mut tower_idempotency::IdempotentTx<tower_idempotency::PostgresTx>) {
-        sqlx::query("INSERT INTO charges (note) VALUES ('charged')")
-            .execute(&mut **tx)
-            .await
-            .unwrap();
-    }
-    let db = TestDatabase::create();
-    let store = transactional(&db).await;
-    let app = Router::new()
-        .route(
-            "/no-store",
-            post(
-                async |mut tx: tower_idempotency::IdempotentTx<tower_idempotency::PostgresTx>| {
-                    write(&mut tx).await;
-                    (
-                        StatusCode::CREATED,
-                        [(http::header::CACHE_CONTROL, "no-store")],
-                        "kept",
-                    )
-                },
-            ),
-        )
-        .route(
-            "/rolled-back",
-            post(
-                async |mut tx: tower_idempotency::IdempotentTx<tower_idempotency::PostgresTx>| {
-                    write(&mut tx).await;
-                    (
-                        StatusCode::UNPROCESSABLE_ENTITY,
-                        NoReplay::rolling_back(),
-                        "undone",
-                    )
-                },
-            ),
-        )
-        .layer(IdempotencyLayer::new(store).single_tenant());
-    for _ in 0..2 {
-        let kept = oneshot(&app, request("/no-store", "kept", CHARGE)).await;
-        assert_eq!(kept.status, StatusCode::CREATED);
-        assert!(!kept.is_replay());
-    }
-    assert_eq!(charges(&db).await, 2, "each execution's write committed");
-    for _ in 0..2 {
-        let undone = oneshot(&app, request("/rolled-back", "undone", CHARGE)).await;
-        assert_eq!(undone.status, StatusCode::UNPROCESSABLE_ENTITY);
-        assert!(!undone.is_replay());
-    }
-    assert_eq!(charges(&db).await, 2, "rolled back");
-    let rows: Vec<(String, bool)> =
-        sqlx::query_as("SELECT key, record IS NULL FROM idempotency_records")
-            .fetch_all(&mut db.connect().await)
-            .await
-            .unwrap();
-    assert!(rows.is_empty(), "no record, no claim left: {rows:?}");
 }

@@ -5,13 +5,15 @@
 
 use std::{
     future::Future,
+    ops::DerefMut,
     sync::atomic::{AtomicUsize, Ordering},
 };
 
 use tower_idempotency::{
     MemoryStore, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore,
-    SqliteTxStore,
-    store::{CachedStore, Store},
+    SqliteTxStore, sqlx,
+    store::{CachedStore, Granted, Store, sql::DeleteExpired},
+    testing::TxEffects,
 };
 
 use super::{
@@ -239,5 +241,151 @@ impl Backend for MySqlTx {
             .connect(self.0.url())
             .await
             .expect("connect to the test database")
+    }
+}
+
+/// A transactional store's backend: its claims are transactions the
+/// handler writes in, and the effects it writes are rows of a `charges`
+/// table of the same database ([`Charges`]).
+pub trait TxBackend:
+    Backend<Store: Store<Granted = Self::Tx> + DeleteExpired> + Send + Sync + 'static
+{
+    /// The store's transaction, as a handler receives it.
+    type Tx: Granted + DerefMut<Target = Self::Connection> + Send + Sync;
+    type Connection: Send;
+    type Charges: TxEffects<Self::Connection> + Total + Clone;
+
+    /// A fresh store and a new, empty `charges` table beside it.
+    fn store_and_charges(&self) -> impl Future<Output = (Self::Store, Self::Charges)>;
+}
+
+/// Every effect committed.
+pub trait Total: Send + Sync + 'static {
+    fn total(&self) -> impl Future<Output = u64> + Send;
+}
+
+macro_rules! tx_backend {
+    ($backend:ty, $tx:ty, $db:ty) => {
+        impl TxBackend for $backend {
+            type Tx = $tx;
+            type Connection = <$db as sqlx::Database>::Connection;
+            type Charges = Charges<$db>;
+            async fn store_and_charges(&self) -> (Self::Store, Charges<$db>) {
+                let store = self.store().await;
+                let charges = Charges::create(store.pool().clone()).await;
+                (store, charges)
+            }
+        }
+    };
+}
+
+tx_backend!(PostgresTx, tower_idempotency::PostgresTx, sqlx::Postgres);
+tx_backend!(SqliteTx, tower_idempotency::SqliteTx, sqlx::Sqlite);
+tx_backend!(MySqlTx, tower_idempotency::MySqlTx, sqlx::MySql);
+
+/// The effects of the transactional tests: rows of a `charges` table
+/// (each named by its note), written with the request's transaction and
+/// counted outside it — the same SQL on every engine.
+pub struct Charges<DB: sqlx::Database> {
+    pool: sqlx::Pool<DB>,
+    table: String,
+}
+
+impl<DB: sqlx::Database> Clone for Charges<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+        }
+    }
+}
+
+impl<DB> Charges<DB>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    /// A new `charges_<n>` table in the pool's database.
+    pub async fn create(pool: sqlx::Pool<DB>) -> Self {
+        let table = format!("charges_{}", fresh_prefix().replace(':', ""));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {table} (note varchar(64) NOT NULL)"
+        )))
+        .execute(&pool)
+        .await
+        .expect("create the charges table");
+        Self { pool, table }
+    }
+
+    async fn count_where(&self, condition: &str) -> Result<u64, String> {
+        use sqlx::Row;
+        let sql = format!("SELECT count(*) FROM {} WHERE {condition}", self.table);
+        let row = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| e.to_string())?;
+        row.try_get::<i64, _>(0)
+            .map(|n| n as u64)
+            .map_err(|e| e.to_string())
+    }
+
+    async fn run(&self, tx: &mut DB::Connection, sql: String) -> Result<(), String> {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+            .execute(tx)
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+}
+
+impl<DB> Total for Charges<DB>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    async fn total(&self) -> u64 {
+        self.count_where("1 = 1").await.expect("count the charges")
+    }
+}
+
+impl<DB> TxEffects<DB::Connection> for Charges<DB>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    for<'r> i64: sqlx::Decode<'r, DB> + sqlx::Type<DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    async fn write(&self, tx: &mut DB::Connection, id: &str) -> Result<(), String> {
+        // Ids are the tests' own (letters, digits, dashes): no quoting.
+        let sql = format!("INSERT INTO {} (note) VALUES ('{id}')", self.table);
+        self.run(tx, sql).await
+    }
+
+    async fn write_in_rolled_back_savepoint(
+        &self,
+        tx: &mut DB::Connection,
+        id: &str,
+    ) -> Result<(), String> {
+        self.run(tx, "SAVEPOINT undone".into()).await?;
+        self.write(tx, id).await?;
+        self.run(tx, "ROLLBACK TO SAVEPOINT undone".into()).await
+    }
+
+    async fn fail_a_statement(&self, tx: &mut DB::Connection) {
+        let failed = self
+            .run(tx, "INSERT INTO no_such_table (note) VALUES ('x')".into())
+            .await;
+        assert!(failed.is_err(), "a statement on a missing table fails");
+    }
+
+    async fn count(&self, id: &str) -> Result<u64, String> {
+        self.count_where(&format!("note = '{id}'")).await
     }
 }

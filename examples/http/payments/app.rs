@@ -39,6 +39,10 @@ pub struct Settings {
     lease: Duration,
     retention: Duration,
     request_timeout: Duration,
+    /// `DOWNSTREAM_KEY` (default `on`; `off` to measure the window it
+    /// closes): on a lease store, each charge carries its idempotency key
+    /// under a unique constraint.
+    downstream_key: bool,
 }
 
 impl Settings {
@@ -96,6 +100,13 @@ impl Settings {
                 10_000,
                 1..=3_600_000,
             )?),
+            downstream_key: match env::var("DOWNSTREAM_KEY").as_deref() {
+                Err(_) | Ok("on") => true,
+                Ok("off") => false,
+                Ok(other) => {
+                    return Err(format!("DOWNSTREAM_KEY must be on or off, got {other:?}"));
+                }
+            },
         })
     }
 }
@@ -137,6 +148,7 @@ where
     let state = AppState {
         charges,
         processor_latency: settings.processor_latency,
+        downstream_key: settings.downstream_key,
     };
     Router::new()
         .route("/v1/charges", create.get(list_charges))
@@ -188,6 +200,7 @@ fn log_response<B>(response: &Response<B>, latency: Duration, _: &tracing::Span)
 pub struct AppState {
     charges: Charges,
     processor_latency: Duration,
+    downstream_key: bool,
 }
 
 /// How a store's claim decides where the charge is written: a lease, on its
@@ -270,9 +283,12 @@ async fn create_charge(
         Err(invalid) => return invalid.into_response(),
     };
     let recorded = match key {
-        Some(axum::Extension(key)) => state.charges.insert_once(&charge, key.as_str()).await,
-        // No key, no protection: a charge per request.
-        None => state.charges.insert(&charge).await.map(|()| charge.clone()),
+        Some(axum::Extension(key)) if state.downstream_key => {
+            state.charges.insert_once(&charge, key.as_str()).await
+        }
+        // No key, no protection: a charge per request (or the downstream
+        // key turned off, to measure the window it closes).
+        _ => state.charges.insert(&charge).await.map(|()| charge.clone()),
     };
     match recorded {
         Ok(charge) => after_recording(&state, charge, Ok(())).await,
@@ -482,6 +498,7 @@ mod tests {
             lease: Duration::from_secs(30),
             retention: Duration::from_secs(86_400),
             request_timeout: Duration::from_secs(10),
+            downstream_key: true,
         }
     }
 

@@ -17,6 +17,9 @@
 //! `DATABASE_URL` database if set, else in memory, committed on their own —
 //! the crash window the SQL stores close); `REDIS_CLUSTER_NODES`
 //! (comma-separated `redis://host:port` seeds: Redis Cluster, likewise);
+//! `DOWNSTREAM_KEY` (default `on`: with Redis, each charge carries its
+//! idempotency key under a unique constraint, so a second execution finds
+//! the first charge; `off` measures the window it closes);
 //! `IDEMPOTENCY_STORE=memory` (records and charges in memory: nothing
 //! persisted); `PROCESSOR_LATENCY_MS` (default 0:
 //! how long the fake card processor takes); `IDEMPOTENCY_LEASE_MS` (default

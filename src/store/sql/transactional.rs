@@ -124,9 +124,19 @@ impl<D: Dialect> SqlTxStore<D> {
     /// is kept for its retention from the commit, and never more than the
     /// margin longer.
     pub(crate) fn claim_lifetime_ms(&self) -> Result<i64, StoreError> {
-        let bound = millis(self.bound, "transaction timeout")?;
         let retention = self.retention.load(Ordering::Relaxed);
-        Ok(retention.saturating_add((retention / 1000).min(bound)))
+        self.longest_kept_ms(retention)
+    }
+
+    /// The latest a record kept `retention_ms` from its commit may expire:
+    /// its retention and the margin of [`Self::claim_lifetime_ms`]. A
+    /// completion keeps the expiry its claim's row was written with when
+    /// it lies between the retention and this — no index changes — and
+    /// writes the retention from now otherwise: a row written while the
+    /// store was asked longer retentions is never kept that long.
+    pub(crate) fn longest_kept_ms(&self, retention_ms: i64) -> Result<i64, StoreError> {
+        let bound = millis(self.bound, "transaction timeout")?;
+        Ok(retention_ms.saturating_add((retention_ms / 1000).min(bound)))
     }
 }
 

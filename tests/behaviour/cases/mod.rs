@@ -8,12 +8,15 @@ mod leases;
 mod operations;
 mod outcomes;
 mod requests;
+mod transactions;
 
 use axum::Router;
 use http::request::Parts;
 use tower_idempotency::{DefaultFingerprint, FingerprintStrategy, IdempotencyLayer, store::Store};
 
-pub use self::{concurrency::*, leases::*, operations::*, outcomes::*, requests::*};
+pub use self::{
+    concurrency::*, leases::*, operations::*, outcomes::*, requests::*, transactions::*,
+};
 use crate::support::{
     app::{Counter, routes},
     http::{Reply, Server, post},
@@ -70,11 +73,17 @@ macro_rules! lease_cases {
     };
 }
 
-/// The cases about the transactional stores' claims.
+/// The cases about the transactional stores' claims: the handler's writes
+/// and the record commit together or not at all.
 macro_rules! transaction_cases {
     ($run:ident $(, $($arg:tt)+)?) => {
         $run!($($($arg)+)?;
             a_transaction_in_flight_cannot_be_forced,
+            the_charge_and_the_record_commit_together_and_replay,
+            concurrent_duplicates_charge_once_and_none_waits_for_the_first,
+            an_answer_that_opts_out_commits_or_rolls_back_as_the_handler_chose,
+            a_server_error_after_a_failed_statement_is_not_stored_and_the_retry_charges_once,
+            expired_records_are_absent_at_once_and_deleted_in_batches,
         );
     };
 }

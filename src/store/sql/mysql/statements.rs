@@ -197,24 +197,33 @@ impl TxStatements {
     }
 
     /// The record written into the claim's row and committed, in one round
-    /// trip. Its expiry, written with the claim, is raised only if the
-    /// retention from now outlasts it: the common update changes no indexed
-    /// column, so InnoDB touches no secondary index. If the claim's row is
+    /// trip. Its expiry, written with the claim, is kept when it lies
+    /// between the retention from now and a little later
+    /// (`SqlTxStore::longest_kept_ms`), and written anew otherwise: the
+    /// common update changes no indexed column, so InnoDB touches no
+    /// secondary index. If the claim's row is
     /// gone (the handler deleted it, or a deadlock rolled the transaction
     /// back and the handler went on writing), committing would keep writes
     /// without their record: the check after the update then fails (1242,
     /// a scalar subquery of two rows, evaluated only then), and the
     /// `COMMIT` after it never runs.
-    pub(super) fn complete(&self, key: &str, record: &[u8], retention_ms: i64) -> String {
+    pub(super) fn complete(
+        &self,
+        key: &str,
+        record: &[u8],
+        retention_ms: i64,
+        longest_ms: i64,
+    ) -> String {
         let mut sql = String::with_capacity(2 * record.len() + 256);
         sql.push_str("UPDATE ");
         sql.push_str(&self.table);
         sql.push_str(" SET record = ");
         push_hex_literal(&mut sql, record);
         sql.push_str(&format!(
-            ", expires_at = GREATEST(expires_at, {}) WHERE `key` = {}; \
+            ", expires_at = LEAST(GREATEST(expires_at, {}), {}) WHERE `key` = {}; \
              SELECT IF(ROW_COUNT() = 1, 0, (SELECT 1 UNION ALL SELECT 2)); {}",
             later(&retention_ms.to_string()),
+            later(&longest_ms.to_string()),
             hex(key.as_bytes()),
             self.end("COMMIT"),
         ));

@@ -154,8 +154,9 @@ pub(super) async fn complete(
     // Retention counts from now, the end of the handler. On a multi-node
     // cluster, a duplicate committed on another node first fails this
     // COMMIT's certification (1213): nothing of this request commits.
+    let longest = store.longest_kept_ms(retention_ms)?;
     match tx
-        .end(&sql.complete(key.as_str(), &record, retention_ms))
+        .end(&sql.complete(key.as_str(), &record, retention_ms, longest))
         .await
     {
         Ok(()) => Ok(()),

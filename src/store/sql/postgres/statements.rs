@@ -192,9 +192,10 @@ impl TxStatements {
              SELECT 1::bigint, ''::bytea, NULL::bytea, NULL::bytea, 0::bigint FROM claimed \
              UNION ALL SELECT 0, fingerprint, token, record, {MS_LEFT} FROM {t} \
              WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM claimed); \
-             PREPARE {names}_complete (text, bytea, bigint) AS \
+             PREPARE {names}_complete (text, bytea, bigint, bigint) AS \
              WITH done AS (UPDATE {t} SET record = $2, \
-             expires_at = GREATEST(expires_at, clock_timestamp() + $3 * interval '1 millisecond') \
+             expires_at = LEAST(GREATEST(expires_at, clock_timestamp() + $3 * interval '1 millisecond'), \
+             clock_timestamp() + $4 * interval '1 millisecond') \
              WHERE key = $1 RETURNING 1) \
              SELECT 1 / (SELECT count(*)::int FROM done)"
         )
@@ -221,7 +222,13 @@ impl TxStatements {
     /// update) and touches no index. If the row is gone, the prepared
     /// statement's division by zero fails, and the `COMMIT` after it never
     /// runs.
-    pub(super) fn complete(&self, key: &str, record: &[u8], retention_ms: i64) -> String {
+    pub(super) fn complete(
+        &self,
+        key: &str,
+        record: &[u8],
+        retention_ms: i64,
+        longest_ms: i64,
+    ) -> String {
         let mut sql = String::with_capacity(2 * record.len() + 128);
         sql.push_str(&format!(
             "EXECUTE {}_complete({}, ",
@@ -229,7 +236,7 @@ impl TxStatements {
             text_literal(key)
         ));
         push_bytea_literal(&mut sql, record);
-        sql.push_str(&format!(", {retention_ms}); COMMIT"));
+        sql.push_str(&format!(", {retention_ms}, {longest_ms}); COMMIT"));
         sql
     }
 }

@@ -241,10 +241,11 @@ pub(super) async fn complete(
     // runs. Written into one buffer: the record's literal can run to
     // megabytes. On an error `end` closes the connection: everything rolled
     // back.
+    let longest = store.longest_kept_ms(retention_ms)?;
     let complete = store
         .state
         .sql
-        .complete(key.as_str(), &record, retention_ms);
+        .complete(key.as_str(), &record, retention_ms, longest);
     tx.end(&complete).await.map_err(|e| store.base.error(e))
 }
 

@@ -199,8 +199,9 @@ pub(super) async fn complete(
 ) -> Result<(), StoreError> {
     let base = &store.base;
     // Retention counts from now, the end of the handler. The claim's row
-    // was written to expire later than that, unless the transaction ran
-    // long: then the expiry — an indexed column — is raised too.
+    // was written to expire a little later than that, unless the
+    // transaction ran long or the store was last asked another retention:
+    // then the expiry — an indexed column — is written too.
     let now = now_ms();
     let args = Args {
         key: key.as_str(),
@@ -209,7 +210,9 @@ pub(super) async fn complete(
         ms: retention_ms,
         ..Args::default()
     };
-    let complete = if now.saturating_add(retention_ms) <= tx.held().expires_at {
+    let kept =
+        now.saturating_add(retention_ms)..=now.saturating_add(store.longest_kept_ms(retention_ms)?);
+    let complete = if kept.contains(&tx.held().expires_at) {
         &store.state.complete
     } else {
         &store.state.complete_later

@@ -1,13 +1,27 @@
 //! The store contract as a suite a custom store runs from its own tests
 //! (feature `testing`): claims exclude each other, a lost lease fences its
 //! holder off, heartbeats keep a claim, a completion replays and expires
-//! after its retention counted from the completion, a release frees the
-//! key, inspect and forget tell the truth, and concurrent claims grant the
-//! key once.
+//! after its retention counted from the completion — and not sooner than
+//! asked — a release frees the key, the same key under two scopes is two
+//! keys, keys compare byte for byte, inspect and forget tell the truth,
+//! concurrent claims grant the key once; and, model-based, random
+//! sequences of claims, extensions, completions, releases, forgets,
+//! inspects and waits keep to a reference model of each key's states
+//! (absent; claimed, with its token and lease; completed, with its
+//! fingerprint, record and expiry), a diverging sequence shrunk to the
+//! fewest steps that still diverge.
 //!
-//! It is for stores whose claims are leases (`type Granted = LeaseToken`),
-//! as a custom store's usually are; the crate's own lease stores (memory,
-//! Redis, the SQL stores) run it in CI.
+//! [`StoreContract`] is for stores whose claims are leases (`type Granted =
+//! LeaseToken`), as a custom store's usually are; the crate's own lease
+//! stores (memory, Redis, the SQL stores) run it in CI. A store whose
+//! claims are database transactions runs [`TxStoreContract`] instead: the
+//! record and the effects written with its transaction commit together or
+//! not at all, across releases, dropped transactions, failed statements,
+//! savepoints, duplicates, paused holders and expiry.
+//!
+//! [`FaultyStore`] wraps any store and fails on purpose — errors, lost
+//! acknowledgements and delays per operation, at chosen rates — for the
+//! tests of what you build on a store.
 //!
 //! # Examples
 //!
@@ -38,12 +52,21 @@ use crate::{
     store::{Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError},
 };
 
+mod faulty;
+mod model;
+mod transactional;
+
+pub use faulty::{FaultyStore, Injected, Op};
+pub use transactional::{TX_RULES, TxEffects, TxStoreContract};
+
 /// The store contract, run against the stores `make` builds: see the
 /// [module docs](self).
 pub struct StoreContract<M> {
     make: M,
     inspect: bool,
     unit: Duration,
+    cases: usize,
+    seed: u64,
 }
 
 /// A rule the store broke.
@@ -72,6 +95,10 @@ pub const RULES: &[&str] = &[
     "retention_counts_from_the_completion",
     "inspect_and_forget_tell_the_truth",
     "concurrent_claims_grant_the_key_once",
+    "scopes_keep_keys_apart",
+    "keys_compare_byte_for_byte",
+    "retention_is_kept_as_long_as_asked",
+    "behaves_as_the_model",
 ];
 
 impl<M> fmt::Debug for StoreContract<M> {
@@ -102,7 +129,27 @@ where
             make,
             inspect: true,
             unit: Duration::from_millis(200),
+            cases: 8,
+            seed: fastrand::u64(..),
         }
+    }
+
+    /// How many random sequences the model-based rule runs (default 8,
+    /// of 16 steps each), and from which seed (default: a random one; a
+    /// failure names it, to run the same sequences again).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{MemoryStore, testing::StoreContract};
+    ///
+    /// let contract = StoreContract::new(|| async { MemoryStore::new() }).model_cases(32, 7);
+    /// # let _ = contract;
+    /// ```
+    pub fn model_cases(mut self, cases: usize, seed: u64) -> Self {
+        self.cases = cases;
+        self.seed = seed;
+        self
     }
 
     /// Skips the inspect/forget rule, for a store that leaves
@@ -331,6 +378,74 @@ where
                     ))
                 }
             }
+            "scopes_keep_keys_apart" => {
+                let idempotency_key = IdempotencyKey::new(format!("scoped-{}", fastrand::u64(..)))
+                    .expect("a valid key");
+                let alice = StorageKey::new("acct_alice", &idempotency_key);
+                let bob = StorageKey::new("acct_bob", &idempotency_key);
+                let mut token = acquire(store, &alice, &FP, lease).await?;
+                complete(store, &alice, &mut token, day()).await?;
+                acquire(store, &bob, &FP, lease)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("the same key under another scope: {e}"))
+            }
+            "keys_compare_byte_for_byte" => {
+                let tag = fastrand::u32(..);
+                let held = StorageKey::new(
+                    "tower-idempotency:contract",
+                    &IdempotencyKey::new(format!("Order-Ab-{tag}")).expect("a valid key"),
+                );
+                let mut token = acquire(store, &held, &FP, lease).await?;
+                complete(store, &held, &mut token, day()).await?;
+                for look_alike in [
+                    format!("order-ab-{tag}"),
+                    format!("ORDER-AB-{tag}"),
+                    format!("Order_Ab-{tag}"),
+                    format!("0rder-Ab-{tag}"),
+                    format!("Order-Ab-{tag}."),
+                ] {
+                    let other = StorageKey::new(
+                        "tower-idempotency:contract",
+                        &IdempotencyKey::new(&look_alike).expect("a valid key"),
+                    );
+                    acquire(store, &other, &FP, lease)
+                        .await
+                        .map_err(|e| format!("{look_alike:?}, beside Order-Ab-{tag}: {e}"))?;
+                }
+                Ok(())
+            }
+            "retention_is_kept_as_long_as_asked" => {
+                let mut token = acquire(store, &key, &FP, lease).await?;
+                // Created as it completes, as the doors' records are (a
+                // store may count the retention from the record's birth).
+                let record = CompletedRecord::Message {
+                    result: None,
+                    created_at: SystemTime::now(),
+                };
+                let done = store
+                    .complete(&key, &mut token, &FP, Arc::new(record), day())
+                    .await;
+                truthy(done, "complete by the holder")?;
+                let said = |claim: Result<Claim, StoreError>| match claim {
+                    Ok(Claim::Completed { expires_in, .. }) => Ok(expires_in),
+                    other => Err(format!("a record kept a day was {}", show(&other))),
+                };
+                let expires_in = said(store.claim(&key, &FP, lease).await)?;
+                if expires_in < day() - Duration::from_secs(60) {
+                    return Err(format!(
+                        "a record asked to be kept a day says it expires in {expires_in:?}"
+                    ));
+                }
+                // Kept, not only said: still there after a while.
+                tokio::time::sleep(u * 30).await;
+                said(store.claim(&key, &FP, lease).await)
+                    .map(drop)
+                    .map_err(|e| format!("after {:?}: {e}", u * 30))
+            }
+            "behaves_as_the_model" => {
+                model::check(&self.make, self.seed, self.cases, 16, u, self.inspect).await
+            }
             _ => unreachable!("every rule is listed"),
         }
     }
@@ -410,7 +525,7 @@ fn falsy(done: Result<bool, StoreError>, what: &str) -> Outcome {
     }
 }
 
-fn show(claim: &Result<Claim, StoreError>) -> String {
+fn show<G>(claim: &Result<Claim<G>, StoreError>) -> String {
     match claim {
         Ok(Claim::Acquired(_)) => "Acquired".into(),
         Ok(Claim::InFlight { .. }) => "InFlight".into(),

@@ -1,0 +1,433 @@
+//! The consumer chain: a producer sends orders to SQS (moto's server) —
+//! some twice, some invalid, some reusing an order id with another amount —
+//! while M `sqs_orders` processes charge them into PostgreSQL behind a relay
+//! and the nemesis kills, pauses and cuts them, on a queue whose receive
+//! budget (`maxReceiveCount` 3) a consumer that spent deliveries on faults
+//! would exhaust. At the end: every valid order charged exactly once, every
+//! message that can never succeed in the dead-letter queue with a reason
+//! that is true, nothing left in the queue.
+
+use std::{
+    collections::HashMap,
+    io::{BufRead, BufReader},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use tower_idempotency::sqlx;
+use tower_idempotency_harness::{postgres::TestDatabase, relay::Relay};
+
+use crate::{
+    checker::{Report, Violation},
+    history::{Event, FaultWindow, Recorder},
+};
+
+#[path = "../../examples/consumers/tests/support/sqs.rs"]
+#[allow(dead_code)]
+mod sqs;
+
+use sqs::{SqsServer, TestQueue};
+
+/// What the chain is asked to do.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub seed: u64,
+    pub duration: Duration,
+    pub consumers: usize,
+    pub out: PathBuf,
+    /// The `sqs_orders` example binary.
+    pub binary: PathBuf,
+}
+
+/// One consumer process.
+struct Consumer {
+    child: Option<Child>,
+    paused: bool,
+}
+
+struct Chain {
+    consumers: Vec<Consumer>,
+    env: Vec<(String, String)>,
+    binary: PathBuf,
+}
+
+impl Chain {
+    fn spawn(&mut self, i: usize) {
+        let mut child = Command::new(&self.binary)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", self.binary.display()));
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(
+                stdout.read_line(&mut line).unwrap_or(0) > 0,
+                "the consumer exited before receiving"
+            );
+            if line.starts_with("receiving from") {
+                break;
+            }
+        }
+        std::thread::spawn(move || for _ in stdout.lines() {});
+        self.consumers[i] = Consumer {
+            child: Some(child),
+            paused: false,
+        };
+    }
+
+    fn kill(&mut self, i: usize) {
+        if let Some(mut child) = self.consumers[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    fn pause(&mut self, i: usize, paused: bool) {
+        if let Some(child) = &self.consumers[i].child {
+            let signal = if paused { "-STOP" } else { "-CONT" };
+            let _ = Command::new("kill")
+                .args([signal, &child.id().to_string()])
+                .status();
+            self.consumers[i].paused = paused;
+        }
+    }
+
+    fn heal(&mut self) {
+        for i in 0..self.consumers.len() {
+            if self.consumers[i].paused {
+                self.pause(i, false);
+            }
+            if self.consumers[i].child.is_none() {
+                self.spawn(i);
+            }
+        }
+    }
+}
+
+impl Drop for Chain {
+    fn drop(&mut self) {
+        for i in 0..self.consumers.len() {
+            self.pause(i, false);
+            self.kill(i);
+        }
+    }
+}
+
+/// What each published message should come to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Expect {
+    /// A valid order: charged once with this amount.
+    Charge(i64),
+    /// Dead-lettered with this reason.
+    DeadLetter(&'static str),
+}
+
+/// Runs the chain; its report, as the HTTP runs'.
+pub async fn run(plan: &Plan) -> (Report, Vec<Event>) {
+    std::fs::create_dir_all(&plan.out).expect("create the output folder");
+    let recorder = Recorder::create(&plan.out.join("history.jsonl")).expect("create the history");
+    let server = SqsServer::start();
+    let queue = TestQueue::with_max_receives(&server, 3, 3).await;
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let mut env: Vec<(String, String)> = server
+        .env()
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+    env.extend([
+        ("SQS_QUEUE_URL".to_owned(), queue.url.clone()),
+        ("DATABASE_URL".to_owned(), db.url_via(relay.port())),
+        ("WORK_DELAY_MS".to_owned(), "50".to_owned()),
+        ("IDEMPOTENCY_TX_TIMEOUT_MS".to_owned(), "5000".to_owned()),
+        ("RUST_LOG".to_owned(), "off".to_owned()),
+    ]);
+    let mut chain = Chain {
+        consumers: (0..plan.consumers)
+            .map(|_| Consumer {
+                child: None,
+                paused: false,
+            })
+            .collect(),
+        env,
+        binary: plan.binary.clone(),
+    };
+    for i in 0..plan.consumers {
+        chain.spawn(i);
+    }
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let expected: Arc<Mutex<HashMap<String, Vec<Expect>>>> = Arc::default();
+    let producer = tokio::spawn(produce(
+        queue.client.clone(),
+        queue.url.clone(),
+        recorder.clone(),
+        plan.seed,
+        stop.clone(),
+        expected.clone(),
+    ));
+    let started = Instant::now();
+    let mut rng = fastrand::Rng::with_seed(plan.seed ^ 0x5eed);
+    let mut faults = Vec::new();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    while started.elapsed() < plan.duration {
+        let i = rng.usize(..plan.consumers);
+        let hold = Duration::from_millis(rng.u64(500..3000));
+        let start = recorder.now();
+        let (kind, target) = match rng.u32(..4) {
+            0 => {
+                chain.kill(i);
+                tokio::time::sleep(hold / 2).await;
+                chain.spawn(i);
+                ("kill", format!("consumer {i}"))
+            }
+            1 => {
+                // Longer than the visibility timeout (3 s): its messages'
+                // holds lapse while it is stopped.
+                chain.pause(i, true);
+                tokio::time::sleep(Duration::from_secs(3) + hold).await;
+                chain.pause(i, false);
+                ("pause", format!("consumer {i}"))
+            }
+            2 => {
+                relay.cut();
+                tokio::time::sleep(hold * 2).await;
+                relay.restore();
+                ("cut-database", "database".into())
+            }
+            _ => {
+                relay.stall();
+                tokio::time::sleep(hold).await;
+                relay.restore();
+                ("stall-database", "database".into())
+            }
+        };
+        faults.push(FaultWindow {
+            kind: kind.into(),
+            target,
+            start,
+            end: recorder.now(),
+        });
+        tokio::time::sleep(Duration::from_millis(rng.u64(200..1500))).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    producer.await.expect("the producer");
+    relay.restore();
+    chain.heal();
+    // The quiet phase: until the queue is empty (every message settled),
+    // at most a minute.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while queue.depth().await > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let left = queue.depth().await;
+    let charged: Vec<(String, i64)> = sqlx::query_as("SELECT order_id, amount FROM order_charges")
+        .fetch_all(&mut db.connect().await)
+        .await
+        .unwrap_or_default();
+    let dead = queue.dead_letters_with_reasons().await;
+    let expected = expected.lock().unwrap().clone();
+    let report = check(&expected, &charged, &dead, left, &faults);
+    let events = recorder.events();
+    crate::run::write(&plan.out, "sqs-chain", plan.seed, &report, &events, &faults);
+    (report, events)
+}
+
+/// Sends orders until `stop`: each valid, sometimes sent twice, sometimes
+/// followed by its id with another amount; some not orders at all.
+async fn produce(
+    client: aws_sdk_sqs::Client,
+    url: String,
+    recorder: Recorder,
+    seed: u64,
+    stop: Arc<AtomicBool>,
+    expected: Arc<Mutex<HashMap<String, Vec<Expect>>>>,
+) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        n += 1;
+        let id = format!("order-{seed}-{n}");
+        let amount = rng.i64(100..100_000);
+        let mut sends: Vec<(String, Expect, &str)> = Vec::new();
+        let order =
+            |amount: i64| format!(r#"{{"order_id":"{id}","amount":{amount},"currency":"eur"}}"#);
+        match rng.u32(..20) {
+            0 => sends.push(("{not json".into(), Expect::DeadLetter("invalid"), "invalid")),
+            1 | 2 => {
+                sends.push((order(amount), Expect::Charge(amount), "publish"));
+                sends.push((order(amount), Expect::Charge(amount), "resend"));
+            }
+            3 => {
+                sends.push((order(amount), Expect::Charge(amount), "publish"));
+                sends.push((
+                    order(amount + 1),
+                    Expect::DeadLetter("mismatch"),
+                    "mismatch",
+                ));
+            }
+            _ => sends.push((order(amount), Expect::Charge(amount), "publish")),
+        }
+        for (body, expect, via) in sends {
+            let key = if via == "invalid" {
+                format!("invalid-{seed}-{n}")
+            } else {
+                id.clone()
+            };
+            recorder.record(Event {
+                op: n,
+                key: key.clone(),
+                amount,
+                kind: "invoke".into(),
+                via: via.into(),
+                ..Event::default()
+            });
+            let sent = client
+                .send_message()
+                .queue_url(&url)
+                .message_body(body)
+                .send()
+                .await;
+            if sent.is_ok() {
+                expected
+                    .lock()
+                    .unwrap()
+                    .entry(key)
+                    .or_default()
+                    .push(expect);
+            }
+            // The mismatch after the original has been taken in hand.
+            if via == "publish" {
+                tokio::time::sleep(Duration::from_millis(rng.u64(0..30))).await;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.u64(20..120))).await;
+    }
+}
+
+/// Every order published comes to what it should: a valid one charged
+/// exactly once; a mismatch or an invalid message in the dead-letter queue
+/// with that very reason; nothing left in the queue.
+fn check(
+    expected: &HashMap<String, Vec<Expect>>,
+    charged: &[(String, i64)],
+    dead: &[(String, Option<String>)],
+    left: u64,
+    faults: &[FaultWindow],
+) -> Report {
+    let mut report = Report::default();
+    for fault in faults {
+        *report.faults.entry(fault.kind.clone()).or_default() += 1;
+    }
+    let mut charges: HashMap<&str, Vec<i64>> = HashMap::new();
+    for (id, amount) in charged {
+        charges.entry(id).or_default().push(*amount);
+    }
+    let mut dead_reasons: HashMap<String, Vec<String>> = HashMap::new();
+    for (body, kind) in dead {
+        let id = serde_json::from_str::<serde_json::Value>(body)
+            .ok()
+            .and_then(|v| v["order_id"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| "not-an-order".into());
+        dead_reasons
+            .entry(id)
+            .or_default()
+            .push(kind.clone().unwrap_or_else(|| "none".into()));
+    }
+    for (key, expects) in expected {
+        report.ops += 1;
+        report.attempts += expects.len();
+        let before = report.violations.len();
+        // An order and its id reused with another amount race: SQS does
+        // not keep their order, so whichever is taken first is charged and
+        // the other is the mismatch.
+        let reused = expects.contains(&Expect::DeadLetter("mismatch"));
+        if let Some(Expect::Charge(amount)) =
+            expects.iter().find(|e| matches!(e, Expect::Charge(_)))
+        {
+            let got = charges.get(key.as_str()).cloned().unwrap_or_default();
+            match got.len() {
+                0 => {
+                    report.lost += 1;
+                    report.violations.push(Violation::Lost { key: key.clone() });
+                }
+                1 if got[0] == *amount || (reused && got[0] == amount + 1) => {}
+                1 => report
+                    .violations
+                    .push(Violation::MismatchExecuted { key: key.clone() }),
+                n => {
+                    report.duplicated += 1;
+                    report.violations.push(Violation::Duplicated {
+                        key: key.clone(),
+                        effects: n,
+                    });
+                }
+            }
+        }
+        let wanted: Vec<&str> = expects
+            .iter()
+            .filter_map(|e| match e {
+                Expect::DeadLetter(reason) => Some(*reason),
+                Expect::Charge(_) => None,
+            })
+            .collect();
+        let got = dead_reasons
+            .get(if key.starts_with("invalid-") {
+                "not-an-order"
+            } else {
+                key
+            })
+            .cloned()
+            .unwrap_or_default();
+        for reason in &wanted {
+            if !got.iter().any(|g| g == reason) {
+                report.violations.push(Violation::Inconsistent {
+                    key: key.clone(),
+                    detail: format!("should be dead-lettered as {reason}, found {got:?}"),
+                });
+            }
+        }
+        if !key.starts_with("invalid-") && got.iter().any(|g| !wanted.contains(&g.as_str())) {
+            report.violations.push(Violation::Inconsistent {
+                key: key.clone(),
+                detail: format!("dead-lettered without a true reason: {got:?}"),
+            });
+        }
+        if report.violations.len() == before {
+            report.ok += 1;
+        }
+    }
+    let invalid_sent = expected
+        .keys()
+        .filter(|k| k.starts_with("invalid-"))
+        .count();
+    let invalid_dead = dead_reasons.get("not-an-order").map_or(0, |reasons| {
+        reasons.iter().filter(|r| *r == "invalid").count()
+    });
+    // At least once: a consumer killed between the dead-letter send and
+    // the delete sends it again (a standard queue cannot drop the repeat).
+    if invalid_dead < invalid_sent {
+        report.violations.push(Violation::Inconsistent {
+            key: "invalid messages".into(),
+            detail: format!("{invalid_sent} sent, {invalid_dead} dead-lettered as invalid"),
+        });
+    }
+    if left > 0 {
+        report.stuck += left as usize;
+        report.violations.push(Violation::Stuck {
+            key: "queue".into(),
+            last: format!("{left} messages still in the queue after the heal"),
+        });
+    }
+    report.violations.sort();
+    report.violations.dedup();
+    report
+}
