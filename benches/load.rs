@@ -30,11 +30,15 @@ use tower_idempotency::{
     IdempotencyLayer, IdempotentTx, MemoryStore, MySqlStore, MySqlTxStore, PostgresStore,
     RedisStore, SqliteStore, SqliteTxStore,
     codec::Compression,
+    outbox::{Outbox, OutgoingMessage},
     sqlx::{
         self, MySqlConnection, MySqlPool, PgConnection, PgPool, SqliteConnection, SqlitePool,
         mysql::MySqlPoolOptions, postgres::PgPoolOptions,
     },
-    store::{CachedStore, Store},
+    store::{
+        CachedStore, Store,
+        sql::{Dialect, SqlTx},
+    },
 };
 use tower_idempotency_harness::mysql::TestDatabase as MySqlDatabase;
 use tower_idempotency_harness::postgres::TestDatabase;
@@ -415,6 +419,56 @@ async fn charge_in_transaction(
     charge(Json(new)).await
 }
 
+/// The charge's `charge.created`, enqueued in the request's transaction:
+/// one outbox row committed with the charge and the record.
+async fn enqueue_event<D: Dialect>(
+    outbox: &Outbox<D>,
+    tx: &mut IdempotentTx<SqlTx<D>>,
+    new: &NewCharge,
+) {
+    let payload = format!(
+        r#"{{"type":"charge.created","amount":{},"currency":"{}"}}"#,
+        new.amount, new.currency
+    );
+    outbox
+        .enqueue(
+            tx,
+            OutgoingMessage::new("charges", payload).ordering_key("acct"),
+        )
+        .await
+        .expect("enqueue the event");
+}
+
+async fn charge_with_event(
+    State(outbox): State<Outbox<tower_idempotency::store::sql::postgres::Postgres>>,
+    mut tx: IdempotentTx<tower_idempotency::PostgresTx>,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    insert_charge(&mut tx, &new).await;
+    enqueue_event(&outbox, &mut tx, &new).await;
+    charge(Json(new)).await
+}
+
+async fn sqlite_charge_with_event(
+    State(outbox): State<Outbox<tower_idempotency::store::sql::sqlite::Sqlite>>,
+    mut tx: IdempotentTx<tower_idempotency::SqliteTx>,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    insert_charge_sqlite(&mut tx, &new).await;
+    enqueue_event(&outbox, &mut tx, &new).await;
+    charge(Json(new)).await
+}
+
+async fn mysql_charge_with_event(
+    State(outbox): State<Outbox<tower_idempotency::store::sql::mysql::MySql>>,
+    mut tx: IdempotentTx<tower_idempotency::MySqlTx>,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    insert_charge_mysql(&mut tx, &new).await;
+    enqueue_event(&outbox, &mut tx, &new).await;
+    charge(Json(new)).await
+}
+
 fn scope(parts: &Parts) -> Option<String> {
     parts
         .headers
@@ -481,6 +535,17 @@ async fn serve(app: Router) -> SocketAddr {
     addr
 }
 
+/// The outbox of a transactional store (its builder is per engine).
+macro_rules! outbox_of {
+    ($store:expr) => {
+        Outbox::on($store)
+            .create_table_if_missing()
+            .build()
+            .await
+            .expect("the benchmark's outbox")
+    };
+}
+
 async fn start_variants(
     redis_url: &str,
     pool: PgPool,
@@ -517,6 +582,9 @@ async fn start_variants(
         .await
         .unwrap();
     let transactional = || transactional.clone();
+    let pg_outbox = outbox_of!(&transactional());
+    let sqlite_outbox = outbox_of!(&sqlite);
+    let mysql_outbox = outbox_of!(&mysql);
     let committed = || {
         Router::new()
             .route("/v1/charges", post(charge_committed))
@@ -598,6 +666,15 @@ async fn start_variants(
             in_transaction().layer(layer(CachedStore::new(transactional(), 64 * 1024 * 1024))),
         ),
         (
+            "pg-tx-outbox",
+            Keys::Unique,
+            "pg-tx",
+            Router::new()
+                .route("/v1/charges", post(charge_with_event))
+                .with_state(pg_outbox)
+                .layer(layer(transactional())),
+        ),
+        (
             "pg-redis",
             Keys::Unique,
             "pg-floor",
@@ -625,6 +702,15 @@ async fn start_variants(
             "sqlite-floor-record",
             Router::new()
                 .route("/v1/charges", post(sqlite_charge_in_transaction))
+                .layer(layer(sqlite.clone())),
+        ),
+        (
+            "sqlite-tx-outbox",
+            Keys::Unique,
+            "sqlite-tx",
+            Router::new()
+                .route("/v1/charges", post(sqlite_charge_with_event))
+                .with_state(sqlite_outbox)
                 .layer(layer(sqlite.clone())),
         ),
         (
@@ -668,6 +754,15 @@ async fn start_variants(
                 .layer(layer(mysql.clone())),
         ),
         (
+            "mysql-tx-outbox",
+            Keys::Unique,
+            "mysql-tx",
+            Router::new()
+                .route("/v1/charges", post(mysql_charge_with_event))
+                .with_state(mysql_outbox)
+                .layer(layer(mysql.clone())),
+        ),
+        (
             "mysql-tx-replay",
             Keys::Replay,
             "mysql-floor",
@@ -701,6 +796,9 @@ async fn start_variants(
                 ("mysql-tx", "mysql-floor-record"),
                 ("mysql-tx-replay", "mysql-floor"),
                 ("mysql-tx-replay", "mysql-replay-floor"),
+                ("pg-tx-outbox", "pg-tx"),
+                ("sqlite-tx-outbox", "sqlite-tx"),
+                ("mysql-tx-outbox", "mysql-tx"),
             ]
             .iter()
             .any(|(v, r)| *r == n && wanted(v))

@@ -152,6 +152,12 @@ mod key;
 mod lock;
 pub mod message;
 mod observe;
+#[cfg(feature = "_sql")]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
+pub use store::sql::outbox;
 mod protocol;
 mod record;
 pub mod store;
@@ -162,7 +168,7 @@ pub mod testing;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use ::redis;
-#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg(feature = "_sql")]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))

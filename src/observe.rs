@@ -30,6 +30,9 @@ pub(crate) mod names {
     /// Counter, label `outcome` (`success`, `failed`, `no_answer`): calls
     /// through the client layer, by their end.
     pub(crate) const CLIENT_CALLS: &str = "idempotency_client_calls_total";
+    /// Counter, label `result` (`published`, `retried`, `refused`):
+    /// outbox messages the relay handled.
+    pub(crate) const OUTBOX_MESSAGES: &str = "idempotency_outbox_messages_total";
 }
 
 /// A metric whose one label takes its value from a known set. `metrics`
@@ -81,6 +84,24 @@ pub(crate) fn message_settled(disposition: &'static str, reason: &'static str) {
         .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = (disposition, reason);
+}
+
+/// A relay round: messages published, retried later, refused for good.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
+    allow(dead_code)
+)]
+pub(crate) fn outbox(published: usize, retried: usize, refused: usize) {
+    #[cfg(feature = "metrics")]
+    {
+        let count = |n: usize| n as u64;
+        metrics::counter!(names::OUTBOX_MESSAGES, "result" => "published")
+            .increment(count(published));
+        metrics::counter!(names::OUTBOX_MESSAGES, "result" => "retried").increment(count(retried));
+        metrics::counter!(names::OUTBOX_MESSAGES, "result" => "refused").increment(count(refused));
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (published, retried, refused);
 }
 
 /// Times one store operation.

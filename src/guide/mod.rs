@@ -8,6 +8,7 @@
 //! | [`sql`] | the record and the effect in one transaction; the supported databases; MySQL, MariaDB and Galera |
 //! | [`stores`] | each store, and writing your own |
 //! | [`consumers`] | queue consumers on SQS, JetStream and RabbitMQ |
+//! | [`outbox`] | the handler's outgoing messages, committed with its record and relayed with stable ids |
 //! | [`client`] | calling an idempotent API safely |
 //! | [`grpc`] | tonic services |
 //! | [`operations`] | inspecting and forgetting a key, publishing your policy, logs and metrics |
@@ -31,6 +32,10 @@ pub mod stores {
 
 pub mod consumers {
     #![doc = include_str!("consumers.md")]
+}
+
+pub mod outbox {
+    #![doc = include_str!("outbox.md")]
 }
 
 pub mod client {

@@ -187,6 +187,14 @@ impl<T: Send + Sync + 'static> IdempotentTx<T> {
     }
 }
 
+/// The store's transaction itself, for what takes it whole (the outbox's
+/// `enqueue`).
+impl<T> AsMut<T> for IdempotentTx<T> {
+    fn as_mut(&mut self) -> &mut T {
+        self.tx.as_mut().expect("held until dropped")
+    }
+}
+
 impl<T> Drop for IdempotentTx<T> {
     fn drop(&mut self) {
         if let Some(tx) = self.tx.take() {

@@ -98,7 +98,7 @@ mod memory;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
-#[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+#[cfg(feature = "_sql")]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))

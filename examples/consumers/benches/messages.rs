@@ -12,6 +12,12 @@
 //! Run with: `cargo bench --all-features --bench messages` (needs
 //! `redis-server`, `moto_server` and `nats-server` on PATH and PostgreSQL,
 //! as the tests do). `MSG_BROKERS=0` leaves the brokers out.
+//!
+//! Last, the outbox relay: messages per second from a PostgreSQL outbox
+//! to JetStream (claim a batch, publish it, mark it sent) against
+//! publishing the same messages directly, as many at a time, each
+//! acknowledged by the stream. `MSG_OUTBOX=0` leaves it out;
+//! `MSG_OUTBOX_N` messages per variant and round (default 10 000).
 
 use std::{
     env,
@@ -242,7 +248,10 @@ async fn main() {
     drop(redis);
 
     if number("MSG_BROKERS", 1) == 1 {
-        brokers::run(secs, rounds, &pool, broker_store).await;
+        brokers::run(secs, rounds, &pool, broker_store.clone()).await;
+    }
+    if number("MSG_OUTBOX", 1) == 1 {
+        brokers::relay(rounds, broker_store).await;
     }
 }
 
@@ -278,6 +287,7 @@ mod brokers {
     use tower_idempotency::{
         PostgresTx, PostgresTxStore,
         message::{IdempotencyProcessor, ProcessOutcome, extend_every},
+        outbox::{Outbox, OutboxMessage, OutboxRelay, OutgoingMessage, PublishError, Publisher},
         sqlx::{self, PgPool},
     };
 
@@ -549,5 +559,115 @@ mod brokers {
                 names[i & !1]
             );
         }
+    }
+
+    /// Publishes to JetStream with the message's id as `Nats-Msg-Id`, once
+    /// the stream acknowledged it, as the `outbox_relay` example does.
+    struct JetStreamPublisher(jetstream::Context);
+
+    impl Publisher for JetStreamPublisher {
+        async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-Msg-Id", message.id.as_str());
+            let acked = async {
+                self.0
+                    .publish_with_headers(
+                        message.destination.clone(),
+                        headers,
+                        message.payload.clone().into(),
+                    )
+                    .await?
+                    .await
+            };
+            acked
+                .await
+                .map(drop)
+                .map_err(|e| PublishError::Unavailable(e.into()))
+        }
+    }
+
+    /// The relay against publishing directly: per round, `nats-direct`
+    /// publishes N messages 64 at a time; `nats-relay` enqueues N messages
+    /// in the outbox beforehand (one consumer transaction each, not timed),
+    /// then relays until the outbox is empty (batches of 64, the default).
+    /// The messages have 256 ordering keys, as accounts would.
+    pub async fn relay(rounds: u64, store: PostgresTxStore) {
+        let n = number("MSG_OUTBOX_N", 10_000);
+        let nats = NatsServer::start();
+        let outbox = Outbox::on(&store)
+            .table("bench_outbox")
+            .create_table_if_missing()
+            .build()
+            .await
+            .unwrap();
+        let events = IdempotencyProcessor::new(store).scope("outbox-bench");
+        println!(
+            "\noutbox relay: {n} messages per variant and round to JetStream (nats-server), PostgreSQL outbox, {rounds} rounds"
+        );
+        let (mut direct, mut relayed) = (Vec::new(), Vec::new());
+        for round in 1..=rounds {
+            let body = |i: u64| format!(r#"{{"type":"charge.created","order_id":"r{round}-{i}"}}"#);
+            // Directly: the same messages, ids and acknowledgements.
+            let stream = TestStream::create(&nats).await;
+            let started = Instant::now();
+            let publishes = (0..n).map(|i| {
+                let (js, subject) = (stream.js.clone(), stream.subject.clone());
+                let body = body(i);
+                async move {
+                    let mut headers = async_nats::HeaderMap::new();
+                    headers.insert("Nats-Msg-Id", format!("direct-{round}-{i}").as_str());
+                    js.publish_with_headers(subject, headers, body.into())
+                        .await
+                        .unwrap()
+                        .await
+                        .unwrap();
+                }
+            });
+            futures_util::stream::iter(publishes)
+                .buffer_unordered(64)
+                .collect::<Vec<_>>()
+                .await;
+            direct.push(n as f64 / started.elapsed().as_secs_f64());
+
+            // Through the outbox.
+            let stream = TestStream::create(&nats).await;
+            let enqueues = (0..n).map(|i| {
+                let (events, outbox) = (&events, &outbox);
+                let message = OutgoingMessage::new(stream.subject.clone(), body(i))
+                    .ordering_key(format!("acct-{}", i % 256));
+                async move {
+                    events
+                        .process(
+                            &format!("r{round}-{i}"),
+                            b"{}",
+                            async |tx: &mut PostgresTx| outbox.enqueue(tx, message).await.map(drop),
+                        )
+                        .await
+                        .unwrap();
+                }
+            });
+            futures_util::stream::iter(enqueues)
+                .buffer_unordered(32)
+                .collect::<Vec<_>>()
+                .await;
+            let relay = OutboxRelay::new(outbox.clone(), JetStreamPublisher(stream.js.clone()));
+            let started = Instant::now();
+            let mut published = 0;
+            while published < n as usize {
+                published += relay.run_once().await.unwrap().published;
+            }
+            relayed.push(n as f64 / started.elapsed().as_secs_f64());
+            let (d, r) = (direct[round as usize - 1], relayed[round as usize - 1]);
+            println!(
+                "round {round}: nats-direct {d:>9.0} msg/s  nats-relay {r:>9.0} msg/s {:>8.4} x nats-direct",
+                r / d
+            );
+        }
+        let ratio = super::median(relayed.iter().zip(&direct).map(|(r, d)| r / d).collect());
+        println!(
+            "median: nats-direct {:.0} msg/s, nats-relay {:.0} msg/s, {ratio:.4} x nats-direct (median of per-round ratios)",
+            super::median(direct),
+            super::median(relayed)
+        );
     }
 }

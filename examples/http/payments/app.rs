@@ -15,7 +15,9 @@ use serde::Deserialize;
 use tower::ServiceBuilder;
 use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer, trace::TraceLayer};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, IdempotencyOutcome, IdempotentTx, Problem, sqlx,
+    IdempotencyKey, IdempotencyLayer, IdempotencyOutcome, IdempotentTx, Problem,
+    outbox::{Outbox, OutgoingMessage},
+    sqlx,
     store::{
         LeaseToken, Store,
         sql::{Dialect, SqlTx},
@@ -43,6 +45,11 @@ pub struct Settings {
     /// closes): on a lease store, each charge carries its idempotency key
     /// under a unique constraint.
     downstream_key: bool,
+    /// `OUTBOX_DESTINATION` (a queue URL, a subject, a queue name): each
+    /// execution enqueues `charge.created` for it in the charge's
+    /// transaction (a transactional SQL store only); the `outbox_relay`
+    /// example publishes it.
+    pub outbox_destination: Option<String>,
 }
 
 impl Settings {
@@ -107,6 +114,9 @@ impl Settings {
                     return Err(format!("DOWNSTREAM_KEY must be on or off, got {other:?}"));
                 }
             },
+            outbox_destination: env::var("OUTBOX_DESTINATION")
+                .ok()
+                .filter(|d| !d.is_empty()),
         })
     }
 }
@@ -225,7 +235,7 @@ where
     <D::Db as sqlx::Database>::Connection: LedgerWrites,
 {
     fn create_route() -> MethodRouter<AppState> {
-        post(create_charge_in_transaction::<SqlTx<D>>)
+        post(create_charge_in_transaction::<D>)
     }
 
     fn webhook_route() -> MethodRouter<AppState> {
@@ -296,23 +306,70 @@ async fn create_charge(
     }
 }
 
-/// Charges in the request's transaction: the charge and the idempotency
-/// record commit together once this returns, or neither does.
-async fn create_charge_in_transaction<T>(
+/// Where `charge.created` goes, through the charge's transaction.
+pub struct Emit<D: Dialect> {
+    pub outbox: Outbox<D>,
+    pub destination: Arc<str>,
+}
+
+impl<D: Dialect> Clone for Emit<D> {
+    fn clone(&self) -> Self {
+        Self {
+            outbox: self.outbox.clone(),
+            destination: self.destination.clone(),
+        }
+    }
+}
+
+/// Charges in the request's transaction: the charge, its `charge.created`
+/// (when an outbox is configured) and the idempotency record commit
+/// together once this returns, or none does — a replay emits nothing.
+async fn create_charge_in_transaction<D: Dialect>(
     State(state): State<AppState>,
     axum::Extension(Account(account)): axum::Extension<Account>,
-    mut tx: IdempotentTx<T>,
+    emit: Option<axum::Extension<Emit<D>>>,
+    mut tx: IdempotentTx<SqlTx<D>>,
     body: Result<Json<NewCharge>, JsonRejection>,
 ) -> Response
 where
-    T: std::ops::DerefMut<Target: LedgerWrites> + Send + Sync + 'static,
+    <D::Db as sqlx::Database>::Connection: LedgerWrites,
 {
     let charge = match new_charge(account, body) {
         Ok(charge) => charge,
         Err(invalid) => return invalid.into_response(),
     };
     let recorded = tx.insert(&charge).await;
+    if recorded.is_ok()
+        && let Some(axum::Extension(emit)) = emit
+        && let Err(error) = emit
+            .outbox
+            .enqueue(&mut tx, charge_created(&charge, &emit.destination))
+            .await
+    {
+        tracing::error!(%error, "cannot enqueue charge.created");
+        return problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Charge failed",
+            "The charge could not be recorded; nothing was charged. Retry with the same key.",
+        );
+    }
     after_recording(&state, charge, recorded).await
+}
+
+/// `charge.created`, shaped as the order consumers read it (`order_id`,
+/// `amount`, `currency`): the downstream service charges its ledger once
+/// per charge id. Ordered per account.
+fn charge_created(charge: &Charge, destination: &str) -> OutgoingMessage {
+    let event = serde_json::json!({
+        "type": "charge.created",
+        "order_id": charge.id,
+        "account": charge.account,
+        "amount": charge.amount,
+        "currency": charge.currency,
+    });
+    OutgoingMessage::new(destination, event.to_string())
+        .ordering_key(charge.account.clone())
+        .header("type", "charge.created")
 }
 
 /// The card processor once the charge is recorded, then `201`; or `500` if
@@ -499,6 +556,7 @@ mod tests {
             retention: Duration::from_secs(86_400),
             request_timeout: Duration::from_secs(10),
             downstream_key: true,
+            outbox_destination: None,
         }
     }
 

@@ -21,7 +21,11 @@
 //! idempotency key under a unique constraint, so a second execution finds
 //! the first charge; `off` measures the window it closes);
 //! `IDEMPOTENCY_STORE=memory` (records and charges in memory: nothing
-//! persisted); `PROCESSOR_LATENCY_MS` (default 0:
+//! persisted); `OUTBOX_DESTINATION` (a SQL store only: each execution
+//! enqueues `charge.created` for that destination — a queue URL, a
+//! subject, a queue name — in the charge's own transaction, into the
+//! outbox table `idempotency_outbox`; the `outbox_relay` example of
+//! `examples/consumers` publishes it); `PROCESSOR_LATENCY_MS` (default 0:
 //! how long the fake card processor takes); `IDEMPOTENCY_LEASE_MS` (default
 //! 30000); `IDEMPOTENCY_TTL_SECS` (default 86400); `REQUEST_TIMEOUT_MS`
 //! (default 10000); `IDEMPOTENCY_TX_TIMEOUT_MS` (default 30000: how long a
@@ -94,10 +98,10 @@ use axum::{Router, routing::get};
 use metrics_exporter_prometheus::PrometheusBuilder;
 use tower_idempotency::{
     MemoryStore, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore,
-    SqliteTxStore, sqlx,
+    SqliteTxStore, outbox::Outbox, sqlx, store::sql::Dialect,
 };
 
-use app::{Settings, app};
+use app::{Emit, Settings, app};
 use ledger::{Charges, create_tables};
 
 /// Where the example keeps charges and records, from the environment.
@@ -137,6 +141,15 @@ async fn main() {
 
     let settings = Settings::from_env().unwrap_or_else(|why| exit_with(&why));
     let database = Database::from_env().unwrap_or_else(|why| exit_with(&why));
+    let lease_store = env::var("IDEMPOTENCY_STORE").is_ok_and(|s| s == "memory")
+        || env::var("REDIS_URL").is_ok()
+        || env::var("REDIS_CLUSTER_NODES").is_ok();
+    if lease_store && settings.outbox_destination.is_some() {
+        exit_with(
+            "OUTBOX_DESTINATION needs the charge's own transaction: a SQL DATABASE_URL, \
+             without REDIS_URL, REDIS_CLUSTER_NODES or IDEMPOTENCY_STORE=memory",
+        );
+    }
     // The URLs may carry a password: they are never logged.
     let app = if env::var("IDEMPOTENCY_STORE").is_ok_and(|s| s == "memory") {
         tracing::info!("store: in-memory (IDEMPOTENCY_STORE=memory): nothing persisted");
@@ -189,6 +202,31 @@ fn exit_with(message: &str) -> ! {
     std::process::exit(2)
 }
 
+/// The outbox `charge.created` goes through, when `OUTBOX_DESTINATION` is
+/// set: its table beside the records.
+macro_rules! emit {
+    ($store:expr, $settings:expr) => {
+        match &$settings.outbox_destination {
+            Some(destination) => {
+                let outbox = Outbox::on(&$store).create_table_if_missing().build().await?;
+                tracing::info!(%destination, "charge.created enqueued in the outbox (OUTBOX_DESTINATION)");
+                Some(Emit {
+                    outbox,
+                    destination: destination.as_str().into(),
+                })
+            }
+            None => None,
+        }
+    };
+}
+
+fn with_outbox<D: Dialect>(app: Router, emit: Option<Emit<D>>) -> Router {
+    match emit {
+        Some(emit) => app.layer(axum::Extension(emit)),
+        None => app,
+    }
+}
+
 /// Charges and records in one database, one transaction per charge.
 async fn transactional(
     database: Database,
@@ -204,7 +242,8 @@ async fn transactional(
             create_tables(store.pool()).await?;
             tracing::info!("store: SQLite, one transaction per charge ({url})");
             let charges = Charges::Sqlite(store.pool().clone());
-            app::<SqliteTxStore>(store, charges, settings)
+            let emit = emit!(store, settings);
+            with_outbox(app::<SqliteTxStore>(store, charges, settings), emit)
         }
         Database::Postgres(url) => {
             let store = PostgresStore::builder()
@@ -216,7 +255,8 @@ async fn transactional(
             create_tables(store.pool()).await?;
             tracing::info!("store: PostgreSQL, one transaction per charge (DATABASE_URL)");
             let charges = Charges::Postgres(store.pool().clone());
-            app::<PostgresTxStore>(store, charges, settings)
+            let emit = emit!(store, settings);
+            with_outbox(app::<PostgresTxStore>(store, charges, settings), emit)
         }
         Database::MySql(url) => {
             let store = MySqlStore::builder()
@@ -228,7 +268,8 @@ async fn transactional(
             create_tables(store.pool()).await?;
             tracing::info!("store: MySQL, one transaction per charge (DATABASE_URL)");
             let charges = Charges::MySql(store.pool().clone());
-            app::<MySqlTxStore>(store, charges, settings)
+            let emit = emit!(store, settings);
+            with_outbox(app::<MySqlTxStore>(store, charges, settings), emit)
         }
     })
 }

@@ -109,6 +109,23 @@ pub(crate) trait Engine: Dialect {
     /// A key's row, as a statement answered it (see [`KeyRow`]).
     fn key_row(row: &<Self::Db as Database>::Row) -> Result<KeyRow, sqlx::Error>;
 
+    /// Runs a statement that answers with outgoing messages' rows.
+    fn fetch_messages(
+        on: &mut Connection<Self>,
+        stmt: &Stmt,
+        args: &Args<'_>,
+    ) -> impl Future<Output = Result<Vec<MessageRow>, sqlx::Error>> + Send;
+
+    /// Runs a statement that answers with pairs of numbers.
+    fn fetch_pairs(
+        on: &mut Connection<Self>,
+        stmt: &Stmt,
+        args: &Args<'_>,
+    ) -> impl Future<Output = Result<Vec<(i64, i64)>, sqlx::Error>> + Send;
+
+    /// The outbox's statements, for `table` (already checked).
+    fn outbox_statements(table: &str) -> OutboxStatements;
+
     /// Runs SQL text whose values are literals (simple protocol), which may
     /// hold several statements.
     fn raw(
@@ -277,7 +294,7 @@ pub(crate) enum ErrorClass {
 }
 
 /// A value a statement binds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Param {
     Key,
     Fingerprint,
@@ -289,6 +306,14 @@ pub(crate) enum Param {
     /// is embedded: every writer of the file shares the host's clock).
     Now,
     Batch,
+    /// An outgoing message's id, destination, ordering key, payload,
+    /// headers (JSON), and a publisher's error.
+    Id,
+    Destination,
+    OrderingKey,
+    Payload,
+    Headers,
+    Error,
 }
 
 /// A statement: its text, with the table name in place, and the values it
@@ -298,15 +323,23 @@ pub(crate) enum Param {
 #[derive(Clone, Debug)]
 pub(crate) struct Stmt {
     pub(crate) sql: Arc<str>,
-    pub(crate) params: &'static [Param],
+    pub(crate) params: Arc<[Param]>,
 }
 
 impl Stmt {
     /// `sql` (with `{t}` for the table) binding `params`.
-    pub(crate) fn new(table: &str, sql: &str, params: &'static [Param]) -> Self {
+    pub(crate) fn new(table: &str, sql: &str, params: &[Param]) -> Self {
         Self {
             sql: sql.replace("{t}", table).into(),
-            params,
+            params: params.into(),
+        }
+    }
+
+    /// `sql`, complete, binding `params`.
+    pub(crate) fn with_params(sql: String, params: Vec<Param>) -> Self {
+        Self {
+            sql: sql.into(),
+            params: params.into(),
         }
     }
 
@@ -326,6 +359,12 @@ pub(crate) struct Args<'a> {
     pub(crate) ms: i64,
     pub(crate) now: i64,
     pub(crate) batch: i64,
+    pub(crate) id: &'a str,
+    pub(crate) destination: &'a str,
+    pub(crate) ordering_key: Option<&'a str>,
+    pub(crate) payload: &'a [u8],
+    pub(crate) headers: &'a str,
+    pub(crate) error: &'a str,
 }
 
 /// A key's row, as every statement that reads one answers it, in this
@@ -338,6 +377,49 @@ pub(crate) struct KeyRow {
     pub(crate) token: Option<Vec<u8>>,
     pub(crate) record: Option<Vec<u8>>,
     pub(crate) ms_left: i64,
+}
+
+/// An outgoing message's row, as every statement that reads one answers
+/// it, in this order.
+#[derive(Debug)]
+pub(crate) struct MessageRow {
+    pub(crate) id: String,
+    pub(crate) destination: String,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: String,
+    pub(crate) created_at: i64,
+    pub(crate) attempts: i64,
+}
+
+/// The outbox's statements, for one table. Times are Unix milliseconds by
+/// the caller's clock (`Now`).
+pub(crate) struct OutboxStatements {
+    /// Creates the table and its indexes if missing.
+    pub(crate) schema: String,
+    /// Fails unless the table exists, with the columns the statements use.
+    pub(crate) exists: Stmt,
+    /// Id, Destination, OrderingKey, Payload, Headers, Now.
+    pub(crate) enqueue: Stmt,
+    /// Up to Batch pending messages due by Now, each the oldest pending of
+    /// its ordering key, claimed for Token until Now + Ms.
+    pub(crate) claim: Stmt,
+    /// The messages Token claimed, oldest first.
+    pub(crate) claimed: Stmt,
+    /// Every message Token still claims marked sent at Now.
+    pub(crate) sent: Stmt,
+    /// Id, if Token claims it, due again at Now + Ms, with Error.
+    pub(crate) retry: Stmt,
+    /// Id, if Token claims it, refused with Error: kept, never published.
+    pub(crate) refuse: Stmt,
+    /// Up to Batch messages sent before Now deleted.
+    pub(crate) sweep: Stmt,
+    /// (state, count) for each state: 0 pending, 1 sent, 2 refused.
+    pub(crate) counts: Stmt,
+    /// The refused messages, oldest first, up to Batch.
+    pub(crate) refused: Stmt,
+    /// Id, refused, made pending again.
+    pub(crate) requeue: Stmt,
 }
 
 /// The statements every engine has, for one table.
@@ -377,10 +459,11 @@ pub(crate) fn bind<'q, 'a, DB: Database>(
 ) -> Query<'q, DB, <DB as Database>::Arguments>
 where
     &'a str: Encode<'a, DB> + Type<DB>,
+    Option<&'a str>: Encode<'a, DB> + Type<DB>,
     &'a [u8]: Encode<'a, DB> + Type<DB>,
     i64: Encode<'a, DB> + Type<DB>,
 {
-    for param in stmt.params {
+    for param in stmt.params.iter() {
         query = match param {
             Param::Key => query.bind(args.key),
             Param::Fingerprint => query.bind(args.fingerprint),
@@ -389,6 +472,12 @@ where
             Param::Ms => query.bind(args.ms),
             Param::Now => query.bind(args.now),
             Param::Batch => query.bind(args.batch),
+            Param::Id => query.bind(args.id),
+            Param::Destination => query.bind(args.destination),
+            Param::OrderingKey => query.bind(args.ordering_key),
+            Param::Payload => query.bind(args.payload),
+            Param::Headers => query.bind(args.headers),
+            Param::Error => query.bind(args.error),
         };
     }
     query
@@ -430,6 +519,46 @@ macro_rules! glue {
                 record: row.try_get(3)?,
                 ms_left: row.try_get(4)?,
             })
+        }
+
+        async fn fetch_messages(
+            on: &mut <$db as sqlx::Database>::Connection,
+            stmt: &$crate::store::sql::dialect::Stmt,
+            args: &$crate::store::sql::dialect::Args<'_>,
+        ) -> Result<Vec<$crate::store::sql::dialect::MessageRow>, sqlx::Error> {
+            use sqlx::Row as _;
+            let query = $crate::store::sql::dialect::bind(sqlx::query(stmt.text()), stmt, args);
+            query
+                .fetch_all(on)
+                .await?
+                .iter()
+                .map(|row| {
+                    Ok($crate::store::sql::dialect::MessageRow {
+                        id: row.try_get(0)?,
+                        destination: row.try_get(1)?,
+                        ordering_key: row.try_get(2)?,
+                        payload: row.try_get(3)?,
+                        headers: row.try_get(4)?,
+                        created_at: row.try_get(5)?,
+                        attempts: row.try_get(6)?,
+                    })
+                })
+                .collect()
+        }
+
+        async fn fetch_pairs(
+            on: &mut <$db as sqlx::Database>::Connection,
+            stmt: &$crate::store::sql::dialect::Stmt,
+            args: &$crate::store::sql::dialect::Args<'_>,
+        ) -> Result<Vec<(i64, i64)>, sqlx::Error> {
+            use sqlx::Row as _;
+            let query = $crate::store::sql::dialect::bind(sqlx::query(stmt.text()), stmt, args);
+            query
+                .fetch_all(on)
+                .await?
+                .iter()
+                .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+                .collect()
         }
 
         async fn raw(

@@ -42,6 +42,7 @@ mod check;
 mod decide;
 pub(crate) mod dialect;
 mod lease;
+pub mod outbox;
 mod transactional;
 mod tx;
 mod upkeep;

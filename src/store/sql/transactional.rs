@@ -155,11 +155,15 @@ super::table_methods!(SqlTxStore);
 /// What an engine's claim found, as a [`Claim`].
 fn as_claim<D: Engine>(
     store: &SqlTxStore<D>,
+    key: &StorageKey,
     fingerprint: &Fingerprint,
     claimed: TxClaim<D>,
 ) -> Result<Claim<SqlTx<D>>, StoreError> {
     match claimed {
-        TxClaim::Acquired(tx) => Ok(Claim::Acquired(tx)),
+        TxClaim::Acquired(mut tx) => {
+            tx.claimed(key.as_str());
+            Ok(Claim::Acquired(tx))
+        }
         TxClaim::InFlight => Ok(Claim::InFlight {
             retry_after: IN_FLIGHT_RETRY_AFTER,
         }),
@@ -180,7 +184,7 @@ impl<D: Engine> Store for SqlTxStore<D> {
             .base
             .bounded(D::tx_claim(self, key, fingerprint, false))
             .await?;
-        as_claim(self, fingerprint, claimed)
+        as_claim(self, key, fingerprint, claimed)
     }
 
     /// Waits in line for this process's turn to write, as long as it takes,
@@ -196,7 +200,7 @@ impl<D: Engine> Store for SqlTxStore<D> {
             return self.claim(key, fingerprint, lease).await;
         }
         let claimed = D::tx_claim(self, key, fingerprint, true).await?;
-        as_claim(self, fingerprint, claimed)
+        as_claim(self, key, fingerprint, claimed)
     }
 
     /// The claim lives as long as its transaction: nothing to extend.

@@ -5,6 +5,7 @@
 use std::{
     fmt,
     ops::{Deref, DerefMut},
+    sync::Arc,
     time::Instant,
 };
 
@@ -57,6 +58,10 @@ pub struct SqlTx<D: Dialect> {
     held: D::Held,
     /// When the transaction began, to tell a commit its bound refused.
     pub(crate) began: Instant,
+    /// The storage key it claimed, which outgoing messages' ids derive
+    /// from, and how many it enqueued.
+    origin: Option<Arc<str>>,
+    messages: u32,
 }
 
 // See `SqlStore::builder`: the engines are this crate's own.
@@ -68,6 +73,8 @@ impl<D: Engine> SqlTx<D> {
             connection: Some(connection),
             held,
             began,
+            origin: None,
+            messages: 0,
         }
     }
 
@@ -110,6 +117,26 @@ impl<D: Engine> SqlTx<D> {
     }
 }
 
+impl<D: Dialect> SqlTx<D> {
+    /// The key this transaction claimed.
+    pub(crate) fn claimed(&mut self, key: &str) {
+        self.origin = Some(key.into());
+    }
+
+    /// The storage key it claimed (empty for a transaction of the store's
+    /// own).
+    pub(crate) fn origin(&self) -> &str {
+        self.origin.as_deref().unwrap_or_default()
+    }
+
+    /// The position of the next message it enqueues.
+    pub(crate) fn next_message(&mut self) -> u32 {
+        let position = self.messages;
+        self.messages += 1;
+        position
+    }
+}
+
 impl<D: Dialect> Granted for SqlTx<D> {
     fn lease_token(&self) -> Option<LeaseToken> {
         None
@@ -131,6 +158,14 @@ impl<D: Dialect> DerefMut for SqlTx<D> {
         self.connection
             .as_mut()
             .expect("the transaction is open until the layer ends it")
+    }
+}
+
+/// The transaction itself, where a handler holds it wrapped (see
+/// [`Outbox::enqueue`](crate::outbox::Outbox::enqueue)).
+impl<D: Dialect> AsMut<SqlTx<D>> for SqlTx<D> {
+    fn as_mut(&mut self) -> &mut SqlTx<D> {
+        self
     }
 }
 

@@ -161,6 +161,36 @@ impl Engine for MySql {
         statements::statements(table, self.flavor)
     }
 
+    /// InnoDB; a claim that waited on a row another relay claimed finds it claimed and leaves it.
+    fn outbox_statements(table: &str) -> crate::store::sql::dialect::OutboxStatements {
+        use crate::store::sql::outbox::statements::{OutboxSql, Placeholders, statements};
+        const SQL: OutboxSql = OutboxSql {
+            schema: "CREATE TABLE IF NOT EXISTS {t} (\
+seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
+id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
+destination VARCHAR(1024) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
+ordering_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL, \
+payload LONGBLOB NOT NULL, \
+headers TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
+created_at BIGINT NOT NULL, \
+state BIGINT NOT NULL DEFAULT 0, \
+attempts BIGINT NOT NULL DEFAULT 0, \
+next_at BIGINT NOT NULL DEFAULT 0, \
+claimed_by VARBINARY(16) NULL, \
+last_error TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL, \
+sent_at BIGINT NULL, \
+UNIQUE KEY {i}_id (id), \
+KEY {i}_pending (state, next_at, seq), \
+KEY {i}_ordering (ordering_key, state, seq), \
+KEY {i}_claimed (claimed_by), \
+KEY {i}_sent (state, sent_at)) ENGINE = InnoDB",
+            placeholders: Placeholders::Question,
+            claim_lock: "",
+            delete_limit: true,
+        };
+        statements(table, &SQL)
+    }
+
     async fn open(url: &str, settings: &Settings) -> Result<MySqlPool, StoreError> {
         let pool = MySqlPoolOptions::new()
             .max_connections(settings.max_connections)

@@ -140,6 +140,35 @@ impl Engine for Sqlite {
         statements::statements(table)
     }
 
+    /// Partial indexes; one writer at a time, so claims never overlap.
+    fn outbox_statements(table: &str) -> crate::store::sql::dialect::OutboxStatements {
+        use crate::store::sql::outbox::statements::{OutboxSql, Placeholders, statements};
+        const SQL: OutboxSql = OutboxSql {
+            schema: "CREATE TABLE IF NOT EXISTS {t} (\
+seq INTEGER PRIMARY KEY AUTOINCREMENT, \
+id TEXT NOT NULL UNIQUE, \
+destination TEXT NOT NULL, \
+ordering_key TEXT, \
+payload BLOB NOT NULL, \
+headers TEXT NOT NULL, \
+created_at INTEGER NOT NULL, \
+state INTEGER NOT NULL DEFAULT 0, \
+attempts INTEGER NOT NULL DEFAULT 0, \
+next_at INTEGER NOT NULL DEFAULT 0, \
+claimed_by BLOB, \
+last_error TEXT, \
+sent_at INTEGER); \
+CREATE INDEX IF NOT EXISTS {i}_pending ON {t} (next_at, seq) WHERE state = 0; \
+CREATE INDEX IF NOT EXISTS {i}_ordering ON {t} (ordering_key, seq) WHERE state = 0; \
+CREATE INDEX IF NOT EXISTS {i}_claimed ON {t} (claimed_by) WHERE claimed_by IS NOT NULL; \
+CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
+            placeholders: Placeholders::QuestionNumbered,
+            claim_lock: "",
+            delete_limit: false,
+        };
+        statements(table, &SQL)
+    }
+
     /// A pool on the file `url` names (`sqlite://payments.db`, created if
     /// missing), in WAL mode with `synchronous = FULL`: a committed record
     /// survives a crash of the process and of the machine.

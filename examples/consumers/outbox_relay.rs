@@ -1,0 +1,337 @@
+//! The outbox relay: publishes what the payments example enqueued in its
+//! outbox (`charge.created`, with `OUTBOX_DESTINATION` set) to SQS, NATS
+//! JetStream or RabbitMQ, each message with its deterministic id as the
+//! broker's deduplication id. Run one beside each payments instance, on
+//! the same database; several share the work.
+//!
+//! Run with:
+//!
+//! ```not_rust
+//! DATABASE_URL=sqlite://payments.db OUTBOX_BROKER=nats \
+//!     cargo run --release --example outbox_relay
+//! ```
+//!
+//! Environment: `DATABASE_URL` (required: the payments example's database,
+//! `sqlite://PATH`, `postgres://…` or `mysql://…`); `OUTBOX_BROKER`
+//! (required):
+//!
+//! - `sqs` — the AWS environment as for `sqs_orders`; a message's
+//!   destination is a queue URL. On a FIFO queue (`….fifo`) the message id
+//!   is the `MessageDeduplicationId` (SQS drops a repeat within 5 minutes)
+//!   and the ordering key the `MessageGroupId`; every message carries a
+//!   `message-id` attribute. A queue that does not exist refuses the
+//!   message.
+//! - `nats` — `NATS_URL` (default `nats://127.0.0.1:4222`); a message's
+//!   destination is a subject, its id the `Nats-Msg-Id` (the stream drops
+//!   a repeat within its duplicate window); a subject no stream captures
+//!   refuses the message.
+//! - `rabbitmq` — `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`);
+//!   a message's destination is a queue name (the default exchange), its
+//!   id the `message-id` property, published persistent and mandatory with
+//!   publisher confirms: a queue that does not exist refuses it. RabbitMQ
+//!   does not deduplicate: a repeat is the consumer's to absorb, by its own
+//!   idempotency.
+//!
+//! `RELAY_BATCH` (default 64), `RELAY_POLL_MS` (default 50),
+//! `RELAY_CLAIM_MS` (default 30000: how long a message another relay
+//! claimed is left to it); `PUBLISHED_PAUSE_MS` (default 0: a pause after
+//! each publication, before it is marked sent — the window a crash
+//! republishes, widened for the tests).
+//!
+//! One line per message on stdout: `relaying <broker>` first, then
+//! `published <id> <destination>` (or `refused <id> <why>`, kept in the
+//! outbox as refused). On SIGTERM it finishes its round and exits 0.
+
+use std::{env, time::Duration};
+
+use aws_sdk_sqs::{error::ProvideErrorMetadata, types::MessageAttributeValue};
+use lapin::{
+    BasicProperties, Channel, Connection, ConnectionProperties,
+    options::{BasicPublishOptions, ConfirmSelectOptions},
+    types::{AMQPValue, FieldTable, ShortString},
+};
+use tokio::signal::unix::{SignalKind, signal};
+use tower_idempotency::{
+    MySqlStore, PostgresStore, SqliteStore,
+    outbox::{Outbox, OutboxMessage, OutboxRelay, PublishError, Publisher},
+    store::sql::Dialect,
+};
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "outbox_relay=info,tower_idempotency=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let url = env::var("DATABASE_URL").unwrap_or_else(|_| exit_with("DATABASE_URL is required"));
+    let broker = match env::var("OUTBOX_BROKER").as_deref() {
+        Ok("sqs") => Broker::Sqs(aws_sdk_sqs::Client::new(&aws_config::load_from_env().await)),
+        Ok("nats") => {
+            let nats_url = env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+            let client = async_nats::connect(&nats_url)
+                .await
+                .unwrap_or_else(|e| exit_with(&format!("NATS_URL: {e}")));
+            Broker::Nats(async_nats::jetstream::new(client))
+        }
+        Ok("rabbitmq") => {
+            let amqp_url = env::var("AMQP_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
+            let connection = Connection::connect(&amqp_url, ConnectionProperties::default())
+                .await
+                .unwrap_or_else(|e| exit_with(&format!("AMQP_URL: {e}")));
+            let channel = connection
+                .create_channel()
+                .await
+                .unwrap_or_else(|e| exit_with(&format!("opening a channel: {e}")));
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .unwrap_or_else(|e| exit_with(&format!("confirm_select: {e}")));
+            // The connection lives as long as the process.
+            std::mem::forget(connection);
+            Broker::Rabbit(channel)
+        }
+        Ok(other) => exit_with(&format!(
+            "OUTBOX_BROKER must be sqs, nats or rabbitmq, got {other:?}"
+        )),
+        Err(_) => exit_with("OUTBOX_BROKER is required: sqs, nats or rabbitmq"),
+    };
+    let publisher = Announced {
+        broker,
+        pause: Duration::from_millis(number("PUBLISHED_PAUSE_MS", 0)),
+    };
+    let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
+    match scheme {
+        "sqlite" => {
+            let store = SqliteStore::builder()
+                .transactional()
+                .create_table_if_missing()
+                .connect(&url)
+                .await
+                .unwrap_or_else(|e| failed(e));
+            let outbox = Outbox::on(&store)
+                .create_table_if_missing()
+                .build()
+                .await
+                .unwrap_or_else(|e| failed(e));
+            relay(outbox, publisher).await;
+        }
+        "postgres" | "postgresql" => {
+            let store = PostgresStore::builder()
+                .transactional()
+                .create_table_if_missing()
+                .connect(&url)
+                .await
+                .unwrap_or_else(|e| failed(e));
+            let outbox = Outbox::on(&store)
+                .create_table_if_missing()
+                .build()
+                .await
+                .unwrap_or_else(|e| failed(e));
+            relay(outbox, publisher).await;
+        }
+        "mysql" | "mariadb" => {
+            let store = MySqlStore::builder()
+                .transactional()
+                .create_table_if_missing()
+                .connect(&url)
+                .await
+                .unwrap_or_else(|e| failed(e));
+            let outbox = Outbox::on(&store)
+                .create_table_if_missing()
+                .build()
+                .await
+                .unwrap_or_else(|e| failed(e));
+            relay(outbox, publisher).await;
+        }
+        other => exit_with(&format!(
+            "DATABASE_URL: unknown scheme {other:?}: use sqlite://, postgres:// or mysql://"
+        )),
+    }
+}
+
+fn failed(error: tower_idempotency::store::StoreError) -> ! {
+    exit_with(&format!("DATABASE_URL: {error}"))
+}
+
+/// Relays until SIGTERM.
+async fn relay<D: Dialect>(outbox: Outbox<D>, publisher: Announced) {
+    let relay = OutboxRelay::new(outbox, publisher)
+        .batch(number("RELAY_BATCH", 64) as u32)
+        .poll_interval(Duration::from_millis(number("RELAY_POLL_MS", 50)))
+        .claim_for(Duration::from_millis(number("RELAY_CLAIM_MS", 30_000)));
+    let mut term = signal(SignalKind::terminate())
+        .unwrap_or_else(|e| exit_with(&format!("listening for SIGTERM: {e}")));
+    println!("relaying {}", env::var("OUTBOX_BROKER").unwrap_or_default());
+    relay
+        .run(async move {
+            term.recv().await;
+        })
+        .await;
+}
+
+/// The broker, and a line on stdout for each message it took.
+struct Announced {
+    broker: Broker,
+    pause: Duration,
+}
+
+impl Publisher for Announced {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        match self.broker.publish(message).await {
+            Ok(()) => {
+                println!("published {} {}", message.id, message.destination);
+                tokio::time::sleep(self.pause).await;
+                Ok(())
+            }
+            Err(PublishError::Refused(why)) => {
+                println!("refused {} {why}", message.id);
+                Err(PublishError::Refused(why))
+            }
+            Err(error) => Err(error),
+        }
+    }
+}
+
+enum Broker {
+    Sqs(aws_sdk_sqs::Client),
+    Nats(async_nats::jetstream::Context),
+    Rabbit(Channel),
+}
+
+impl Broker {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        let unavailable = |e: String| PublishError::Unavailable(e.into());
+        match self {
+            Self::Sqs(client) => {
+                let text = |value: &str| {
+                    MessageAttributeValue::builder()
+                        .data_type("String")
+                        .string_value(value)
+                        .build()
+                        .expect("a string attribute")
+                };
+                let mut send = client
+                    .send_message()
+                    .queue_url(&message.destination)
+                    .message_body(String::from_utf8_lossy(&message.payload))
+                    .message_attributes("message-id", text(&message.id));
+                for (name, value) in &message.headers {
+                    send = send.message_attributes(name, text(value));
+                }
+                if message.destination.ends_with(".fifo") {
+                    let group = message.ordering_key.as_deref().unwrap_or(&message.id);
+                    send = send
+                        .message_deduplication_id(&message.id)
+                        .message_group_id(group);
+                }
+                match send.send().await {
+                    Ok(_) => Ok(()),
+                    Err(error) => {
+                        let code = error.code().unwrap_or_default().to_owned();
+                        if [
+                            "NonExistentQueue",
+                            "QueueDoesNotExist",
+                            "InvalidMessageContents",
+                            "InvalidParameterValue",
+                        ]
+                        .iter()
+                        .any(|refused| code.contains(refused))
+                        {
+                            Err(PublishError::Refused(format!(
+                                "{code}: {}",
+                                error.message().unwrap_or_default()
+                            )))
+                        } else {
+                            Err(unavailable(format!("{error:?}")))
+                        }
+                    }
+                }
+            }
+            Self::Nats(js) => {
+                use async_nats::jetstream::context::PublishErrorKind;
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert("Nats-Msg-Id", message.id.as_str());
+                for (name, value) in &message.headers {
+                    headers.insert(name.as_str(), value.as_str());
+                }
+                let acked = async {
+                    js.publish_with_headers(
+                        message.destination.clone(),
+                        headers,
+                        message.payload.clone().into(),
+                    )
+                    .await?
+                    .await
+                }
+                .await;
+                match acked {
+                    Ok(_) => Ok(()),
+                    Err(error) if error.kind() == PublishErrorKind::StreamNotFound => {
+                        Err(PublishError::Refused(format!(
+                            "no stream captures {}",
+                            message.destination
+                        )))
+                    }
+                    Err(error) => Err(unavailable(error.to_string())),
+                }
+            }
+            Self::Rabbit(channel) => {
+                let mut headers = FieldTable::default();
+                for (name, value) in &message.headers {
+                    headers.insert(
+                        name.as_str().into(),
+                        AMQPValue::LongString(value.as_str().into()),
+                    );
+                }
+                let properties = BasicProperties::default()
+                    .with_delivery_mode(2)
+                    .with_message_id(ShortString::from(message.id.as_str()))
+                    .with_headers(headers);
+                let confirm = channel
+                    .basic_publish(
+                        "".into(),
+                        message.destination.as_str().into(),
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..BasicPublishOptions::default()
+                        },
+                        &message.payload,
+                        properties,
+                    )
+                    .await
+                    .map_err(|e| unavailable(e.to_string()))?
+                    .await
+                    .map_err(|e| unavailable(e.to_string()))?;
+                match confirm {
+                    lapin::Confirmation::Ack(None) => Ok(()),
+                    lapin::Confirmation::Ack(Some(_)) => Err(PublishError::Refused(format!(
+                        "no queue {} (returned unroutable)",
+                        message.destination
+                    ))),
+                    other => Err(unavailable(format!(
+                        "the broker did not confirm: {other:?}"
+                    ))),
+                }
+            }
+        }
+    }
+}
+
+fn number(name: &str, default: u64) -> u64 {
+    match env::var(name) {
+        Ok(value) => value.parse().unwrap_or_else(|_| {
+            exit_with(&format!("{name} must be a whole number, got {value:?}"))
+        }),
+        Err(_) => default,
+    }
+}
+
+/// A configuration mistake: say what to fix and stop.
+fn exit_with(message: &str) -> ! {
+    eprintln!("outbox_relay: {message}");
+    std::process::exit(2)
+}

@@ -1,0 +1,460 @@
+//! The transactional outbox on every transactional store, written once:
+//! messages commit with the record and the charge or not at all, a replay
+//! emits nothing, the relay publishes each committed message — in order
+//! per ordering key, again with the same id after a relay died between
+//! publishing and marking, later when the broker was down — and keeps what
+//! the broker refuses. The publisher here is a recording one; the brokers'
+//! own (SQS, JetStream, RabbitMQ) are the consumer examples'.
+
+mod support;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::{Router, extract::State, http::StatusCode, routing::post};
+use tower_idempotency::{
+    IdempotencyLayer, IdempotentTx,
+    outbox::{Outbox, OutboxMessage, OutboxRelay, OutgoingMessage, PublishError, Publisher},
+    store::sql::SqlTx,
+    testing::TxEffects,
+};
+
+use support::{
+    backend::{MySqlTx, PostgresTx, SqliteTx, Total, TxBackend},
+    http::{oneshot, post as request},
+};
+
+/// Publishes, then never returns: the relay dies before it marks.
+struct Hangs(Broker);
+
+impl Publisher for Hangs {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        self.0.publish(message).await?;
+        std::future::pending().await
+    }
+}
+
+/// What the broker got, in order; down while `down`, refusing
+/// destinations named `refused`.
+#[derive(Clone, Default)]
+struct Broker {
+    got: Arc<Mutex<Vec<OutboxMessage>>>,
+    down: Arc<AtomicBool>,
+}
+
+impl Broker {
+    fn ids(&self) -> Vec<String> {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|m| m.id.clone())
+            .collect()
+    }
+
+    fn count(&self) -> usize {
+        self.got.lock().unwrap().len()
+    }
+}
+
+impl Publisher for Broker {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        if message.destination == "refused" {
+            return Err(PublishError::Refused("no such queue".into()));
+        }
+        if self.down.load(Ordering::SeqCst) {
+            return Err(PublishError::Unavailable("connection refused".into()));
+        }
+        // A broker takes a moment: concurrent relays overlap.
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(0..5))).await;
+        self.got.lock().unwrap().push(message.clone());
+        Ok(())
+    }
+}
+
+/// The suite, written once; `outbox_suite!(module, backend, engine)`
+/// runs it on one transactional store.
+macro_rules! outbox_suite {
+    ($module:ident, $backend:ident, $engine:ty, $store:ty, $charges:ty) => {
+        mod $module {
+            use super::*;
+
+            type B = $backend;
+            type D = $engine;
+            type Store = $store;
+            type Charges = $charges;
+
+            fn backend() -> B {
+                B::start()
+            }
+
+            /// A store of `B`, its charges, and its outbox.
+            async fn outbox_of(b: &B) -> (Store, Charges, Outbox<D>) {
+                let (store, charges) = b.store_and_charges().await;
+                let table = format!("outbox_{}", fastrand::u32(..));
+                let outbox = Outbox::on(&store)
+                    .table(table)
+                    .create_table_if_missing()
+                    .build()
+                    .await
+                    .expect("the outbox");
+                (store, charges, outbox)
+            }
+
+            #[derive(Clone)]
+            struct App {
+                charges: Charges,
+                outbox: Outbox<D>,
+            }
+
+            /// A charge and its `charge.created`, in the request's transaction;
+            /// `?status=503` rolls both back.
+            async fn charge(
+                State(app): State<App>,
+                headers: http::HeaderMap,
+                uri: http::Uri,
+                mut tx: IdempotentTx<SqlTx<D>>,
+            ) -> StatusCode {
+                let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+                app.charges.write(&mut *tx, &key).await.unwrap();
+                let event = OutgoingMessage::new("charges", format!(r#"{{"charge":"{key}"}}"#))
+                    .ordering_key("acct_alice")
+                    .header("type", "charge.created");
+                app.outbox.enqueue(&mut tx, event).await.unwrap();
+                if uri.query() == Some("status=503") {
+                    StatusCode::SERVICE_UNAVAILABLE
+                } else {
+                    StatusCode::CREATED
+                }
+            }
+
+            fn router(store: Store, app: App) -> Router {
+                Router::new()
+                    .route("/charges", post(charge))
+                    .layer(IdempotencyLayer::new(store).single_tenant())
+                    .with_state(app)
+            }
+
+            /// The message commits with the charge, once: a replay and a rolled-back
+            /// request enqueue nothing; the relay publishes each once, with the id
+            /// derived from the key, then marks it sent.
+            async fn messages_commit_with_the_charge_and_replays_emit_nothing(b: B) {
+                let (store, charges, outbox) = outbox_of(&b).await;
+                let app = router(
+                    store,
+                    App {
+                        charges: charges.clone(),
+                        outbox: outbox.clone(),
+                    },
+                );
+                for _ in 0..3 {
+                    let reply = oneshot(&app, request("/charges", "order-1", "{}")).await;
+                    assert!(reply.status == StatusCode::CREATED, "{:?}", reply.body);
+                }
+                let rolled_back =
+                    oneshot(&app, request("/charges?status=503", "order-2", "{}")).await;
+                assert_eq!(rolled_back.status, StatusCode::SERVICE_UNAVAILABLE);
+                assert_eq!(charges.total().await, 1);
+                assert_eq!(
+                    outbox.stats().await.unwrap().pending,
+                    1,
+                    "one message, committed once"
+                );
+
+                let broker = Broker::default();
+                let relay = OutboxRelay::new(outbox.clone(), broker.clone());
+                let round = relay.run_once().await.unwrap();
+                assert_eq!((round.claimed, round.published), (1, 1));
+                assert_eq!(relay.run_once().await.unwrap().claimed, 0, "marked sent");
+                let got = broker.got.lock().unwrap().clone();
+                assert_eq!(got.len(), 1);
+                assert_eq!(got[0].payload, br#"{"charge":"order-1"}"#);
+                assert_eq!(
+                    got[0].headers,
+                    vec![("type".to_owned(), "charge.created".to_owned())]
+                );
+                assert_eq!(got[0].ordering_key.as_deref(), Some("acct_alice"));
+                assert_eq!(
+                    got[0].id.len(),
+                    32,
+                    "derived from the scope, the key and the position"
+                );
+                let stats = outbox.stats().await.unwrap();
+                assert_eq!((stats.pending, stats.sent), (0, 1));
+            }
+
+            /// Three relays at once over many messages of a few ordering keys: each
+            /// message published once, each key's in the order enqueued.
+            async fn relays_side_by_side_publish_once_and_in_order(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let enqueued = enqueue_many(&store, &outbox, 60, 4).await;
+                let broker = Broker::default();
+                let relays: Vec<_> = (0..3)
+                    .map(|_| {
+                        let relay = OutboxRelay::new(outbox.clone(), broker.clone()).batch(8);
+                        tokio::spawn(
+                            async move { while relay.run_once().await.unwrap().claimed > 0 {} },
+                        )
+                    })
+                    .collect();
+                for relay in relays {
+                    relay.await.unwrap();
+                }
+                // Whatever one relay left behind while another held its key's head.
+                let last = OutboxRelay::new(outbox.clone(), broker.clone());
+                while last.run_once().await.unwrap().claimed > 0 {}
+                assert_published_once_in_order(&broker, &enqueued);
+                assert_eq!(outbox.stats().await.unwrap().pending, 0);
+            }
+
+            /// The broker down for a while: nothing is lost, each key's messages are
+            /// published in order once it is back.
+            async fn a_broker_down_loses_nothing_and_keeps_the_order(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let enqueued = enqueue_many(&store, &outbox, 12, 3).await;
+                let broker = Broker::default();
+                broker.down.store(true, Ordering::SeqCst);
+                let relay = OutboxRelay::new(outbox.clone(), broker.clone())
+                    .backoff(Duration::from_millis(20), Duration::from_millis(50));
+                for _ in 0..5 {
+                    let round = relay.run_once().await.unwrap();
+                    assert_eq!(round.published, 0);
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                }
+                assert_eq!(
+                    outbox.stats().await.unwrap().pending,
+                    12,
+                    "kept while the broker is down"
+                );
+                broker.down.store(false, Ordering::SeqCst);
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                while outbox.stats().await.unwrap().pending > 0 {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "published once the broker is back"
+                    );
+                    relay.run_once().await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                assert_published_once_in_order(&broker, &enqueued);
+            }
+
+            /// A relay that dies between publishing and marking: once its claim
+            /// lapses, another publishes again — with the same id, for the broker's
+            /// deduplication and the consumer's idempotency to absorb.
+            async fn a_relay_dead_before_marking_is_followed_by_a_republish_with_the_same_id(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                enqueue_many(&store, &outbox, 1, 1).await;
+                let broker = Broker::default();
+                let dying = OutboxRelay::new(outbox.clone(), Hangs(broker.clone()))
+                    .claim_for(Duration::from_millis(300));
+                // Published, then the relay is gone before it marks.
+                let _ = tokio::time::timeout(Duration::from_millis(100), dying.run_once()).await;
+                assert_eq!(broker.count(), 1);
+                let next = OutboxRelay::new(outbox.clone(), broker.clone());
+                assert_eq!(
+                    next.run_once().await.unwrap().claimed,
+                    0,
+                    "left to its claimer"
+                );
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                assert_eq!(next.run_once().await.unwrap().published, 1);
+                let ids = broker.ids();
+                assert_eq!(ids.len(), 2);
+                assert_eq!(ids[0], ids[1], "republished with the same id");
+            }
+
+            /// A message the broker refuses is kept, reported, and published once
+            /// requeued; it does not hold up the messages after it.
+            async fn a_refused_message_is_kept_and_reported_never_dropped(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let key = storage_key("refused");
+                let tx = claim(&store, &key).await;
+                let mut tx = tx;
+                outbox
+                    .enqueue(
+                        &mut tx,
+                        OutgoingMessage::new("refused", b"{}".to_vec()).ordering_key("k"),
+                    )
+                    .await
+                    .unwrap();
+                outbox
+                    .enqueue(
+                        &mut tx,
+                        OutgoingMessage::new("charges", b"{}".to_vec()).ordering_key("k"),
+                    )
+                    .await
+                    .unwrap();
+                commit(&store, &key, tx).await;
+                let broker = Broker::default();
+                let relay = OutboxRelay::new(outbox.clone(), broker.clone());
+                while relay.run_once().await.unwrap().claimed > 0 {}
+                assert_eq!(broker.count(), 1, "the next message went");
+                let stats = outbox.stats().await.unwrap();
+                assert_eq!((stats.pending, stats.sent, stats.refused), (0, 1, 1));
+                let refused = outbox.refused(10).await.unwrap();
+                assert_eq!(refused.len(), 1);
+                assert_eq!(refused[0].destination, "refused");
+                assert!(outbox.requeue(&refused[0].id).await.unwrap());
+                assert_eq!(outbox.stats().await.unwrap().pending, 1);
+            }
+
+            /// Sent messages are deleted once the retention has passed.
+            async fn sent_messages_are_swept_after_the_retention(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                enqueue_many(&store, &outbox, 5, 5).await;
+                let relay = OutboxRelay::new(outbox.clone(), Broker::default())
+                    .retention(Duration::from_millis(200));
+                while relay.run_once().await.unwrap().claimed > 0 {}
+                assert_eq!(relay.sweep().await.unwrap(), 0, "kept within the retention");
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                assert_eq!(relay.sweep().await.unwrap(), 5);
+                assert_eq!(outbox.stats().await.unwrap(), Default::default());
+            }
+
+            /// `n` messages over `keys` ordering keys, one transaction per message (a
+            /// claim and its completion, as a request's); their ids by key, in order.
+            async fn enqueue_many(
+                store: &Store,
+                outbox: &Outbox<D>,
+                n: usize,
+                keys: usize,
+            ) -> HashMap<String, Vec<String>> {
+                let mut enqueued: HashMap<String, Vec<String>> = HashMap::new();
+                for i in 0..n {
+                    let key = storage_key(&format!("m{i}"));
+                    let mut tx = claim(store, &key).await;
+                    let ordering = format!("acct_{}", i % keys);
+                    let id = outbox
+                        .enqueue(
+                            &mut tx,
+                            OutgoingMessage::new("charges", format!("{i}"))
+                                .ordering_key(ordering.clone()),
+                        )
+                        .await
+                        .unwrap();
+                    commit(store, &key, tx).await;
+                    enqueued.entry(ordering).or_default().push(id);
+                }
+                enqueued
+            }
+
+            fn assert_published_once_in_order(
+                broker: &Broker,
+                enqueued: &HashMap<String, Vec<String>>,
+            ) {
+                let got = broker.got.lock().unwrap().clone();
+                let total: usize = enqueued.values().map(Vec::len).sum();
+                assert_eq!(got.len(), total, "each message published once");
+                for (ordering, ids) in enqueued {
+                    let published: Vec<&String> = got
+                        .iter()
+                        .filter(|m| m.ordering_key.as_deref() == Some(ordering))
+                        .map(|m| &m.id)
+                        .collect();
+                    assert_eq!(
+                        published,
+                        ids.iter().collect::<Vec<_>>(),
+                        "{ordering} in order"
+                    );
+                }
+            }
+
+            fn storage_key(key: &str) -> tower_idempotency::store::StorageKey {
+                let key = format!("{key}-{}", fastrand::u32(..));
+                tower_idempotency::store::StorageKey::new(
+                    "outbox",
+                    &tower_idempotency::IdempotencyKey::new(&key).unwrap(),
+                )
+            }
+
+            async fn claim<St, G>(store: &St, key: &tower_idempotency::store::StorageKey) -> G
+            where
+                St: tower_idempotency::store::Store<Granted = G>,
+            {
+                let fp = tower_idempotency::Fingerprint::from_bytes([1; 32]);
+                match store.claim(key, &fp, Duration::from_secs(5)).await.unwrap() {
+                    tower_idempotency::store::Claim::Acquired(tx) => tx,
+                    _ => panic!("a fresh key is claimed"),
+                }
+            }
+
+            async fn commit<St: tower_idempotency::store::Store>(
+                store: &St,
+                key: &tower_idempotency::store::StorageKey,
+                mut tx: St::Granted,
+            ) {
+                let fp = tower_idempotency::Fingerprint::from_bytes([1; 32]);
+                let record = tower_idempotency::CompletedRecord::Message {
+                    result: None,
+                    created_at: std::time::SystemTime::now(),
+                };
+                assert!(
+                    store
+                        .complete(key, &mut tx, &fp, Arc::new(record), Duration::from_secs(60))
+                        .await
+                        .unwrap()
+                );
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn commit_with_the_charge_replays_emit_nothing() {
+                messages_commit_with_the_charge_and_replays_emit_nothing(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn relays_side_by_side() {
+                relays_side_by_side_publish_once_and_in_order(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn broker_down() {
+                a_broker_down_loses_nothing_and_keeps_the_order(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn relay_dead_before_marking() {
+                a_relay_dead_before_marking_is_followed_by_a_republish_with_the_same_id(backend())
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn refused_message() {
+                a_refused_message_is_kept_and_reported_never_dropped(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn swept() {
+                sent_messages_are_swept_after_the_retention(backend()).await;
+            }
+        }
+    };
+}
+
+outbox_suite!(
+    postgres,
+    PostgresTx,
+    tower_idempotency::store::sql::postgres::Postgres,
+    tower_idempotency::PostgresTxStore,
+    support::backend::Charges<tower_idempotency::sqlx::Postgres>
+);
+outbox_suite!(
+    sqlite,
+    SqliteTx,
+    tower_idempotency::store::sql::sqlite::Sqlite,
+    tower_idempotency::SqliteTxStore,
+    support::backend::Charges<tower_idempotency::sqlx::Sqlite>
+);
+outbox_suite!(
+    mysql,
+    MySqlTx,
+    tower_idempotency::store::sql::mysql::MySql,
+    tower_idempotency::MySqlTxStore,
+    support::backend::Charges<tower_idempotency::sqlx::MySql>
+);
