@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use http::{HeaderMap, StatusCode, header::RETRY_AFTER};
 
+use crate::http::grpc::{self, GRPC_RETRY_PUSHBACK_MS, Wire};
+
 /// Why an attempt is tried again (the `reason` label of the retry metric).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Reason {
@@ -20,7 +22,8 @@ pub(crate) enum Reason {
     /// `502`, `503`, `504`: the server, or a proxy before it, could not
     /// answer now.
     Unavailable,
-    /// gRPC `UNAVAILABLE` or `ABORTED`.
+    /// A gRPC code that says nothing was done: `UNAVAILABLE`,
+    /// `RESOURCE_EXHAUSTED`, `ABORTED`, `DEADLINE_EXCEEDED`.
     Grpc,
 }
 
@@ -57,7 +60,7 @@ pub(crate) fn verdict(
     headers: &HeaderMap,
     trailers: Option<&HeaderMap>,
 ) -> Verdict {
-    if is_grpc(headers) {
+    if Wire::of(headers) == Wire::Grpc {
         return grpc_verdict(headers, trailers);
     }
     let retry_after = retry_after(headers);
@@ -74,29 +77,18 @@ pub(crate) fn verdict(
     }
 }
 
-fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/grpc"))
-}
-
-/// `UNAVAILABLE` (14) and `ABORTED` (10) are retried, after the server's
-/// pushback when it gives one; a negative or unreadable pushback means "do
-/// not retry" (gRFC A6).
+/// The codes the server's own policy releases the key for
+/// ([`GrpcCode::invites_retry`](crate::GrpcCode::invites_retry): nothing
+/// was done) are retried, after the server's pushback when it gives one; a
+/// negative or unreadable pushback means "do not retry" (gRFC A6).
 fn grpc_verdict(headers: &HeaderMap, trailers: Option<&HeaderMap>) -> Verdict {
-    let status = headers
-        .get("grpc-status")
-        .or_else(|| trailers.and_then(|t| t.get("grpc-status")))
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u32>().ok());
-    if !matches!(status, Some(10 | 14)) {
+    let Some((code, fields)) = grpc::status(headers, trailers) else {
+        return Verdict::Final;
+    };
+    if !code.invites_retry() {
         return Verdict::Final;
     }
-    let pushback = headers
-        .get("grpc-retry-pushback-ms")
-        .or_else(|| trailers.and_then(|t| t.get("grpc-retry-pushback-ms")));
-    let floor = match pushback {
+    let floor = match fields.get(GRPC_RETRY_PUSHBACK_MS) {
         None => None,
         Some(value) => match value.to_str().ok().and_then(|v| v.parse::<u64>().ok()) {
             Some(ms) => Some(Duration::from_millis(ms)),
@@ -210,7 +202,7 @@ mod tests {
     }
 
     #[test]
-    fn grpc_unavailable_and_aborted_are_retried_after_their_pushback() {
+    fn grpc_codes_that_invite_a_retry_are_retried_after_their_pushback() {
         let grpc = |status: &'static str, pushback: Option<&'static str>| {
             let mut pairs = vec![
                 ("content-type", "application/grpc"),
@@ -238,9 +230,27 @@ mod tests {
             Verdict::Final,
             "a negative pushback says do not retry"
         );
+        // As the server's policy reads them: HTTP's 429 is gRPC's 8.
+        for retried_code in ["4", "8"] {
+            assert!(
+                matches!(grpc(retried_code, None), Verdict::Retry { .. }),
+                "{retried_code}"
+            );
+        }
         for final_code in ["0", "3", "9", "13"] {
             assert_eq!(grpc(final_code, None), Verdict::Final, "{final_code}");
         }
+        // gRPC-Web carries its status in the body: read as HTTP.
+        assert_eq!(
+            retried(
+                200,
+                &[
+                    ("content-type", "application/grpc-web"),
+                    ("grpc-status", "14")
+                ]
+            ),
+            Verdict::Final
+        );
         // The status in the trailers, after a body.
         let trailers = headers(&[("grpc-status", "14")]);
         assert_eq!(

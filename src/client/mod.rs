@@ -14,8 +14,8 @@
 //! | no answer: a connection failure (before or after the request was sent), the attempt's timeout | yes, after the back-off |
 //! | `409` with `Retry-After` (the first request with this key still runs) | yes, after `Retry-After` |
 //! | `429`, `503` (and `502`, `504` from a proxy) | yes, after `Retry-After` when given |
-//! | gRPC `UNAVAILABLE`, `ABORTED` | yes, after `grpc-retry-pushback-ms` when given (a negative one: no) |
-//! | a 2xx, `400`, `422`, any other client error, `500` | never |
+//! | gRPC `UNAVAILABLE`, `RESOURCE_EXHAUSTED`, `ABORTED`, `DEADLINE_EXCEEDED` — the codes whose key the server's default policy releases ([`GrpcCode::invites_retry`](crate::GrpcCode::invites_retry)) | yes, after `grpc-retry-pushback-ms` when given (a negative one: no) |
+//! | a 2xx, `400`, `422`, any other client error, `500`; gRPC-Web (its status is in the body) | never |
 //!
 //! The back-off starts at about 0.5 s, doubles, and stops growing at 8 s,
 //! each wait within ±25 %; a `Retry-After` or pushback is a floor on the

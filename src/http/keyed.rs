@@ -22,7 +22,7 @@ use crate::{
         shared::Shared,
         store_policy::StorePolicy,
     },
-    key::{IdempotencyKey, InvalidKey},
+    key::IdempotencyKey,
     protocol::{self, Claimed, Wait},
     store::{StorageKey, Store, StoreError},
 };
@@ -80,7 +80,7 @@ where
     };
     let key = match key {
         Some(key) => key,
-        None => match body_key(&body, config.body_key.as_deref().unwrap_or_default()) {
+        None => match config.key_source.in_body(&body) {
             Ok(key) => {
                 tracing::Span::current().record("idempotency.key", tracing::field::display(&key));
                 key
@@ -90,10 +90,7 @@ where
                 let outcome = IdempotencyOutcome::Bypassed(BypassReason::NoKey);
                 return handler::unclaimed(inner, request, outcome).await;
             }
-            Err(None) => {
-                let pointer = config.body_key.clone().unwrap_or_default();
-                return Ok(shared.rejection(RejectionKind::MissingBodyKey { pointer }, wire));
-            }
+            Err(None) => return Ok(shared.rejection(config.key_source.missing(), wire)),
             Err(Some(why)) => return Ok(shared.rejection(RejectionKind::InvalidKey(why), wire)),
         },
     };
@@ -167,18 +164,6 @@ fn log_outage(throttle: &Throttle, key: &StorageKey, error: &StoreError, fail_op
         }
         None => tracing::debug!(%key, %error, "{what}"),
     }
-}
-
-/// The key at `pointer` in a JSON body: `Err(None)` when there is none (not
-/// JSON, no such member, not a string), `Err(Some(why))` when it is no
-/// valid key.
-fn body_key(body: &[u8], pointer: &str) -> Result<IdempotencyKey, Option<InvalidKey>> {
-    let value: serde_json::Value = serde_json::from_slice(body).map_err(|_| None)?;
-    let key = value
-        .pointer(pointer)
-        .and_then(|v| v.as_str())
-        .ok_or(None)?;
-    IdempotencyKey::new(key).map_err(Some)
 }
 
 /// Buffers the request body up to `limit` bytes; larger is `413`.

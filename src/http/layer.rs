@@ -8,6 +8,7 @@ use tower_layer::Layer;
 
 use crate::{
     fingerprint::{DefaultFingerprint, FingerprintStrategy},
+    http::key_source::KeySource,
     http::observe::Throttle,
     http::rejection::Rejection,
     http::scope::{NoScope, ScopeExtractor, ScopeNotChosen},
@@ -96,8 +97,7 @@ impl<St: Store> IdempotencyLayer<St> {
             config: Config {
                 methods: vec![Method::POST, Method::PATCH],
                 unguarded_paths: Vec::new(),
-                header: IDEMPOTENCY_KEY,
-                body_key: None,
+                key_source: KeySource::Header(IDEMPOTENCY_KEY),
                 require_key: false,
                 pass_through_without_scope: false,
                 retention: protocol::DEFAULT_RETENTION,
@@ -189,7 +189,9 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     }
 
     /// The request header that carries the key (default `Idempotency-Key`),
-    /// and the metadata entry of a gRPC call (`idempotency-key`).
+    /// and the metadata entry of a gRPC call (`idempotency-key`). Keys come
+    /// from one place: this replaces [`key_from_body`](Self::key_from_body)
+    /// when called after it.
     ///
     /// # Examples
     ///
@@ -202,14 +204,16 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// # let _ = layer;
     /// ```
     pub fn header_name(mut self, name: HeaderName) -> Self {
-        self.config().header = name;
+        self.config().key_source = KeySource::Header(name);
         self
     }
 
     /// Takes the key from the JSON body, at the JSON Pointer `pointer`,
     /// instead of a header: for webhook receivers, whose provider names
     /// each event in its body (a Stripe event's `/id`) and redelivers it
-    /// until it gets a 2xx. The value must be a string that is a valid key.
+    /// until it gets a 2xx. The value must be a string that is a valid key;
+    /// the key header is then not read (until a later
+    /// [`header_name`](Self::header_name)).
     /// A body without one is refused with `400` when the key is
     /// [required](Self::require_key), and passes through unprotected
     /// otherwise. Redeliveries carry new timestamps and signatures in their
@@ -239,7 +243,7 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
             pointer.is_empty() || pointer.starts_with('/'),
             "IdempotencyLayer::key_from_body: {pointer:?} is not a JSON Pointer (RFC 6901): start it with `/`"
         );
-        self.config().body_key = Some(pointer.into());
+        self.config().key_source = KeySource::Body(pointer.into());
         self
     }
 

@@ -6,6 +6,7 @@ pub(crate) mod encoding;
 pub(crate) mod future;
 pub(crate) mod grpc;
 pub(crate) mod handler;
+pub(crate) mod key_source;
 pub(crate) mod keyed;
 pub(crate) mod layer;
 pub(crate) mod observe;

@@ -19,6 +19,7 @@ use crate::{
     fingerprint::FingerprintStrategy,
     http::future::ResponseFuture,
     http::grpc::Wire,
+    http::key_source::InHead,
     http::keyed::{self, KeyedRequest},
     http::observe,
     http::outcome::BypassReason,
@@ -26,7 +27,7 @@ use crate::{
     http::scope::ScopeExtractor,
     http::shared::Shared,
     http::store_policy::StorePolicy,
-    key::{IdempotencyKey, InvalidKey},
+    key::IdempotencyKey,
     store::Store,
 };
 
@@ -101,21 +102,14 @@ where
             return self.bypass(req, BypassReason::UnguardedPath);
         }
         let wire = Wire::of(req.headers());
-        let mut values = req.headers().get_all(&config.header).iter();
-        let key = match (values.next(), values.next()) {
-            // Read from the body, once it is buffered.
-            _ if config.body_key.is_some() => None,
-            (None, _) if config.require_key => {
-                return self.reject(RejectionKind::MissingKey, wire);
+        let key = match config.key_source.in_head(req.headers()) {
+            InHead::Key(key) => Some(key),
+            InHead::InBody => None,
+            InHead::Absent if config.require_key => {
+                return self.reject(config.key_source.missing(), wire);
             }
-            (None, _) => return self.bypass(req, BypassReason::NoKey),
-            (Some(_), Some(_)) => {
-                return self.reject(RejectionKind::InvalidKey(InvalidKey::Repeated), wire);
-            }
-            (Some(value), None) => match IdempotencyKey::from_header(value) {
-                Ok(key) => Some(key),
-                Err(why) => return self.reject(RejectionKind::InvalidKey(why), wire),
-            },
+            InHead::Absent => return self.bypass(req, BypassReason::NoKey),
+            InHead::Invalid(why) => return self.reject(RejectionKind::InvalidKey(why), wire),
         };
         let (parts, body) = req.into_parts();
         let Some(scope) = self.shared.scope.scope(&parts) else {

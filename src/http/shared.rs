@@ -3,10 +3,11 @@
 
 use std::{sync::Arc, time::Duration};
 
-use http::{HeaderName, Method};
+use http::Method;
 
 use crate::{
     http::grpc::Wire,
+    http::key_source::KeySource,
     http::observe::Throttle,
     http::outcome::{Answered, IdempotencyOutcome},
     http::rejection::{Rejection, RejectionKind, RenderRejection},
@@ -18,11 +19,8 @@ pub(crate) struct Config {
     pub(crate) methods: Vec<Method>,
     /// Paths that pass through whatever their method, e.g. gRPC streams.
     pub(crate) unguarded_paths: Vec<String>,
-    /// The request header that carries the key.
-    pub(crate) header: HeaderName,
-    /// A JSON Pointer into the body that carries the key instead (a
-    /// webhook's event id).
-    pub(crate) body_key: Option<Arc<str>>,
+    /// Where keys are read: a header, or the body (a webhook's event id).
+    pub(crate) key_source: KeySource,
     pub(crate) require_key: bool,
     /// Whether a keyed request without a scope passes through unprotected
     /// (else it is refused).
