@@ -95,7 +95,7 @@ mod ledger;
 use std::{env, sync::Arc};
 
 use axum::{Router, routing::get};
-use metrics_exporter_prometheus::PrometheusBuilder;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use tower_idempotency::{
     MemoryStore, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore,
     SqliteTxStore, outbox::Outbox, sqlx, store::sql::Dialect,
@@ -179,7 +179,16 @@ async fn main() {
             .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")))
     };
 
+    // The store's latency as a histogram with buckets, so dashboards and
+    // alerts (contrib/) aggregate it across instances.
     let metrics = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full("idempotency_store_duration_seconds".into()),
+            &[
+                0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+            ],
+        )
+        .unwrap_or_else(|e| exit_with(&format!("metric buckets: {e}")))
         .install_recorder()
         .unwrap_or_else(|e| exit_with(&format!("cannot install the metrics recorder: {e}")));
     let app = app.route("/metrics", get(move || async move { metrics.render() }));
