@@ -185,7 +185,7 @@ pub use http::opt_out::NoReplay;
 pub use http::outcome::{BypassReason, Completion, IdempotencyOutcome};
 pub use http::problem::Problem;
 pub use http::rejection::{Rejection, RejectionKind};
-pub use http::replay::IDEMPOTENT_REPLAYED;
+pub use http::replay::{IDEMPOTENCY_REPLAYABLE_FOR, IDEMPOTENT_REPLAYED};
 pub use http::scope::{NoScope, ScopeExtractor, ScopeNotChosen};
 pub use http::service::IdempotencyService;
 pub use http::store_policy::{And, DefaultStorePolicy, StoreAllPolicy, StorePolicy};

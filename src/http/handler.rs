@@ -26,6 +26,7 @@ use crate::{
         opt_out,
         outcome::{Answered, Completion, IdempotencyOutcome},
         rejection::RejectionKind,
+        replay,
         shared::Shared,
         store_policy::StorePolicy,
         transaction,
@@ -299,6 +300,11 @@ where
         match hold.finish(Arc::new(record), shared.config.retention).await {
             Finished::Stored => {
                 tracing::debug!(%key, ?completion, "idempotency: executed");
+                let mut response = response;
+                if completion == Completion::Stored {
+                    let retention = shared.config.retention;
+                    replay::tell_retention(&shared.config, &mut response, retention);
+                }
                 executed(response, completion)
             }
             Finished::Lost => executed(response, Completion::LeaseLost),

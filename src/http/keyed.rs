@@ -121,9 +121,11 @@ where
                 let request = Request::from_parts(parts, Body::from(body));
                 return handler::detached(shared, inner, request, hold, wire).await;
             }
-            Claimed::Completed(record) => {
+            Claimed::Completed { record, expires_in } => {
                 let accept = parts.headers.get(http::header::ACCEPT_ENCODING);
-                return Ok(replay::answer(&shared, &key, &record, wire, accept));
+                return Ok(replay::answer(
+                    &shared, &key, &record, expires_in, wire, accept,
+                ));
             }
             Claimed::Mismatch => return Ok(shared.rejection(RejectionKind::Mismatch, wire)),
             Claimed::InFlight { retry_after } => match wait_until {

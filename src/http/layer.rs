@@ -101,6 +101,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 require_key: false,
                 pass_through_without_scope: false,
                 retention: protocol::DEFAULT_RETENTION,
+                retention_header: false,
                 lease: protocol::DEFAULT_LEASE,
                 max_request_body: 1024 * 1024,
                 max_stored_body: 1024 * 1024,
@@ -284,6 +285,40 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     pub fn retention(mut self, retention: Duration) -> Self {
         self.config().retention =
             protocol::checked_retention(retention, "IdempotencyLayer::retention");
+        self
+    }
+
+    /// Tells clients how long an answer will be replayed: a stored first
+    /// execution and each replay carry
+    /// [`Idempotency-Replayable-For`](crate::IDEMPOTENCY_REPLAYABLE_FOR) —
+    /// the seconds its record has left (the retention, on the first
+    /// answer). An answer that will not be replayed (released, refused,
+    /// unreplayable) carries none, which tells a client that a retry
+    /// executes again. Off by default: the header is one more line on every
+    /// stored answer, and says how long the server keeps records.
+    ///
+    /// After its record expires, a key is new: a retry with it executes
+    /// again, as at Stripe. Answering `410 Gone` instead would mean keeping
+    /// a trace of every key for longer than its record — the cost the
+    /// retention exists to bound — so the layer does not offer it; clients
+    /// that may retry late should read this header and use a new key past
+    /// it only after checking the operation's own state.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // `Idempotency-Replayable-For: 86400` on a first answer.
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .single_tenant()
+    ///     .retention(Duration::from_secs(86_400))
+    ///     .retention_header(true);
+    /// # let _ = layer;
+    /// ```
+    pub fn retention_header(mut self, on: bool) -> Self {
+        self.config().retention_header = on;
         self
     }
 

@@ -1,6 +1,8 @@
 //! A completed key's answer to a retry: its stored response, replayed, or
 //! the rejection that says it cannot be.
 
+use std::time::Duration;
+
 use axum_core::body::Body;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Response, header::CONTENT_ENCODING};
@@ -11,7 +13,7 @@ use crate::{
         grpc::Wire,
         outcome::{Answered, IdempotencyOutcome},
         rejection::RejectionKind,
-        shared::Shared,
+        shared::{Config, Shared},
     },
     record::{CompletedRecord, StoredResponse},
     store::StorageKey,
@@ -20,12 +22,36 @@ use crate::{
 /// The header every replayed response carries: `Idempotent-Replayed: true`.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
+/// The header that tells a client how many more seconds an answer will be
+/// replayed to a retry with its key, when the layer is asked to
+/// ([`IdempotencyLayer::retention_header`](crate::IdempotencyLayer::retention_header)):
+/// `Idempotency-Replayable-For: 86400`.
+pub const IDEMPOTENCY_REPLAYABLE_FOR: HeaderName =
+    HeaderName::from_static("idempotency-replayable-for");
+
+/// Adds `Idempotency-Replayable-For` to an answer the store keeps for
+/// `left`, when the layer says so; nothing when the store does not know
+/// (zero) or keeps it longer than a client could use (a custom store's
+/// `Duration::MAX`).
+pub(crate) fn tell_retention(config: &Config, response: &mut Response<Body>, left: Duration) {
+    if config.retention_header && !left.is_zero() && left <= MAX_TOLD {
+        response.headers_mut().insert(
+            IDEMPOTENCY_REPLAYABLE_FOR,
+            HeaderValue::from(left.as_secs()),
+        );
+    }
+}
+
+/// Ten years: beyond it, a store's expiry is no expiry a client can use.
+const MAX_TOLD: Duration = Duration::from_secs(10 * 365 * 86_400);
+
 /// A completed key's answer, to a retry that accepts the content codings
-/// `accept` names.
+/// `accept` names; its record is kept for `expires_in` more.
 pub(crate) fn answer<St, Sc, P, F>(
     shared: &Shared<St, Sc, P, F>,
     key: &StorageKey,
     record: &CompletedRecord,
+    expires_in: Duration,
     wire: Wire,
     accept: Option<&HeaderValue>,
 ) -> Answered {
@@ -39,7 +65,9 @@ pub(crate) fn answer<St, Sc, P, F>(
                 }
             };
             tracing::debug!(%key, "idempotency: replayed");
-            Answered::new(replay(stored, decoded), IdempotencyOutcome::Replayed)
+            let mut response = replay(stored, decoded);
+            tell_retention(&shared.config, &mut response, expires_in);
+            Answered::new(response, IdempotencyOutcome::Replayed)
         }
         CompletedRecord::Unreplayable { status, .. } => {
             tracing::info!(%key, "idempotency: completed but unreplayable");

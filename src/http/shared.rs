@@ -26,6 +26,8 @@ pub(crate) struct Config {
     /// (else it is refused).
     pub(crate) pass_through_without_scope: bool,
     pub(crate) retention: Duration,
+    /// Whether stored and replayed answers say how long they are replayed.
+    pub(crate) retention_header: bool,
     pub(crate) lease: Duration,
     pub(crate) max_request_body: usize,
     pub(crate) max_stored_body: usize,

@@ -407,7 +407,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
                 return Ok(ProcessOutcome::InFlight { retry_after });
             }
             Claimed::Mismatch => return Ok(ProcessOutcome::Mismatch),
-            Claimed::Completed(record) => return Ok(stored_result(&record)),
+            Claimed::Completed { record, .. } => return Ok(stored_result(&record)),
             // A record is there, this version cannot read it.
             Claimed::Unavailable(StoreError::Corrupt(corrupt)) => {
                 tracing::warn!(%corrupt, "idempotency: duplicate message with an unreadable record");

@@ -15,8 +15,12 @@ use crate::{
 pub(crate) enum Claimed<St: Store> {
     /// The key is this request's: run the work under the hold.
     Granted(Hold<St>),
-    /// An earlier request completed the key with the same fingerprint.
-    Completed(Arc<CompletedRecord>),
+    /// An earlier request completed the key with the same fingerprint; the
+    /// store keeps its record for `expires_in` (zero: unknown).
+    Completed {
+        record: Arc<CompletedRecord>,
+        expires_in: Duration,
+    },
     /// Another request with the same fingerprint holds the key.
     InFlight { retry_after: Duration },
     /// The key was used with a different fingerprint.
@@ -58,9 +62,9 @@ pub(crate) async fn claim<St: Store>(
         Ok(Claim::Acquired(granted)) => {
             Claimed::Granted(Hold::new(store.clone(), key, granted, fingerprint, lease))
         }
-        Ok(Claim::Completed { record, .. }) => {
+        Ok(Claim::Completed { record, expires_in }) => {
             tracing::debug!(%key, "idempotency: completed before, replayed");
-            Claimed::Completed(record)
+            Claimed::Completed { record, expires_in }
         }
         Ok(Claim::InFlight { retry_after }) => {
             tracing::debug!(%key, "idempotency: in flight elsewhere");

@@ -51,6 +51,7 @@ macro_rules! behaviour_cases {
             client_disconnect_does_not_cancel,
             dropped_response_future_still_completes,
             record_expires_after_retention,
+            the_retention_is_told_when_asked,
             rejections_are_customisable,
             a_completed_key_is_inspected_and_forgotten,
             a_key_in_flight_is_not_forgotten_without_force,

@@ -7,8 +7,8 @@ use axum::body::Body;
 use http::{HeaderMap, Request, StatusCode};
 use tower::{ServiceExt, service_fn};
 use tower_idempotency::{
-    Completion, DefaultStorePolicy, IdempotencyLayer, IdempotencyOutcome, RejectionKind,
-    StoreAllPolicy, StorePolicy,
+    Completion, DefaultStorePolicy, IDEMPOTENCY_REPLAYABLE_FOR, IdempotencyLayer,
+    IdempotencyOutcome, RejectionKind, StoreAllPolicy, StorePolicy,
 };
 
 use super::{CHARGE, app_with};
@@ -272,6 +272,41 @@ pub async fn record_expires_after_retention<B: Backend>(b: &B) {
     let after = oneshot(&app, post("/charges", "k", CHARGE)).await;
     assert!(!after.is_replay(), "the record expired with its retention");
     assert_eq!(runs.get(), 2);
+}
+
+/// Asked to, the layer tells how long an answer is replayed: the retention
+/// on the stored first answer, what the store has left on each replay;
+/// nothing on an answer that will not be replayed, nor when not asked.
+pub async fn the_retention_is_told_when_asked<B: Backend>(b: &B) {
+    let told = |reply: &crate::support::http::Reply| {
+        reply
+            .headers
+            .get(IDEMPOTENCY_REPLAYABLE_FOR)
+            .map(|v| v.to_str().unwrap().parse::<u64>().expect("seconds"))
+    };
+    let layer = IdempotencyLayer::new(b.store().await)
+        .single_tenant()
+        .retention(Duration::from_secs(3600));
+    let (app, _) = app_with(layer.clone().retention_header(true));
+    let first = oneshot(&app, post("/charges", "told", CHARGE)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert_eq!(told(&first), Some(3600), "the first answer");
+    let replay = oneshot(&app, post("/charges", "told", CHARGE)).await;
+    assert!(replay.is_replay());
+    let left = told(&replay).expect("a replay says what is left");
+    assert!((3000..=3600).contains(&left), "{left}");
+    // Released (a 503), refused before running (a 422): not replayed.
+    let released = oneshot(&app, post("/status/503", "released", "")).await;
+    assert_eq!(told(&released), None, "a released key");
+    let mismatch = oneshot(&app, post("/charges", "told", "{}")).await;
+    assert_eq!(mismatch.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(told(&mismatch), None, "a rejection");
+    // Not asked: never.
+    let (quiet, _) = app_with(layer);
+    oneshot(&quiet, post("/charges", "quiet", CHARGE)).await;
+    let replay = oneshot(&quiet, post("/charges", "quiet", CHARGE)).await;
+    assert!(replay.is_replay());
+    assert_eq!(told(&replay), None);
 }
 
 pub async fn rejections_are_customisable<B: Backend>(b: &B) {
