@@ -120,6 +120,7 @@
 //! | `metrics` | | counters and histograms through the `metrics` facade |
 //! | `compression` | | zstd for stored bodies ([`codec::Compression`], opt-in per store) |
 //! | `client` | | `client::IdempotentClientLayer`: one key per call, safe retries |
+//! | `openapi` | | `openapi::IdempotencyDocs`: the layer's headers and refusals in a utoipa 6 document (re-exports `utoipa`) |
 //! | `testing` | | `testing::StoreContract`: the store contract, for a custom store's tests |
 //!
 //! # Versions
@@ -174,6 +175,9 @@ pub use ::redis;
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
 )]
 pub use ::sqlx;
+#[cfg(feature = "openapi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "openapi")))]
+pub use ::utoipa;
 pub use fingerprint::{
     DefaultFingerprint, Fingerprint, FingerprintHasher, FingerprintStrategy, PayloadFingerprint,
     RawBodyFingerprint,
@@ -181,6 +185,9 @@ pub use fingerprint::{
 pub use http::future::ResponseFuture;
 pub use http::grpc::GrpcCode;
 pub use http::layer::IdempotencyLayer;
+#[cfg(feature = "openapi")]
+#[cfg_attr(docsrs, doc(cfg(feature = "openapi")))]
+pub use http::openapi;
 pub use http::opt_out::NoReplay;
 pub use http::outcome::{BypassReason, Completion, IdempotencyOutcome};
 pub use http::problem::Problem;

@@ -10,6 +10,8 @@ pub(crate) mod key_source;
 pub(crate) mod keyed;
 pub(crate) mod layer;
 pub(crate) mod observe;
+#[cfg(feature = "openapi")]
+pub mod openapi;
 pub(crate) mod opt_out;
 pub(crate) mod outcome;
 pub(crate) mod problem;

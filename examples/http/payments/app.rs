@@ -9,7 +9,7 @@ use axum::{
     http::{StatusCode, header, request::Parts},
     middleware::{self, Next},
     response::{IntoResponse, Response},
-    routing::{MethodRouter, post},
+    routing::{MethodRouter, get, post},
 };
 use serde::Deserialize;
 use tower::ServiceBuilder;
@@ -169,6 +169,11 @@ where
         // The operators' routes, outside both: they check `ADMIN_TOKEN`.
         .merge(admin.unwrap_or_default())
         .merge(webhooks)
+        // The API's description, with the idempotency contract in it.
+        .route(
+            "/openapi.json",
+            get(|| async { axum::Json(super::openapi::spec()) }),
+        )
         // Outermost first. Whatever rewrites the body (compression) must sit
         // outside the idempotency layer: inside, a gzip body would be stored
         // and replayed to clients that never asked for gzip.
@@ -610,6 +615,17 @@ mod tests {
         let charges: serde_json::Value =
             serde_json::from_slice(&body(app.oneshot(list).await.unwrap()).await).unwrap();
         assert_eq!(charges.as_array().unwrap().len(), 1, "one execution");
+    }
+
+    #[tokio::test]
+    async fn the_api_serves_its_description_without_a_token() {
+        let app = app(MemoryStore::new(), memory(), &settings());
+        let request = Request::get("/openapi.json").body(Body::empty()).unwrap();
+        let response = app.oneshot(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        let spec: serde_json::Value = serde_json::from_slice(&body(response).await).unwrap();
+        let post = &spec["paths"]["/v1/charges"]["post"];
+        assert!(post["responses"]["409"]["headers"]["Retry-After"].is_object());
     }
 
     #[tokio::test]

@@ -43,7 +43,9 @@
 //! `408`, while the handler, detached from the connection, still finishes and
 //! its response is stored; the retry receives it.
 //!
-//! Prometheus metrics of the idempotency layer are served at `GET /metrics`.
+//! Prometheus metrics of the idempotency layer are served at `GET /metrics`,
+//! and the API's OpenAPI description, with the idempotency contract on the
+//! charge route (`tower_idempotency::openapi`), at `GET /openapi.json`.
 //!
 //! Try it:
 //!
@@ -91,6 +93,7 @@
 mod admin;
 mod app;
 mod ledger;
+mod openapi;
 
 use std::{env, sync::Arc};
 

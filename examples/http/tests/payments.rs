@@ -11,3 +11,5 @@ mod app;
 #[allow(dead_code)]
 #[path = "../payments/ledger.rs"]
 mod ledger;
+#[path = "../payments/openapi.rs"]
+mod openapi;

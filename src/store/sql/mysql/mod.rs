@@ -180,7 +180,7 @@ claimed_by VARBINARY(16) NULL, \
 last_error TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL, \
 sent_at BIGINT NULL, \
 UNIQUE KEY {i}_id (id), \
-KEY {i}_pending (state, next_at, seq), \
+KEY {i}_pending (state, seq), \
 KEY {i}_ordering (ordering_key, state, seq), \
 KEY {i}_claimed (claimed_by), \
 KEY {i}_sent (state, sent_at)) ENGINE = InnoDB",

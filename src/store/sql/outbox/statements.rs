@@ -113,7 +113,9 @@ pub(crate) fn statements(table: &str, engine: &OutboxSql) -> OutboxStatements {
              VALUES ({id}, {destination}, {ordering_key}, {payload}, {headers}, {now})",
         ),
         // Each message claimed is the oldest pending one of its ordering
-        // key: the next is claimable once it is sent (or refused).
+        // key: the next is claimable once it is sent (or refused). Pending
+        // rows are indexed by `seq`, so a claim walks the oldest first and
+        // stops at the batch, however long the backlog.
         claim: s(&format!(
             "UPDATE {{t}} SET claimed_by = {{token}}, next_at = {{now}} + {{ms}}, attempts = attempts + 1 \
              WHERE state = 0 AND next_at <= {{now}} AND seq IN (SELECT seq FROM (\

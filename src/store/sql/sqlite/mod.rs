@@ -158,7 +158,7 @@ next_at INTEGER NOT NULL DEFAULT 0, \
 claimed_by BLOB, \
 last_error TEXT, \
 sent_at INTEGER); \
-CREATE INDEX IF NOT EXISTS {i}_pending ON {t} (next_at, seq) WHERE state = 0; \
+CREATE INDEX IF NOT EXISTS {i}_pending ON {t} (seq) WHERE state = 0; \
 CREATE INDEX IF NOT EXISTS {i}_ordering ON {t} (ordering_key, seq) WHERE state = 0; \
 CREATE INDEX IF NOT EXISTS {i}_claimed ON {t} (claimed_by) WHERE claimed_by IS NOT NULL; \
 CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
