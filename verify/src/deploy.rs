@@ -12,8 +12,8 @@ use std::{
 
 use tower_idempotency::sqlx::{self, Connection};
 use tower_idempotency_harness::{
-    cluster::RedisCluster, mysql, postgres, redis_server::RedisServer, redis_server::free_port,
-    relay::Relay, sqlite::TestFile, tmpfs::Tmpfs,
+    cluster::RedisCluster, mysql, postgres, redis_server::RedisServer, relay::Relay,
+    sqlite::TestFile, tmpfs::Tmpfs,
 };
 
 use crate::history::Effect;
@@ -100,6 +100,8 @@ pub struct Deployment {
     binary: PathBuf,
     /// The lease the instances run with.
     pub lease: Duration,
+    /// What the last instance that would not start said last.
+    last_start_error: String,
 }
 
 impl Deployment {
@@ -183,10 +185,11 @@ impl Deployment {
             env,
             binary,
             lease,
+            last_start_error: String::new(),
         };
         // The first creates the tables; the others start together.
         for _ in 0..instances {
-            let port = free_port();
+            let port = listen_port();
             let relay = Relay::start(&format!("127.0.0.1:{port}")).await;
             deployment.instances.push(Instance {
                 port,
@@ -220,7 +223,8 @@ impl Deployment {
             }
             assert!(
                 attempt < 120,
-                "the payments example would not start for a minute"
+                "the payments example would not start for a minute; its last words: {}",
+                self.last_start_error
             );
             std::thread::sleep(Duration::from_millis(500));
         }
@@ -240,15 +244,19 @@ impl Deployment {
             .env("BIND_ADDR", format!("127.0.0.1:{port}"))
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(Stdio::piped())
             .spawn()
             .unwrap_or_else(|e| panic!("start {}: {e}", self.binary.display()));
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut stderr = child.stderr.take().unwrap();
         let mut line = String::new();
         loop {
             line.clear();
             if stdout.read_line(&mut line).unwrap_or(0) == 0 {
                 let _ = child.wait();
+                let mut said = String::new();
+                let _ = std::io::Read::read_to_string(&mut stderr, &mut said);
+                self.last_start_error = said.lines().last().unwrap_or_default().to_owned();
                 return false;
             }
             if line.starts_with("listening on") {
@@ -256,6 +264,7 @@ impl Deployment {
             }
         }
         std::thread::spawn(move || for _ in stdout.lines() {});
+        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
         self.instances[i].child = Some(child);
         self.instances[i].paused = false;
         true
@@ -421,4 +430,16 @@ fn running_as_root() -> bool {
         .arg("-u")
         .output()
         .is_ok_and(|o| o.stdout.starts_with(b"0"))
+}
+
+/// A free port below the kernel's ephemeral range: an instance restarted
+/// after a kill finds its port still free, where one the kernel hands out
+/// may meanwhile be the source port of some outgoing connection.
+fn listen_port() -> u16 {
+    loop {
+        let port = fastrand::u16(20_000..32_000);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
