@@ -796,9 +796,13 @@ async fn start_variants(
                 ("mysql-tx", "mysql-floor-record"),
                 ("mysql-tx-replay", "mysql-floor"),
                 ("mysql-tx-replay", "mysql-replay-floor"),
+                // The reference, and the reference's own.
                 ("pg-tx-outbox", "pg-tx"),
+                ("pg-tx-outbox", "pg-floor"),
                 ("sqlite-tx-outbox", "sqlite-tx"),
+                ("sqlite-tx-outbox", "sqlite-floor-record"),
                 ("mysql-tx-outbox", "mysql-tx"),
+                ("mysql-tx-outbox", "mysql-floor"),
             ]
             .iter()
             .any(|(v, r)| *r == n && wanted(v))

@@ -5,6 +5,7 @@
 
 use std::{
     io::{BufRead, BufReader},
+    os::unix::process::CommandExt,
     path::PathBuf,
     process::{Child, Command, Stdio},
     time::Duration,
@@ -240,7 +241,10 @@ impl Deployment {
             }
             None => Command::new(&self.binary),
         };
+        // A group of its own: `faketime` runs the example as its child, so
+        // signals go to the group, never to the wrapper alone.
         let mut child = command
+            .process_group(0)
             .env("BIND_ADDR", format!("127.0.0.1:{port}"))
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::piped())
@@ -270,9 +274,11 @@ impl Deployment {
         true
     }
 
-    /// `kill -9` instance `i`.
+    /// `kill -9` instance `i` (its process group: the example, and the
+    /// `faketime` wrapper around it if any).
     pub fn kill(&mut self, i: usize) {
         if let Some(mut child) = self.instances[i].child.take() {
+            signal_group(&child, "KILL");
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -281,10 +287,7 @@ impl Deployment {
     /// `SIGSTOP` (or `SIGCONT`) instance `i`.
     pub fn pause(&mut self, i: usize, paused: bool) {
         if let Some(child) = &self.instances[i].child {
-            let signal = if paused { "-STOP" } else { "-CONT" };
-            let _ = Command::new("kill")
-                .args([signal, &child.id().to_string()])
-                .status();
+            signal_group(child, if paused { "STOP" } else { "CONT" });
             self.instances[i].paused = paused;
         }
     }
@@ -442,4 +445,11 @@ fn listen_port() -> u16 {
             return port;
         }
     }
+}
+
+/// Sends `signal` to the process group `child` leads.
+fn signal_group(child: &Child, signal: &str) {
+    let _ = Command::new("kill")
+        .args(["-s", signal, "--", &format!("-{}", child.id())])
+        .status();
 }
