@@ -104,49 +104,27 @@ async fn main() {
         pause: Duration::from_millis(number("PUBLISHED_PAUSE_MS", 0)),
     };
     let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
+    // The engines' builders are types of their own; the steps are the same.
+    macro_rules! relay_on {
+        ($store:ty) => {{
+            let store = <$store>::builder()
+                .transactional()
+                .create_table_if_missing()
+                .connect(&url)
+                .await
+                .unwrap_or_else(|e| failed(e));
+            let outbox = Outbox::on(&store)
+                .create_table_if_missing()
+                .build()
+                .await
+                .unwrap_or_else(|e| failed(e));
+            relay(outbox, publisher).await;
+        }};
+    }
     match scheme {
-        "sqlite" => {
-            let store = SqliteStore::builder()
-                .transactional()
-                .create_table_if_missing()
-                .connect(&url)
-                .await
-                .unwrap_or_else(|e| failed(e));
-            let outbox = Outbox::on(&store)
-                .create_table_if_missing()
-                .build()
-                .await
-                .unwrap_or_else(|e| failed(e));
-            relay(outbox, publisher).await;
-        }
-        "postgres" | "postgresql" => {
-            let store = PostgresStore::builder()
-                .transactional()
-                .create_table_if_missing()
-                .connect(&url)
-                .await
-                .unwrap_or_else(|e| failed(e));
-            let outbox = Outbox::on(&store)
-                .create_table_if_missing()
-                .build()
-                .await
-                .unwrap_or_else(|e| failed(e));
-            relay(outbox, publisher).await;
-        }
-        "mysql" | "mariadb" => {
-            let store = MySqlStore::builder()
-                .transactional()
-                .create_table_if_missing()
-                .connect(&url)
-                .await
-                .unwrap_or_else(|e| failed(e));
-            let outbox = Outbox::on(&store)
-                .create_table_if_missing()
-                .build()
-                .await
-                .unwrap_or_else(|e| failed(e));
-            relay(outbox, publisher).await;
-        }
+        "sqlite" => relay_on!(SqliteStore),
+        "postgres" | "postgresql" => relay_on!(PostgresStore),
+        "mysql" | "mariadb" => relay_on!(MySqlStore),
         other => exit_with(&format!(
             "DATABASE_URL: unknown scheme {other:?}: use sqlite://, postgres:// or mysql://"
         )),
