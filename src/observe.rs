@@ -24,11 +24,14 @@ pub(crate) mod names {
     /// `reason` (a dead letter's, else empty): settled deliveries.
     pub(crate) const MESSAGE_DISPOSITIONS: &str = "idempotency_message_dispositions_total";
     /// Counter: HTTP requests the client layer sent.
+    #[cfg(feature = "client")]
     pub(crate) const CLIENT_ATTEMPTS: &str = "idempotency_client_attempts_total";
     /// Counter, label `reason`: attempts the client layer retried.
+    #[cfg(feature = "client")]
     pub(crate) const CLIENT_RETRIES: &str = "idempotency_client_retries_total";
     /// Counter, label `outcome` (`success`, `failed`, `no_answer`): calls
     /// through the client layer, by their end.
+    #[cfg(feature = "client")]
     pub(crate) const CLIENT_CALLS: &str = "idempotency_client_calls_total";
     /// Counter, label `result` (`published`, `retried`, `refused`):
     /// outbox messages the relay handled.
@@ -87,10 +90,7 @@ pub(crate) fn message_settled(disposition: &'static str, reason: &'static str) {
 }
 
 /// A relay round: messages published, retried later, refused for good.
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(feature = "_sql"), allow(dead_code))]
 pub(crate) fn outbox(published: usize, retried: usize, refused: usize) {
     #[cfg(feature = "metrics")]
     {

@@ -123,7 +123,9 @@ impl From<sqlx::Error> for StoreError {
 /// Opens `D`'s pool with `options`: when no connection could be made
 /// before the pool's timeout — all the pool says then is that it timed out
 /// — one direct connection says why (refused, unknown host); a user the
-/// database refuses is a configuration mistake, said as such.
+/// database refuses is a configuration mistake, said as such. (SQLite
+/// opens a file, and says why itself.)
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) async fn connect_pool<D: dialect::Engine>(
     pool: sqlx::pool::PoolOptions<D::Db>,
     options: <<D::Db as sqlx::Database>::Connection as sqlx::Connection>::Options,

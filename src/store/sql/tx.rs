@@ -54,7 +54,9 @@ use crate::store::{Granted, LeaseToken};
 pub struct SqlTx<D: Dialect> {
     /// `None` once committed or rolled back.
     connection: Option<PoolConnection<D::Db>>,
-    /// Given up with the connection (dropped after it).
+    /// Given up with the connection (dropped after it); read by SQLite's
+    /// claims only.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     held: D::Held,
     /// When the transaction began, to tell a commit its bound refused.
     pub(crate) began: Instant,
@@ -103,6 +105,7 @@ impl<D: Engine> SqlTx<D> {
     }
 
     /// What the claim holds besides its connection.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn held(&self) -> &D::Held {
         &self.held
     }
