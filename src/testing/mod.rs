@@ -69,6 +69,19 @@ pub struct StoreContract<M> {
     seed: u64,
 }
 
+/// Panics, listing each broken rule, unless `broken` is empty.
+fn assert_kept(store: &str, broken: &[Violation]) {
+    assert!(
+        broken.is_empty(),
+        "{store} breaks the contract:\n{}",
+        broken
+            .iter()
+            .map(|v| format!("- {v}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
 /// A rule the store broke.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Violation {
@@ -224,16 +237,7 @@ where
     ///
     /// See the [module docs](self).
     pub async fn assert(&self) {
-        let broken = self.check().await;
-        assert!(
-            broken.is_empty(),
-            "the store breaks the contract:\n{}",
-            broken
-                .iter()
-                .map(|v| format!("- {v}"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
+        assert_kept("the store", &self.check().await);
     }
 
     async fn rule(&self, rule: &str, store: &St) -> Outcome {

@@ -203,16 +203,7 @@ where
     ///
     /// See the [type's docs](Self).
     pub async fn assert(&self) {
-        let broken = self.check().await;
-        assert!(
-            broken.is_empty(),
-            "the transactional store breaks the contract:\n{}",
-            broken
-                .iter()
-                .map(|v| format!("- {v}"))
-                .collect::<Vec<_>>()
-                .join("\n")
-        );
+        super::assert_kept("the transactional store", &self.check().await);
     }
 
     async fn rule(&self, rule: &str) -> Outcome {
