@@ -317,13 +317,26 @@ async fn each_rule_fails_against_a_store_with_its_bug_planted() {
         (Bug::CapsRetention, "retention_is_kept_as_long_as_asked"),
         (Bug::ReleaseUnfenced, "behaves_as_the_model"),
     ];
-    // The rules mostly wait on the clock: check the toys side by side.
+    each_rule_is_caught(&planted, broken_rules, RULES).await;
+}
+
+/// Checks each planted bug side by side (the rules mostly wait on the
+/// clock): each must break the rule that names it, and together they must
+/// cover every rule in `rules`.
+async fn each_rule_is_caught<B, Fut>(
+    planted: &[(B, &'static str)],
+    broken: impl Fn(B) -> Fut,
+    rules: &[&'static str],
+) where
+    B: Copy + std::fmt::Debug,
+    Fut: std::future::Future<Output = Vec<&'static str>> + Send + 'static,
+{
     let checks: Vec<_> = planted
         .iter()
-        .map(|&(bug, _)| tokio::spawn(broken_rules(bug)))
+        .map(|&(bug, _)| tokio::spawn(broken(bug)))
         .collect();
     let mut caught = Vec::new();
-    for ((bug, rule), check) in planted.into_iter().zip(checks) {
+    for (&(bug, rule), check) in planted.iter().zip(checks) {
         let broken = check.await.expect("the check runs to its end");
         assert!(
             broken.contains(&rule),
@@ -332,7 +345,7 @@ async fn each_rule_fails_against_a_store_with_its_bug_planted() {
         caught.push(rule);
     }
     caught.sort_unstable();
-    let mut all = RULES.to_vec();
+    let mut all = rules.to_vec();
     all.sort_unstable();
     assert_eq!(caught, all, "every rule is shown to fail");
 }
@@ -731,23 +744,7 @@ async fn each_tx_rule_fails_against_a_store_with_its_bug_planted() {
         ),
         (TxBug::IgnoresScope, "scopes_keep_keys_apart"),
     ];
-    let checks: Vec<_> = planted
-        .iter()
-        .map(|&(bug, _)| tokio::spawn(broken_tx_rules(bug)))
-        .collect();
-    let mut caught = Vec::new();
-    for ((bug, rule), check) in planted.into_iter().zip(checks) {
-        let broken = check.await.expect("the check runs to its end");
-        assert!(
-            broken.contains(&rule),
-            "{bug:?} should break {rule}, broke {broken:?}"
-        );
-        caught.push(rule);
-    }
-    caught.sort_unstable();
-    let mut all = TX_RULES.to_vec();
-    all.sort_unstable();
-    assert_eq!(caught, all, "every rule is shown to fail");
+    each_rule_is_caught(&planted, broken_tx_rules, TX_RULES).await;
 }
 
 /// The layer over a store that fails on purpose — claims that error or
