@@ -62,8 +62,9 @@ struct Variant {
     name: &'static str,
     keys: Keys,
     addr: SocketAddr,
-    /// The variant this one is measured against ("x ref"), in the same round.
-    reference: &'static str,
+    /// The variants this one is measured against, in the same round: the
+    /// first is the table's "x ref".
+    references: &'static [&'static str],
     /// Whether it writes to PostgreSQL (its costs there are reported).
     postgres: bool,
     /// Whether it writes to MySQL (its costs there are reported).
@@ -105,85 +106,83 @@ async fn insert_charge(connection: &mut PgConnection, new: &NewCharge) {
 /// The Postgres handler without the layer's help: the charge in a
 /// transaction of its own.
 async fn charge_committed(State(pool): State<PgPool>, Json(new): Json<NewCharge>) -> Response {
-    let mut tx = pool.begin().await.expect("begin");
-    insert_charge(&mut tx, &new).await;
-    tx.commit().await.expect("commit");
+    let new = detached(async move {
+        let mut tx = pool.begin().await.expect("begin");
+        insert_charge(&mut tx, &new).await;
+        tx.commit().await.expect("commit");
+        new
+    })
+    .await;
     charge(Json(new)).await
 }
 
 /// The Postgres floor for exactly-once effects, hand-written without the
 /// layer: the charge and a record row of the same shape (a 100-character
 /// key, a 32-byte fingerprint, a 200-byte response) inserted in one
-/// transaction of its own — no claim, no lock, no fingerprinting, no replay.
+/// transaction of its own — no claim, no lock, no fingerprinting, no
+/// replay. It does not give the layer's guarantee: a concurrent duplicate
+/// runs the charge too (its record insert then fails), and a retry gets no
+/// replay.
 async fn charge_and_record(
     State(pool): State<PgPool>,
     headers: http::HeaderMap,
     Json(new): Json<NewCharge>,
 ) -> Response {
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let mut tx = pool.begin().await.expect("begin");
-    insert_charge(&mut tx, &new).await;
-    sqlx::query(
-        "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) \
-         VALUES ($1, $2, $3, now() + interval '600 seconds')",
-    )
-    .bind(format!("{:064}:{key}", 0))
-    .bind(&[7u8; 32][..])
-    .bind(&[7u8; 200][..])
-    .execute(&mut *tx)
-    .await
-    .expect("insert the record");
-    tx.commit().await.expect("commit");
+    let key = floor_key(&headers, 0);
+    let new = detached(async move {
+        let mut tx = pool.begin().await.expect("begin");
+        insert_charge(&mut tx, &new).await;
+        sqlx::query(
+            "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) \
+             VALUES ($1, $2, $3, now() + interval '600 seconds')",
+        )
+        .bind(key)
+        .bind(&[7u8; 32][..])
+        .bind(&[7u8; 200][..])
+        .execute(&mut *tx)
+        .await
+        .expect("insert the record");
+        tx.commit().await.expect("commit");
+        new
+    })
+    .await;
     charge(Json(new)).await
 }
 
 /// The Postgres floor for a replay, hand-written without the layer: one
 /// prepared lookup of the stored response by key, outside any transaction,
 /// and the response sent as stored. (A key not yet stored, during the
-/// warm-up only, is stored first.)
+/// warm-up only, is stored first.) Not the layer's guarantee either: a
+/// lookup outside the claim cannot make a duplicate of a request in
+/// flight wait.
 async fn replay_by_hand(State(pool): State<PgPool>, headers: http::HeaderMap) -> Response {
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let key = format!("{:064}:{key}", 1);
-    let found: Option<Vec<u8>> = sqlx::query_scalar(
-        "SELECT record FROM idempotency_records WHERE key = $1 AND expires_at > now()",
-    )
-    .bind(&key)
-    .fetch_optional(&pool)
-    .await
-    .expect("look the response up");
-    let body = match found {
-        Some(body) => body,
-        None => {
-            let body = br#"{"id":"ch_0000000000000000","amount":1999,"currency":"eur","description":"floor"}"#.to_vec();
-            sqlx::query(
-                "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) \
-                 VALUES ($1, $2, $3, now() + interval '1 day') \
-                 ON CONFLICT (key) DO UPDATE SET record = EXCLUDED.record, expires_at = EXCLUDED.expires_at",
-            )
-            .bind(&key)
-            .bind(&[7u8; 32][..])
-            .bind(&body)
-            .execute(&pool)
-            .await
-            .expect("store the response");
-            body
+    let key = floor_key(&headers, 1);
+    let body = detached(async move {
+        let found: Option<Vec<u8>> = sqlx::query_scalar(
+            "SELECT record FROM idempotency_records WHERE key = $1 AND expires_at > now()",
+        )
+        .bind(&key)
+        .fetch_optional(&pool)
+        .await
+        .expect("look the response up");
+        if let Some(body) = found {
+            return body;
         }
-    };
-    (
-        StatusCode::CREATED,
-        [
-            (http::header::CONTENT_TYPE, "application/json"),
-            (http::HeaderName::from_static("idempotent-replayed"), "true"),
-        ],
-        body,
-    )
-        .into_response()
+        sqlx::query(
+            "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) \
+             VALUES ($1, $2, $3, now() + interval '1 day') \
+             ON CONFLICT (key) DO UPDATE SET record = EXCLUDED.record, expires_at = EXCLUDED.expires_at",
+        )
+        .bind(&key)
+        .bind(&[7u8; 32][..])
+        .bind(FLOOR_RESPONSE)
+        .execute(&pool)
+        .await
+        .expect("store the response");
+        FLOOR_RESPONSE.to_vec()
+    })
+    .await;
+    floor_replay(body)
 }
 
 async fn insert_charge_sqlite(connection: &mut SqliteConnection, new: &NewCharge) {
@@ -200,28 +199,22 @@ async fn insert_charge_sqlite(connection: &mut SqliteConnection, new: &NewCharge
 /// the charge and a record row of the same shape inserted in one
 /// `IMMEDIATE` transaction of its own, the writers of the process taking
 /// turns on a mutex first (as the store does; SQLite's own busy handler
-/// alone starves some of 32 writers for seconds).
+/// alone starves some of 32 writers for seconds). No claim: not the
+/// layer's guarantee (see [`charge_and_record`]).
 async fn sqlite_charge_and_record(
     State((pool, writer)): State<(SqlitePool, Arc<tokio::sync::Mutex<()>>)>,
     headers: http::HeaderMap,
     Json(new): Json<NewCharge>,
 ) -> Response {
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
-    // On a task of its own: a request dropped halfway through `BEGIN` (wrk
-    // closes its connections when a run ends) must not return a connection
-    // to the pool that the worker then puts inside a transaction.
-    let new = tokio::spawn(async move {
+    let key = floor_key(&headers, 0);
+    let new = detached(async move {
         let _turn = writer.lock().await;
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.expect("begin");
         insert_charge_sqlite(&mut tx, &new).await;
         sqlx::query(
             "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) VALUES (?1, ?2, ?3, ?4)",
         )
-        .bind(format!("{:064}:{key}", 0))
+        .bind(key)
         .bind(&[7u8; 32][..])
         .bind(&[7u8; 200][..])
         .bind(unix_ms() + 600_000)
@@ -231,8 +224,7 @@ async fn sqlite_charge_and_record(
         tx.commit().await.expect("commit");
         new
     })
-    .await
-    .expect("the charge's task");
+    .await;
     charge(Json(new)).await
 }
 
@@ -243,46 +235,34 @@ async fn sqlite_replay_by_hand(
     State(pool): State<SqlitePool>,
     headers: http::HeaderMap,
 ) -> Response {
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let key = format!("{:064}:{key}", 1);
-    let found: Option<Vec<u8>> = sqlx::query_scalar(
-        "SELECT record FROM idempotency_records WHERE key = ?1 AND expires_at > ?2",
-    )
-    .bind(&key)
-    .bind(unix_ms())
-    .fetch_optional(&pool)
-    .await
-    .expect("look the response up");
-    let body = match found {
-        Some(body) => body,
-        None => {
-            let body = br#"{"id":"ch_0000000000000000","amount":1999,"currency":"eur","description":"floor"}"#.to_vec();
-            sqlx::query(
-                "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) VALUES (?1, ?2, ?3, ?4) \
-                 ON CONFLICT (key) DO UPDATE SET record = excluded.record, expires_at = excluded.expires_at",
-            )
-            .bind(&key)
-            .bind(&[7u8; 32][..])
-            .bind(&body)
-            .bind(unix_ms() + 86_400_000)
-            .execute(&pool)
-            .await
-            .expect("store the response");
-            body
+    let key = floor_key(&headers, 1);
+    let body = detached(async move {
+        let found: Option<Vec<u8>> = sqlx::query_scalar(
+            "SELECT record FROM idempotency_records WHERE key = ?1 AND expires_at > ?2",
+        )
+        .bind(&key)
+        .bind(unix_ms())
+        .fetch_optional(&pool)
+        .await
+        .expect("look the response up");
+        if let Some(body) = found {
+            return body;
         }
-    };
-    (
-        StatusCode::CREATED,
-        [
-            (http::header::CONTENT_TYPE, "application/json"),
-            (http::HeaderName::from_static("idempotent-replayed"), "true"),
-        ],
-        body,
-    )
-        .into_response()
+        sqlx::query(
+            "INSERT INTO idempotency_records (key, fingerprint, record, expires_at) VALUES (?1, ?2, ?3, ?4) \
+             ON CONFLICT (key) DO UPDATE SET record = excluded.record, expires_at = excluded.expires_at",
+        )
+        .bind(&key)
+        .bind(&[7u8; 32][..])
+        .bind(FLOOR_RESPONSE)
+        .bind(unix_ms() + 86_400_000)
+        .execute(&pool)
+        .await
+        .expect("store the response");
+        FLOOR_RESPONSE.to_vec()
+    })
+    .await;
+    floor_replay(body)
 }
 
 fn unix_ms() -> i64 {
@@ -318,37 +298,43 @@ async fn mysql_charge_committed(
     State(pool): State<MySqlPool>,
     Json(new): Json<NewCharge>,
 ) -> Response {
-    let mut tx = pool.begin().await.expect("begin");
-    insert_charge_mysql(&mut tx, &new).await;
-    tx.commit().await.expect("commit");
+    let new = detached(async move {
+        let mut tx = pool.begin().await.expect("begin");
+        insert_charge_mysql(&mut tx, &new).await;
+        tx.commit().await.expect("commit");
+        new
+    })
+    .await;
     charge(Json(new)).await
 }
 
 /// MySQL's floor for exactly-once effects, hand-written without the layer:
 /// the charge and a record row of the same shape inserted in one
-/// transaction of its own.
+/// transaction of its own. No claim: not the layer's guarantee (see
+/// [`charge_and_record`]).
 async fn mysql_charge_and_record(
     State(pool): State<MySqlPool>,
     headers: http::HeaderMap,
     Json(new): Json<NewCharge>,
 ) -> Response {
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let mut tx = pool.begin().await.expect("begin");
-    insert_charge_mysql(&mut tx, &new).await;
-    sqlx::query(
-        "INSERT INTO idempotency_records (`key`, fingerprint, record, expires_at) \
-         VALUES (?, ?, ?, UTC_TIMESTAMP(3) + INTERVAL 600 SECOND)",
-    )
-    .bind(format!("{:064}:{key}", 0))
-    .bind(&[7u8; 32][..])
-    .bind(&[7u8; 200][..])
-    .execute(&mut *tx)
-    .await
-    .expect("insert the record");
-    tx.commit().await.expect("commit");
+    let key = floor_key(&headers, 0);
+    let new = detached(async move {
+        let mut tx = pool.begin().await.expect("begin");
+        insert_charge_mysql(&mut tx, &new).await;
+        sqlx::query(
+            "INSERT INTO idempotency_records (`key`, fingerprint, record, expires_at) \
+             VALUES (?, ?, ?, UTC_TIMESTAMP(3) + INTERVAL 600 SECOND)",
+        )
+        .bind(key)
+        .bind(&[7u8; 32][..])
+        .bind(&[7u8; 200][..])
+        .execute(&mut *tx)
+        .await
+        .expect("insert the record");
+        tx.commit().await.expect("commit");
+        new
+    })
+    .await;
     charge(Json(new)).await
 }
 
@@ -356,47 +342,35 @@ async fn mysql_charge_and_record(
 /// by key, outside any transaction. (A key not yet stored, during the
 /// warm-up only, is stored first.)
 async fn mysql_replay_by_hand(State(pool): State<MySqlPool>, headers: http::HeaderMap) -> Response {
-    let key = headers
-        .get("idempotency-key")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let key = format!("{:064}:{key}", 1);
-    let found: Option<Vec<u8>> = sqlx::query_scalar(
-        "SELECT record FROM idempotency_records WHERE `key` = ? AND expires_at > UTC_TIMESTAMP(3)",
-    )
-    .bind(&key)
-    .fetch_optional(&pool)
-    .await
-    .expect("look the response up");
-    let body = match found {
-        Some(body) => body,
-        None => {
-            let body = br#"{"id":"ch_0000000000000000","amount":1999,"currency":"eur","description":"floor"}"#.to_vec();
-            let stored = sqlx::query(
-                "INSERT INTO idempotency_records (`key`, fingerprint, record, expires_at) \
-                 VALUES (?, ?, ?, UTC_TIMESTAMP(3) + INTERVAL 1 DAY) \
-                 ON DUPLICATE KEY UPDATE record = VALUES(record), expires_at = VALUES(expires_at)",
-            )
-            .bind(&key)
-            .bind(&[7u8; 32][..])
-            .bind(&body)
-            .execute(&pool)
-            .await;
-            // Warm-up only (64 keys written once): concurrent first writes
-            // of one key may deadlock on InnoDB; one of them stores it.
-            drop(stored);
-            body
+    let key = floor_key(&headers, 1);
+    let body = detached(async move {
+        let found: Option<Vec<u8>> = sqlx::query_scalar(
+            "SELECT record FROM idempotency_records WHERE `key` = ? AND expires_at > UTC_TIMESTAMP(3)",
+        )
+        .bind(&key)
+        .fetch_optional(&pool)
+        .await
+        .expect("look the response up");
+        if let Some(body) = found {
+            return body;
         }
-    };
-    (
-        StatusCode::CREATED,
-        [
-            (http::header::CONTENT_TYPE, "application/json"),
-            (http::HeaderName::from_static("idempotent-replayed"), "true"),
-        ],
-        body,
-    )
-        .into_response()
+        let stored = sqlx::query(
+            "INSERT INTO idempotency_records (`key`, fingerprint, record, expires_at) \
+             VALUES (?, ?, ?, UTC_TIMESTAMP(3) + INTERVAL 1 DAY) \
+             ON DUPLICATE KEY UPDATE record = VALUES(record), expires_at = VALUES(expires_at)",
+        )
+        .bind(&key)
+        .bind(&[7u8; 32][..])
+        .bind(FLOOR_RESPONSE)
+        .execute(&pool)
+        .await;
+        // Warm-up only (64 keys written once): concurrent first writes
+        // of one key may deadlock on InnoDB; one of them stores it.
+        drop(stored);
+        FLOOR_RESPONSE.to_vec()
+    })
+    .await;
+    floor_replay(body)
 }
 
 /// The same charge in the request's MySQL transaction, committed by the
@@ -469,6 +443,211 @@ async fn mysql_charge_with_event(
     charge(Json(new)).await
 }
 
+/// Runs a floor's database work on a task of its own: wrk closes its
+/// connections when a run ends, which drops the requests in flight, and a
+/// request dropped halfway through `BEGIN` must not hand a connection back
+/// to the shared pool inside a transaction (seen: a deadlock in a warm-up,
+/// then hundreds of `current transaction is aborted` on the pool). The
+/// layer's stores do the same for their claims.
+async fn detached<T: Send + 'static>(work: impl Future<Output = T> + Send + 'static) -> T {
+    tokio::spawn(work).await.expect("the floor's task")
+}
+
+/// The request's idempotency key, as the floors store it: under a fixed
+/// 64-character scope (`prefix` repeated) so that each floor keeps its own
+/// keys, and a key of the layer's shape (about 100 characters in all).
+fn floor_key(headers: &http::HeaderMap, prefix: u8) -> String {
+    let key = headers
+        .get("idempotency-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    format!("{:064}:{key}", prefix)
+}
+
+/// The stored response the claim-first floors write and replay: the size
+/// of the layer's record of the charge (status, headers, body).
+const FLOOR_RESPONSE: &[u8] = br#"{"id":"ch_0000000000000000","amount":1999,"currency":"eur","description":"floor, padded to the layer's record size: status, content type, location and the charge itself ....................."}"#;
+
+/// A replay as the floors send it: the stored body, as stored.
+fn floor_replay(body: Vec<u8>) -> Response {
+    (
+        StatusCode::CREATED,
+        [
+            (http::header::CONTENT_TYPE, "application/json"),
+            (http::HeaderName::from_static("idempotent-replayed"), "true"),
+        ],
+        body,
+    )
+        .into_response()
+}
+
+/// The stored response a floor's `read` batch answers, every statement
+/// of it run (the `ROLLBACK` beside the `SELECT` too: SQLite runs a
+/// batch's statements only as its rows are read).
+macro_rules! read_stored {
+    ($on:expr, $read:expr) => {{
+        let rows = sqlx::raw_sql(sqlx::AssertSqlSafe($read))
+            .fetch_all(&mut *$on)
+            .await
+            .expect("read the stored response");
+        sqlx::Row::get::<Vec<u8>, _>(&rows[0], 0)
+    }};
+}
+
+/// `bytes` as hex digits, for the floors' literals.
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// PostgreSQL's claim-first floor: the founding recipe written by hand
+/// with plain sqlx, in the fewest round trips the engine allows, and the
+/// same guarantee as the transactional store — `BEGIN` and the claim
+/// (`INSERT … ON CONFLICT DO NOTHING`, the record row without its
+/// response) in one simple query; the charge; the response written into
+/// the claim's row and `COMMIT` in one simple query. A concurrent
+/// duplicate waits on the uncommitted row (it never runs the charge); a
+/// claim that inserts nothing finds a completed row, whose response is
+/// read and sent, and the transaction rolled back, in one more round trip.
+async fn pg_claim_first(
+    State(pool): State<PgPool>,
+    headers: http::HeaderMap,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    let key = floor_key(&headers, 2);
+    let executed = detached(async move {
+        let mut on = pool.acquire().await.expect("a connection");
+        let claim = format!(
+            "BEGIN ISOLATION LEVEL READ COMMITTED; \
+             INSERT INTO idempotency_records (key, fingerprint, expires_at) \
+             VALUES ('{key}', '\\x{fp}', now() + interval '600 seconds') \
+             ON CONFLICT DO NOTHING RETURNING 1",
+            fp = hex(&[7; 32]),
+        );
+        let claimed = sqlx::raw_sql(sqlx::AssertSqlSafe(claim))
+            .fetch_all(&mut *on)
+            .await
+            .expect("claim");
+        if claimed.is_empty() {
+            let read =
+                format!("SELECT record FROM idempotency_records WHERE key = '{key}'; ROLLBACK");
+            return Err(read_stored!(on, read));
+        }
+        insert_charge(&mut on, &new).await;
+        let complete = format!(
+            "UPDATE idempotency_records SET record = '\\x{}' WHERE key = '{key}'; COMMIT",
+            hex(FLOOR_RESPONSE)
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
+            .execute(&mut *on)
+            .await
+            .expect("complete");
+        Ok(new)
+    })
+    .await;
+    match executed {
+        Ok(new) => charge(Json(new)).await,
+        Err(stored) => floor_replay(stored),
+    }
+}
+
+/// MySQL's claim-first floor, as [`pg_claim_first`]: `BEGIN` and the
+/// claim's `INSERT` in one round trip (a committed row fails it with a
+/// duplicate key, 1062), the charge, the response written and `COMMIT`
+/// in one; a duplicate rolls back and reads the stored response in one.
+/// The session reads committed data, as the store's claims do.
+async fn mysql_claim_first(
+    State(pool): State<MySqlPool>,
+    headers: http::HeaderMap,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    let key = hex(floor_key(&headers, 2).as_bytes());
+    let executed = detached(async move {
+        let mut on = pool.acquire().await.expect("a connection");
+        let claim = format!(
+            "BEGIN; INSERT INTO idempotency_records (`key`, fingerprint, expires_at) \
+             VALUES (X'{key}', X'{fp}', UTC_TIMESTAMP(3) + INTERVAL 600 SECOND)",
+            fp = hex(&[7; 32]),
+        );
+        match sqlx::raw_sql(sqlx::AssertSqlSafe(claim))
+            .execute(&mut *on)
+            .await
+        {
+            Ok(_) => {}
+            Err(error)
+                if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("23000") =>
+            {
+                let read = format!(
+                    "ROLLBACK; SELECT record FROM idempotency_records WHERE `key` = X'{key}'"
+                );
+                return Err(read_stored!(on, read));
+            }
+            Err(error) => panic!("claim: {error}"),
+        }
+        insert_charge_mysql(&mut on, &new).await;
+        let complete = format!(
+            "UPDATE idempotency_records SET record = X'{}' WHERE `key` = X'{key}'; COMMIT",
+            hex(FLOOR_RESPONSE)
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
+            .execute(&mut *on)
+            .await
+            .expect("complete");
+        Ok(new)
+    })
+    .await;
+    match executed {
+        Ok(new) => charge(Json(new)).await,
+        Err(stored) => floor_replay(stored),
+    }
+}
+
+/// SQLite's claim-first floor, as [`pg_claim_first`]: the writers of the
+/// process take turns (as the store's do), `BEGIN IMMEDIATE` and the
+/// claim's `INSERT … ON CONFLICT DO NOTHING` in one call, the charge, the
+/// response written and `COMMIT`; a claim that inserts nothing reads the
+/// stored response and rolls back.
+async fn sqlite_claim_first(
+    State((pool, writer)): State<(SqlitePool, Arc<tokio::sync::Mutex<()>>)>,
+    headers: http::HeaderMap,
+    Json(new): Json<NewCharge>,
+) -> Response {
+    let key = floor_key(&headers, 2);
+    let executed = detached(async move {
+        let _turn = writer.lock().await;
+        let mut on = pool.acquire().await.expect("a connection");
+        let claim = format!(
+            "BEGIN IMMEDIATE; INSERT INTO idempotency_records (key, fingerprint, expires_at) \
+             VALUES ('{key}', X'{fp}', {expires}) ON CONFLICT DO NOTHING RETURNING 1",
+            fp = hex(&[7; 32]),
+            expires = unix_ms() + 600_000,
+        );
+        let claimed = sqlx::raw_sql(sqlx::AssertSqlSafe(claim))
+            .fetch_all(&mut *on)
+            .await
+            .expect("claim");
+        if claimed.is_empty() {
+            let read =
+                format!("SELECT record FROM idempotency_records WHERE key = '{key}'; ROLLBACK");
+            return Err(read_stored!(on, read));
+        }
+        insert_charge_sqlite(&mut on, &new).await;
+        let complete = format!(
+            "UPDATE idempotency_records SET record = X'{}' WHERE key = '{key}'; COMMIT",
+            hex(FLOOR_RESPONSE)
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
+            .execute(&mut *on)
+            .await
+            .expect("complete");
+        Ok(new)
+    })
+    .await;
+    match executed {
+        Ok(new) => charge(Json(new)).await,
+        Err(stored) => floor_replay(stored),
+    }
+}
+
 fn scope(parts: &Parts) -> Option<String> {
     parts
         .headers
@@ -535,6 +714,11 @@ async fn serve(app: Router) -> SocketAddr {
     addr
 }
 
+/// `store` behind a 64 MiB cache of completed records.
+fn cached_store<St: Store>(store: St) -> CachedStore<St> {
+    CachedStore::new(store, 64 * 1024 * 1024)
+}
+
 /// The outbox of a transactional store (its builder is per engine).
 macro_rules! outbox_of {
     ($store:expr) => {
@@ -575,7 +759,6 @@ async fn start_variants(
             floor(manager.clone(), req, next)
         }))
     };
-    let cached = CachedStore::new(redis().await, 64 * 1024 * 1024);
     let transactional = PostgresStore::builder()
         .transactional()
         .with_pool(pool.clone())
@@ -591,84 +774,123 @@ async fn start_variants(
             .with_state(pool.clone())
     };
     let in_transaction = || Router::new().route("/v1/charges", post(charge_in_transaction));
-    let variants = [
-        ("bare", Keys::Unique, "bare", routes()),
-        ("memory", Keys::Unique, "bare", layered(MemoryStore::new())),
+    let sqlite_in_transaction =
+        || Router::new().route("/v1/charges", post(sqlite_charge_in_transaction));
+    let mysql_in_transaction =
+        || Router::new().route("/v1/charges", post(mysql_charge_in_transaction));
+    let sqlite_writer: Arc<tokio::sync::Mutex<()>> = Arc::default();
+    // Each variant, its keys, and what it is measured against in the same
+    // round: the first reference is the table's "x ref", the others are
+    // printed below it. A variant brings its references along.
+    let variants: Vec<(&str, Keys, &'static [&'static str], Router)> = vec![
+        ("bare", Keys::Unique, &["bare"], routes()),
+        (
+            "memory",
+            Keys::Unique,
+            &["bare"],
+            layered(MemoryStore::new()),
+        ),
         // The same with a 1 s retention: the store stays small, so this is the
         // layer's own work without a million records kept alive.
         (
             "memory-1s",
             Keys::Unique,
-            "bare",
+            &["bare"],
             routes().layer(layer(MemoryStore::new()).retention(Duration::from_secs(1))),
         ),
         (
             "memory-replay",
             Keys::Replay,
-            "bare",
+            &["bare"],
             layered(MemoryStore::new()),
         ),
-        ("redis-floor", Keys::Unique, "bare", floor_app.clone()),
-        ("redis", Keys::Unique, "redis-floor", layered(redis().await)),
-        ("redis-replay-floor", Keys::Replay, "bare", floor_app),
+        ("redis-floor", Keys::Unique, &["bare"], floor_app.clone()),
+        (
+            "redis",
+            Keys::Unique,
+            &["redis-floor"],
+            layered(redis().await),
+        ),
+        ("redis-replay-floor", Keys::Replay, &["bare"], floor_app),
         (
             "redis-replay",
             Keys::Replay,
-            "redis-replay-floor",
+            &["redis-replay-floor"],
             layered(redis().await),
         ),
-        ("redis-replay-cached", Keys::Replay, "bare", layered(cached)),
+        (
+            "redis-replay-cached",
+            Keys::Replay,
+            &["bare"],
+            layered(cached_store(redis().await)),
+        ),
         (
             "redis-zstd",
             Keys::Unique,
-            "redis",
+            &["redis"],
             layered(redis_zstd().await),
         ),
         (
             "redis-zstd-replay",
             Keys::Replay,
-            "redis-replay",
+            &["redis-replay"],
             layered(redis_zstd().await),
         ),
-        ("pg-floor", Keys::Unique, "pg-floor", committed()),
+        ("pg-floor", Keys::Unique, &["pg-floor"], committed()),
         (
             "pg-floor-record",
             Keys::Unique,
-            "pg-floor",
+            &["pg-floor"],
             Router::new()
                 .route("/v1/charges", post(charge_and_record))
                 .with_state(pool.clone()),
         ),
         (
+            "pg-claim-floor",
+            Keys::Unique,
+            &["pg-floor"],
+            Router::new()
+                .route("/v1/charges", post(pg_claim_first))
+                .with_state(pool.clone()),
+        ),
+        (
             "pg-replay-floor",
             Keys::Replay,
-            "pg-floor",
+            &["pg-floor"],
             Router::new()
                 .route("/v1/charges", post(replay_by_hand))
                 .with_state(pool.clone()),
         ),
         (
+            "pg-claim-replay-floor",
+            Keys::Replay,
+            &["pg-floor"],
+            Router::new()
+                .route("/v1/charges", post(pg_claim_first))
+                .with_state(pool.clone()),
+        ),
+        (
             "pg-tx",
             Keys::Unique,
-            "pg-floor",
+            &["pg-claim-floor", "pg-floor", "pg-floor-record"],
             in_transaction().layer(layer(transactional())),
         ),
         (
             "pg-tx-replay",
             Keys::Replay,
-            "pg-floor",
+            &["pg-claim-replay-floor", "pg-floor", "pg-replay-floor"],
             in_transaction().layer(layer(transactional())),
         ),
         (
             "pg-tx-replay-cached",
             Keys::Replay,
-            "pg-floor",
-            in_transaction().layer(layer(CachedStore::new(transactional(), 64 * 1024 * 1024))),
+            &["bare", "pg-claim-replay-floor"],
+            in_transaction().layer(layer(cached_store(transactional()))),
         ),
         (
             "pg-tx-outbox",
             Keys::Unique,
-            "pg-tx",
+            &["pg-tx", "pg-floor"],
             Router::new()
                 .route("/v1/charges", post(charge_with_event))
                 .with_state(pg_outbox)
@@ -677,37 +899,51 @@ async fn start_variants(
         (
             "pg-redis",
             Keys::Unique,
-            "pg-floor",
+            &["pg-floor"],
             committed().layer(layer(redis().await)),
         ),
         (
             "sqlite-floor-record",
             Keys::Unique,
-            "sqlite-floor-record",
+            &["sqlite-floor-record"],
             Router::new()
                 .route("/v1/charges", post(sqlite_charge_and_record))
-                .with_state((sqlite.pool().clone(), Arc::default())),
+                .with_state((sqlite.pool().clone(), sqlite_writer.clone())),
+        ),
+        (
+            "sqlite-claim-floor",
+            Keys::Unique,
+            &["sqlite-floor-record"],
+            Router::new()
+                .route("/v1/charges", post(sqlite_claim_first))
+                .with_state((sqlite.pool().clone(), sqlite_writer.clone())),
         ),
         (
             "sqlite-replay-floor",
             Keys::Replay,
-            "sqlite-replay-floor",
+            &["sqlite-replay-floor"],
             Router::new()
                 .route("/v1/charges", post(sqlite_replay_by_hand))
                 .with_state(sqlite.pool().clone()),
         ),
         (
+            "sqlite-claim-replay-floor",
+            Keys::Replay,
+            &["sqlite-replay-floor"],
+            Router::new()
+                .route("/v1/charges", post(sqlite_claim_first))
+                .with_state((sqlite.pool().clone(), sqlite_writer)),
+        ),
+        (
             "sqlite-tx",
             Keys::Unique,
-            "sqlite-floor-record",
-            Router::new()
-                .route("/v1/charges", post(sqlite_charge_in_transaction))
-                .layer(layer(sqlite.clone())),
+            &["sqlite-claim-floor", "sqlite-floor-record"],
+            sqlite_in_transaction().layer(layer(sqlite.clone())),
         ),
         (
             "sqlite-tx-outbox",
             Keys::Unique,
-            "sqlite-tx",
+            &["sqlite-tx", "sqlite-floor-record"],
             Router::new()
                 .route("/v1/charges", post(sqlite_charge_with_event))
                 .with_state(sqlite_outbox)
@@ -716,15 +952,19 @@ async fn start_variants(
         (
             "sqlite-tx-replay",
             Keys::Replay,
-            "sqlite-replay-floor",
-            Router::new()
-                .route("/v1/charges", post(sqlite_charge_in_transaction))
-                .layer(layer(sqlite)),
+            &["sqlite-claim-replay-floor", "sqlite-replay-floor"],
+            sqlite_in_transaction().layer(layer(sqlite.clone())),
+        ),
+        (
+            "sqlite-tx-replay-cached",
+            Keys::Replay,
+            &["bare", "sqlite-claim-replay-floor"],
+            sqlite_in_transaction().layer(layer(cached_store(sqlite))),
         ),
         (
             "mysql-floor",
             Keys::Unique,
-            "mysql-floor",
+            &["mysql-floor"],
             Router::new()
                 .route("/v1/charges", post(mysql_charge_committed))
                 .with_state(mysql.pool().clone()),
@@ -732,31 +972,45 @@ async fn start_variants(
         (
             "mysql-floor-record",
             Keys::Unique,
-            "mysql-floor",
+            &["mysql-floor"],
             Router::new()
                 .route("/v1/charges", post(mysql_charge_and_record))
                 .with_state(mysql.pool().clone()),
         ),
         (
+            "mysql-claim-floor",
+            Keys::Unique,
+            &["mysql-floor"],
+            Router::new()
+                .route("/v1/charges", post(mysql_claim_first))
+                .with_state(mysql.pool().clone()),
+        ),
+        (
             "mysql-replay-floor",
             Keys::Replay,
-            "mysql-floor",
+            &["mysql-floor"],
             Router::new()
                 .route("/v1/charges", post(mysql_replay_by_hand))
                 .with_state(mysql.pool().clone()),
         ),
         (
+            "mysql-claim-replay-floor",
+            Keys::Replay,
+            &["mysql-floor"],
+            Router::new()
+                .route("/v1/charges", post(mysql_claim_first))
+                .with_state(mysql.pool().clone()),
+        ),
+        (
             "mysql-tx",
             Keys::Unique,
-            "mysql-floor",
-            Router::new()
-                .route("/v1/charges", post(mysql_charge_in_transaction))
-                .layer(layer(mysql.clone())),
+            &["mysql-claim-floor", "mysql-floor", "mysql-floor-record"],
+            mysql_in_transaction().layer(layer(mysql.clone())),
         ),
         (
             "mysql-tx-outbox",
             Keys::Unique,
-            "mysql-tx",
+            &["mysql-tx", "mysql-floor"],
             Router::new()
                 .route("/v1/charges", post(mysql_charge_with_event))
                 .with_state(mysql_outbox)
@@ -765,54 +1019,45 @@ async fn start_variants(
         (
             "mysql-tx-replay",
             Keys::Replay,
-            "mysql-floor",
-            Router::new()
-                .route("/v1/charges", post(mysql_charge_in_transaction))
-                .layer(layer(mysql)),
+            &[
+                "mysql-claim-replay-floor",
+                "mysql-floor",
+                "mysql-replay-floor",
+            ],
+            mysql_in_transaction().layer(layer(mysql.clone())),
+        ),
+        (
+            "mysql-tx-replay-cached",
+            Keys::Replay,
+            &["bare", "mysql-claim-replay-floor"],
+            mysql_in_transaction().layer(layer(cached_store(mysql))),
         ),
     ];
     let wanted: Option<Vec<String>> = env::var("LOAD_VARIANTS")
         .ok()
         .map(|v| v.split(',').map(|s| s.trim().to_owned()).collect());
+    let wanted = |n: &str| wanted.as_ref().is_none_or(|w| w.iter().any(|x| x == n));
+    // What runs: `bare`, the variants asked for, their references, and
+    // those references' own (an outbox variant's reference is a variant
+    // with references of its own).
+    let mut running: Vec<&str> = vec!["bare"];
+    let mut asked: Vec<&str> = variants.iter().map(|v| v.0).filter(|n| wanted(n)).collect();
+    while let Some(name) = asked.pop() {
+        if !running.contains(&name) {
+            running.push(name);
+        }
+        if let Some((_, _, references, _)) = variants.iter().find(|v| v.0 == name) {
+            asked.extend(references.iter().filter(|r| !running.contains(r)));
+        }
+    }
     let mut out = Vec::new();
-    for (name, keys, reference, app) in variants {
-        let wanted = |n: &str| wanted.as_ref().is_none_or(|w| w.iter().any(|x| x == n));
-        // A variant brings its reference along.
-        let referenced = |n: &str| {
-            [
-                ("redis", "redis-floor"),
-                ("redis-replay", "redis-replay-floor"),
-                ("redis-zstd", "redis"),
-                ("redis-zstd-replay", "redis-replay"),
-                ("pg-tx", "pg-floor"),
-                ("pg-tx", "pg-floor-record"),
-                ("pg-tx-replay", "pg-floor"),
-                ("pg-tx-replay", "pg-replay-floor"),
-                ("pg-tx-replay-cached", "pg-floor"),
-                ("pg-redis", "pg-floor"),
-                ("sqlite-tx", "sqlite-floor-record"),
-                ("sqlite-tx-replay", "sqlite-replay-floor"),
-                ("mysql-tx", "mysql-floor"),
-                ("mysql-tx", "mysql-floor-record"),
-                ("mysql-tx-replay", "mysql-floor"),
-                ("mysql-tx-replay", "mysql-replay-floor"),
-                // The reference, and the reference's own.
-                ("pg-tx-outbox", "pg-tx"),
-                ("pg-tx-outbox", "pg-floor"),
-                ("sqlite-tx-outbox", "sqlite-tx"),
-                ("sqlite-tx-outbox", "sqlite-floor-record"),
-                ("mysql-tx-outbox", "mysql-tx"),
-                ("mysql-tx-outbox", "mysql-floor"),
-            ]
-            .iter()
-            .any(|(v, r)| *r == n && wanted(v))
-        };
-        if name == "bare" || wanted(name) || referenced(name) {
+    for (name, keys, references, app) in variants {
+        if running.contains(&name) {
             out.push(Variant {
                 name,
                 keys,
                 addr: serve(app).await,
-                reference,
+                references,
                 postgres: name.starts_with("pg-"),
                 mysql: name.starts_with("mysql-"),
             });
@@ -1071,7 +1316,7 @@ fn print_row(v: &Variant, run: &Run, ratio: f64, ratio_ref: f64, extra: &str) {
         run.p99_ms,
         ratio,
         ratio_ref,
-        v.reference,
+        v.references[0],
         run.cpu_us,
         run.errors,
         extra
@@ -1277,7 +1522,7 @@ fn main() {
                 v,
                 run,
                 run.rps / rps_of("bare"),
-                run.rps / rps_of(v.reference),
+                run.rps / rps_of(v.references[0]),
                 &costs.describe(v),
             );
         }
@@ -1317,33 +1562,27 @@ fn main() {
             v,
             &run,
             ratio_to("bare"),
-            ratio_to(v.reference),
+            ratio_to(v.references[0]),
             &costs.describe(v),
         );
     }
-    // Ratios to a second reference, when both ran.
-    for (name, reference) in [
-        ("pg-tx", "pg-floor-record"),
-        ("pg-tx-replay", "pg-replay-floor"),
-        ("sqlite-tx", "sqlite-floor-record"),
-        ("sqlite-tx-replay", "sqlite-replay-floor"),
-        ("mysql-tx", "mysql-floor-record"),
-        ("mysql-tx-replay", "mysql-replay-floor"),
-    ] {
-        let (Some(v), Some(r)) = (
-            variants.iter().position(|v| v.name == name),
-            variants.iter().position(|v| v.name == reference),
-        ) else {
-            continue;
-        };
-        let ratio = median(
-            results[v]
-                .iter()
-                .zip(&results[r])
-                .map(|(a, b)| a.0.rps / b.0.rps)
-                .collect(),
-        );
-        println!("{name} x {reference}: {ratio:.3} (median of the per-round ratios)");
+    // Ratios to the other references.
+    for (v, runs) in variants.iter().zip(&results) {
+        for reference in &v.references[1..] {
+            let Some(r) = variants.iter().position(|x| x.name == *reference) else {
+                continue;
+            };
+            let ratio = median(
+                runs.iter()
+                    .zip(&results[r])
+                    .map(|(a, b)| a.0.rps / b.0.rps)
+                    .collect(),
+            );
+            println!(
+                "{} x {reference}: {ratio:.3} (median of the per-round ratios)",
+                v.name
+            );
+        }
     }
     let errors: u64 = results.iter().flatten().map(|r| r.0.errors).sum();
     assert_eq!(
