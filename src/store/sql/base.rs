@@ -11,7 +11,6 @@ use std::{
 use sqlx::Pool;
 
 use super::{
-    check::EngineCheck,
     decide::{key_state, store_error},
     dialect::{Args, Dialect, Engine, KeyRow, Stmt},
 };
@@ -19,6 +18,42 @@ use crate::{
     record::codec::Compression,
     store::{Forgotten, KeyState, StorageKey, StoreError},
 };
+
+/// What to do when the start-up check finds that the database would not
+/// keep a record apart for its key, or make a concurrent duplicate wait or
+/// fail: a claim held by one uncommitted transaction did not block a second
+/// session's claim of the same key (an engine that detects the conflict
+/// only at commit, a table without its primary key), the key column does
+/// not compare bytes (a case-insensitive collation), or the table's storage
+/// engine has no transactions. Such a store would run a handler twice, or
+/// replay one request's answer to another.
+///
+/// A database that is busy or read-only is not a failed check: the store
+/// waits for a busy one and says so, and reports a read-only one as such.
+///
+/// # Examples
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+/// use tower_idempotency::{SqliteStore, store::sqlite::EngineCheck};
+///
+/// // Checked by other means: say so explicitly.
+/// let store = SqliteStore::builder()
+///     .engine_check(EngineCheck::Warn)
+///     .connect("sqlite://records.db")
+///     .await?;
+/// # let _ = store; Ok(()) }
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EngineCheck {
+    /// Refuse to start (the default).
+    #[default]
+    Refuse,
+    /// Log an error and start anyway: an explicit opt-out.
+    Warn,
+}
 
 pub(crate) struct Base<D: Dialect> {
     pub(crate) pool: Pool<D::Db>,
@@ -129,13 +164,6 @@ impl<D: Engine> Base<D> {
         };
         let _turn = self.engine.turn(Some(self.timeout)).await?;
         self.execute(&self.sql.delete_expired, &args).await
-    }
-
-    /// Creates the table and its index if they are missing, then runs the
-    /// start-up check on it.
-    pub(crate) async fn migrate(&self) -> Result<(), StoreError> {
-        self.create_table().await?;
-        super::check::run(self).await
     }
 
     /// Creates the table and its index if they are missing. Safe to run

@@ -6,7 +6,8 @@ use std::{marker::PhantomData, sync::Arc, time::Duration};
 use sqlx::Pool;
 
 use super::{
-    Base, Plain, SqlStore, SqlTxStore, Transactional, check::EngineCheck, dialect::Engine,
+    Base, EngineCheck, Plain, SqlStore, SqlTxStore, Transactional, dialect::Engine,
+    tx_engine::TxEngine,
 };
 use crate::{
     record::codec::Compression,
@@ -16,16 +17,16 @@ use crate::{
 /// The settings a builder collects, read by the engine when it opens its
 /// pool and by the stores.
 #[derive(Clone, Debug)]
-pub(crate) struct Settings {
-    pub(crate) table: String,
-    pub(crate) timeout: Duration,
-    pub(crate) max_connections: u32,
-    pub(crate) engine_check: EngineCheck,
-    pub(crate) compression: Compression,
-    pub(crate) transaction_timeout: Duration,
-    pub(crate) claim_wait: Duration,
+struct Settings {
+    table: String,
+    timeout: Duration,
+    max_connections: u32,
+    engine_check: EngineCheck,
+    compression: Compression,
+    transaction_timeout: Duration,
+    claim_wait: Duration,
     /// Whether `connect` creates the table if it is missing.
-    pub(crate) create_table: bool,
+    create_table: bool,
 }
 
 /// Configures and connects a SQL store: a [`SqlStore`] (claims are leases),
@@ -240,7 +241,7 @@ impl<D: Engine, M> SqlStoreBuilder<D, M> {
     }
 
     async fn open(&self, url: &str) -> Result<Pool<D::Db>, StoreError> {
-        D::open(url, &self.settings).await
+        D::open(url, self.settings.max_connections, self.settings.timeout).await
     }
 }
 
@@ -306,7 +307,7 @@ impl<D: Engine> SqlStoreBuilder<D, Plain> {
 }
 
 #[allow(private_bounds)]
-impl<D: Engine> SqlStoreBuilder<D, Transactional> {
+impl<D: TxEngine> SqlStoreBuilder<D, Transactional> {
     /// How long a request's transaction may sit idle between two of its
     /// statements, and how long one statement may run, before the database
     /// ends it (default 30 s). The claim lives inside the transaction, so
@@ -386,8 +387,9 @@ impl<D: Engine> SqlStoreBuilder<D, Transactional> {
     /// ```
     pub async fn with_pool(self, pool: Pool<D::Db>) -> Result<SqlTxStore<D>, StoreError> {
         let base = self.base(pool).await?;
+        let state = D::tx_state(&base.pool, &base.engine, &base.sql.table, base.timeout).await?;
         Ok(SqlTxStore {
-            state: Arc::new(D::tx_state(&base, &self.settings).await?),
+            state: Arc::new(state),
             base,
             bound: self.settings.transaction_timeout,
             claim_wait: self.settings.claim_wait,

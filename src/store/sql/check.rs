@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use sqlx::ConnectOptions;
 
 use super::{
-    base::{Base, now_ms},
+    base::{Base, EngineCheck, now_ms},
     decide::store_error,
     dialect::{Args, Connection, Engine, ErrorClass},
 };
@@ -41,61 +41,23 @@ const BUSY_WAIT: Duration = Duration::from_secs(60);
 /// How often it says that it is still waiting.
 const SAY_EVERY: Duration = Duration::from_secs(5);
 
-/// What to do when the start-up check finds that the database would not
-/// keep a record apart for its key, or make a concurrent duplicate wait or
-/// fail: a claim held by one uncommitted transaction did not block a second
-/// session's claim of the same key (an engine that detects the conflict
-/// only at commit, a table without its primary key), the key column does
-/// not compare bytes (a case-insensitive collation), or the table's storage
-/// engine has no transactions. Such a store would run a handler twice, or
-/// replay one request's answer to another.
-///
-/// A database that is busy or read-only is not a failed check: the store
-/// waits for a busy one and says so, and reports a read-only one as such.
-///
-/// # Examples
-///
-/// ```no_run
-/// # #[cfg(feature = "sqlite")]
-/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
-/// use tower_idempotency::{SqliteStore, store::sqlite::EngineCheck};
-///
-/// // Checked by other means: say so explicitly.
-/// let store = SqliteStore::builder()
-///     .engine_check(EngineCheck::Warn)
-///     .connect("sqlite://records.db")
-///     .await?;
-/// # let _ = store; Ok(()) }
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum EngineCheck {
-    /// Refuse to start (the default).
-    #[default]
-    Refuse,
-    /// Log an error and start anyway: an explicit opt-out.
-    Warn,
-}
-
-impl EngineCheck {
-    /// Applies the check's verdict: `why` is `Some` when the engine failed
-    /// it.
-    fn verdict(self, engine: &str, why: Option<String>) -> Result<(), StoreError> {
-        let Some(why) = why else { return Ok(()) };
-        let message = format!(
-            "the database ({engine}) failed the start-up check: {why}. Claims would not keep \
-             duplicates apart: a concurrent duplicate could run the handler twice, or one key's \
-             answer be replayed for another. Use an engine (and a table) where a claim held by \
-             an uncommitted transaction makes a second claim of the key wait or fail, keys \
-             compare as bytes and transactions roll back; or opt out with \
-             .engine_check(EngineCheck::Warn) if you have made sure by other means"
-        );
-        match self {
-            Self::Refuse => Err(StoreError::Misconfigured(message)),
-            Self::Warn => {
-                tracing::error!("idempotency: {message}");
-                Ok(())
-            }
+/// Applies the check's verdict under `check`: `why` is `Some` when the
+/// engine failed it.
+fn verdict(check: EngineCheck, engine: &str, why: Option<String>) -> Result<(), StoreError> {
+    let Some(why) = why else { return Ok(()) };
+    let message = format!(
+        "the database ({engine}) failed the start-up check: {why}. Claims would not keep \
+         duplicates apart: a concurrent duplicate could run the handler twice, or one key's \
+         answer be replayed for another. Use an engine (and a table) where a claim held by \
+         an uncommitted transaction makes a second claim of the key wait or fail, keys \
+         compare as bytes and transactions roll back; or opt out with \
+         .engine_check(EngineCheck::Warn) if you have made sure by other means"
+    );
+    match check {
+        EngineCheck::Refuse => Err(StoreError::Misconfigured(message)),
+        EngineCheck::Warn => {
+            tracing::error!("idempotency: {message}");
+            Ok(())
         }
     }
 }
@@ -112,6 +74,13 @@ enum Attempt {
     NoTable,
     /// The user may not read or write the table.
     Denied(String),
+}
+
+/// Creates the table and its index if they are missing, then runs the
+/// check on it.
+pub(crate) async fn migrate<D: Engine>(base: &Base<D>) -> Result<(), StoreError> {
+    base.create_table().await?;
+    run(base).await
 }
 
 /// Runs the check on the table, which must exist.
@@ -135,7 +104,7 @@ pub(crate) async fn run<D: Engine>(base: &Base<D>) -> Result<(), StoreError> {
                      TO <user>), or connect as a user who has them. This is a permission, not an unsafe engine"
                 )));
             }
-            Attempt::Verdict(engine, why) => return base.engine_check.verdict(&engine, why),
+            Attempt::Verdict(engine, why) => return verdict(base.engine_check, &engine, why),
             Attempt::ReadOnly(why) => {
                 return Err(StoreError::Unavailable(
                     format!(

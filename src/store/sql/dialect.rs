@@ -1,8 +1,11 @@
-//! The seam between the SQL family and an engine: what an engine supplies —
-//! its statements, its transaction's claim and commit, its error codes and
-//! the engine-specific half of the start-up check. Everything else (the
-//! builder, the table's upkeep, the lease store, the claim decision, the
-//! check itself) is written once, over this trait.
+//! The seam between the SQL family and an engine, at the level of
+//! statements: what an engine supplies — its pool, its statements and how
+//! they run, its error codes and the engine-specific half of the start-up
+//! check. Everything else (the builder, the table's upkeep, the lease
+//! store, the claim decision, the check itself) is written once, over this
+//! trait; the transactional store's half of an engine is
+//! [`TxEngine`](super::tx_engine::TxEngine). This module is the family's
+//! lowest: it imports none of its siblings.
 //!
 //! Statements are data: SQL text with the list of values it binds, in
 //! order. The engine binds and runs them through the [`glue!`] macro, so no
@@ -12,11 +15,7 @@ use std::{future::Future, sync::Arc, time::Duration};
 
 use sqlx::{AssertSqlSafe, Database, Encode, Pool, Type, query::Query};
 
-use super::{Settings, SqlTxStore, tx::SqlTx};
-use crate::{
-    fingerprint::Fingerprint,
-    store::{Forgotten, StorageKey, StoreError},
-};
+use crate::store::StoreError;
 
 /// The connection of a dialect's database.
 pub(crate) type Connection<D> = <<D as Dialect>::Db as Database>::Connection;
@@ -69,10 +68,12 @@ pub(crate) trait Engine: Dialect {
     /// The statements, for `table` (already checked).
     fn statements(&self, table: &str) -> Statements;
 
-    /// Opens a pool to `url` configured for the stores.
+    /// Opens a pool of up to `connections` to `url`, configured for the
+    /// stores, each operation bounded by `timeout`.
     fn open(
         url: &str,
-        settings: &Settings,
+        connections: u32,
+        timeout: Duration,
     ) -> impl Future<Output = Result<Pool<Self::Db>, StoreError>> + Send;
 
     /// The engine's own state for a store on `pool`.
@@ -163,83 +164,6 @@ pub(crate) trait Engine: Dialect {
         wait: Duration,
         begun: bool,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
-
-    /// The transactional store's own state, made when it connects.
-    fn tx_state(
-        base: &super::Base<Self>,
-        settings: &Settings,
-    ) -> impl Future<Output = Result<Self::TxState, StoreError>> + Send;
-
-    /// Begins the request's transaction and claims `key` in it; `in_line`
-    /// when it may wait for this process's turn to write as long as it
-    /// takes.
-    fn tx_claim(
-        store: &SqlTxStore<Self>,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        in_line: bool,
-    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send;
-
-    /// Writes the record into the claim's row and commits, or fails (the
-    /// connection is then closed: nothing commits).
-    fn tx_complete(
-        store: &SqlTxStore<Self>,
-        tx: &mut SqlTx<Self>,
-        key: &StorageKey,
-        record: Vec<u8>,
-        retention_ms: i64,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
-
-    /// Rolls the transaction back.
-    fn tx_release(
-        store: &SqlTxStore<Self>,
-        tx: SqlTx<Self>,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
-
-    /// Commits the transaction as it is (the claim's row already deleted
-    /// from it).
-    fn tx_commit(
-        store: &SqlTxStore<Self>,
-        tx: SqlTx<Self>,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send;
-
-    /// Whether a transaction (in any process) holds `key` in flight: an
-    /// uncommitted row other sessions cannot read.
-    fn tx_in_flight(
-        store: &SqlTxStore<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
-
-    /// Forgets a committed record; a claim in flight is an uncommitted row
-    /// no other session can delete, so it is left alone and reported —
-    /// probed first, so that the delete never waits on it (InnoDB's
-    /// deletes lock the rows they meet, uncommitted ones included).
-    fn tx_forget(
-        store: &SqlTxStore<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<Forgotten, StoreError>> + Send {
-        async move {
-            if Self::tx_in_flight(store, key).await? {
-                return Ok(Forgotten::InFlight);
-            }
-            Ok(store
-                .base
-                .forget_row(key, false)
-                .await?
-                .unwrap_or(Forgotten::Nothing))
-        }
-    }
-}
-
-/// What a transactional claim found.
-pub(crate) enum TxClaim<D: Dialect> {
-    /// The key is this transaction's.
-    Acquired(SqlTx<D>),
-    /// A live row holds the key (committed): decided by its fingerprint
-    /// and record.
-    Found(KeyRow),
-    /// An uncommitted row of another transaction holds the key.
-    InFlight,
 }
 
 /// How a lease claim says that it claimed the key.

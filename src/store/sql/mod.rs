@@ -45,6 +45,7 @@ mod lease;
 pub mod outbox;
 mod transactional;
 mod tx;
+mod tx_engine;
 mod upkeep;
 
 #[cfg(feature = "mysql")]
@@ -60,9 +61,8 @@ pub mod sqlite;
 use std::time::Duration;
 
 pub(crate) use base::Base;
-pub(crate) use builder::Settings;
+pub use base::EngineCheck;
 pub use builder::SqlStoreBuilder;
-pub use check::EngineCheck;
 pub use dialect::Dialect;
 pub use lease::SqlStore;
 pub use transactional::SqlTxStore;
@@ -182,7 +182,7 @@ macro_rules! table_methods {
             /// # Ok(()) }
             /// ```
             pub async fn migrate(&self) -> Result<(), $crate::store::StoreError> {
-                self.base.migrate().await
+                $crate::store::sql::check::migrate(&self.base).await
             }
 
             /// Deletes up to `batch` expired records; see

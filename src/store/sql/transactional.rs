@@ -8,15 +8,16 @@ use std::{
         Arc,
         atomic::{AtomicI64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use super::{
     Base,
     decide::decide,
-    dialect::{Args, Dialect, Engine, TxClaim},
+    dialect::{Args, Dialect, Engine},
     millis,
     tx::SqlTx,
+    tx_engine::{ClaimRequest, End, Expiry, Seam, TxClaim, TxEngine},
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -138,6 +139,64 @@ impl<D: Dialect> SqlTxStore<D> {
         let bound = millis(self.bound, "transaction timeout")?;
         Ok(retention_ms.saturating_add((retention_ms / 1000).min(bound)))
     }
+
+    /// How the completion of `tx` writes its row's expiry, for a record
+    /// kept `retention_ms` from now: left as the claim wrote it when it
+    /// covers the retention and no more than its margin — no index
+    /// changes — and written anew otherwise (the transaction outlived the
+    /// margin, or the claim was written while the store was asked another
+    /// retention). Judged by this process's clock from before the claim
+    /// was sent, so a row is never taken to have longer left than it has.
+    fn expiry(&self, tx: &SqlTx<D>, retention_ms: i64) -> Result<Expiry, StoreError> {
+        let longest = self.longest_kept_ms(retention_ms)?;
+        Ok(match tx.row_lifetime() {
+            Some((left, lifetime)) if lifetime <= longest && left >= retention_ms => Expiry::Kept,
+            _ => Expiry::Retention(retention_ms),
+        })
+    }
+}
+
+#[allow(private_bounds)]
+impl<D: TxEngine> SqlTxStore<D> {
+    /// What an engine's operations are handed.
+    fn seam(&self) -> Seam<D> {
+        Seam::new(self.base.clone(), self.state.clone())
+    }
+
+    /// A claim of `key` by this store, its row to live the claim lifetime;
+    /// `in_line` when it may wait its turn to write as long as it takes.
+    async fn claim_in_tx(
+        &self,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        in_line: bool,
+    ) -> Result<Claim<SqlTx<D>>, StoreError> {
+        let request = ClaimRequest {
+            key,
+            fingerprint,
+            wait: self.claim_wait,
+            bound: self.bound,
+            lifetime_ms: self.claim_lifetime_ms()?,
+            in_line,
+        };
+        let sent = Instant::now();
+        let seam = self.seam();
+        let claimed = if in_line {
+            D::tx_claim(&seam, &request).await?
+        } else {
+            self.base.bounded(D::tx_claim(&seam, &request)).await?
+        };
+        match claimed {
+            TxClaim::Acquired(mut tx) => {
+                tx.claimed(key.as_str(), sent, request.lifetime_ms);
+                Ok(Claim::Acquired(tx))
+            }
+            TxClaim::InFlight => Ok(Claim::InFlight {
+                retry_after: IN_FLIGHT_RETRY_AFTER,
+            }),
+            TxClaim::Found(row) => decide(fingerprint, row, &self.base.compression),
+        }
+    }
 }
 
 impl<D: Engine> std::fmt::Debug for SqlTxStore<D> {
@@ -152,26 +211,7 @@ impl<D: Engine> std::fmt::Debug for SqlTxStore<D> {
 
 super::table_methods!(SqlTxStore);
 
-/// What an engine's claim found, as a [`Claim`].
-fn as_claim<D: Engine>(
-    store: &SqlTxStore<D>,
-    key: &StorageKey,
-    fingerprint: &Fingerprint,
-    claimed: TxClaim<D>,
-) -> Result<Claim<SqlTx<D>>, StoreError> {
-    match claimed {
-        TxClaim::Acquired(mut tx) => {
-            tx.claimed(key.as_str());
-            Ok(Claim::Acquired(tx))
-        }
-        TxClaim::InFlight => Ok(Claim::InFlight {
-            retry_after: IN_FLIGHT_RETRY_AFTER,
-        }),
-        TxClaim::Found(row) => decide(fingerprint, row, &store.base.compression),
-    }
-}
-
-impl<D: Engine> Store for SqlTxStore<D> {
+impl<D: TxEngine> Store for SqlTxStore<D> {
     type Granted = SqlTx<D>;
 
     async fn claim(
@@ -180,11 +220,7 @@ impl<D: Engine> Store for SqlTxStore<D> {
         fingerprint: &Fingerprint,
         _lease: Duration,
     ) -> Result<Claim<SqlTx<D>>, StoreError> {
-        let claimed = self
-            .base
-            .bounded(D::tx_claim(self, key, fingerprint, false))
-            .await?;
-        as_claim(self, key, fingerprint, claimed)
+        self.claim_in_tx(key, fingerprint, false).await
     }
 
     /// Waits in line for this process's turn to write, as long as it takes,
@@ -199,8 +235,7 @@ impl<D: Engine> Store for SqlTxStore<D> {
         if !D::TAKES_TURNS {
             return self.claim(key, fingerprint, lease).await;
         }
-        let claimed = D::tx_claim(self, key, fingerprint, true).await?;
-        as_claim(self, key, fingerprint, claimed)
+        self.claim_in_tx(key, fingerprint, true).await
     }
 
     /// The claim lives as long as its transaction: nothing to extend.
@@ -219,9 +254,10 @@ impl<D: Engine> Store for SqlTxStore<D> {
         let record = codec::encode_with(fingerprint, &record, &self.base.compression);
         let retention = millis(retention, "retention")?;
         self.retention.store(retention, Ordering::Relaxed);
+        let expiry = self.expiry(tx, retention)?;
         let committed = self
             .base
-            .bounded(D::tx_complete(self, tx, key, record, retention))
+            .bounded(D::tx_complete(&self.seam(), tx, key, record, expiry))
             .await;
         match committed {
             Ok(()) => Ok(true),
@@ -239,7 +275,9 @@ impl<D: Engine> Store for SqlTxStore<D> {
     }
 
     async fn release(&self, _: &StorageKey, tx: SqlTx<D>) -> Result<bool, StoreError> {
-        self.base.bounded(D::tx_release(self, tx)).await?;
+        self.base
+            .bounded(D::tx_end(&self.seam(), tx, End::Rollback))
+            .await?;
         Ok(true)
     }
 
@@ -261,7 +299,9 @@ impl<D: Engine> Store for SqlTxStore<D> {
             tx.close_on_drop();
             return Ok(true);
         }
-        self.base.bounded(D::tx_commit(self, tx)).await?;
+        self.base
+            .bounded(D::tx_end(&self.seam(), tx, End::Commit))
+            .await?;
         Ok(true)
     }
 
@@ -272,7 +312,7 @@ impl<D: Engine> Store for SqlTxStore<D> {
         if let Some(found) = self.base.inspect_row(key).await? {
             return Ok(found);
         }
-        Ok(if D::tx_in_flight(self, key).await? {
+        Ok(if D::tx_in_flight(&self.seam(), key).await? {
             KeyState::InFlight {
                 retry_after: IN_FLIGHT_RETRY_AFTER,
             }
@@ -282,7 +322,7 @@ impl<D: Engine> Store for SqlTxStore<D> {
     }
 
     async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
-        match D::tx_forget(self, key).await? {
+        match D::tx_forget(&self.seam(), key).await? {
             Forgotten::InFlight if force => Err(StoreError::Unsupported(
                 "forcing a transactional claim in flight: it is the handler's open transaction, which ends when the handler does or at the transaction timeout",
             )),

@@ -54,16 +54,17 @@ use crate::store::{Granted, LeaseToken};
 pub struct SqlTx<D: Dialect> {
     /// `None` once committed or rolled back.
     connection: Option<PoolConnection<D::Db>>,
-    /// Given up with the connection (dropped after it); read by SQLite's
-    /// claims only.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    held: D::Held,
+    /// Given up with the connection (dropped after it).
+    _held: D::Held,
     /// When the transaction began, to tell a commit its bound refused.
     pub(crate) began: Instant,
     /// The storage key it claimed, which outgoing messages' ids derive
     /// from, and how many it enqueued.
     origin: Option<Arc<str>>,
     messages: u32,
+    /// The claim's row lives this many milliseconds from a moment no
+    /// earlier than this one (the claim was sent then).
+    row_lifetime: Option<(Instant, i64)>,
 }
 
 // See `SqlStore::builder`: the engines are this crate's own.
@@ -73,10 +74,11 @@ impl<D: Engine> SqlTx<D> {
     pub(crate) fn begun(connection: PoolConnection<D::Db>, held: D::Held, began: Instant) -> Self {
         Self {
             connection: Some(connection),
-            held,
+            _held: held,
             began,
             origin: None,
             messages: 0,
+            row_lifetime: None,
         }
     }
 
@@ -104,12 +106,6 @@ impl<D: Engine> SqlTx<D> {
         self.connection.take()
     }
 
-    /// What the claim holds besides its connection.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    pub(crate) fn held(&self) -> &D::Held {
-        &self.held
-    }
-
     /// Marks the connection to be closed, not pooled, once the transaction
     /// ends, whatever ends it: one of its statements failed in a way that
     /// may leave it inside the transaction.
@@ -121,9 +117,19 @@ impl<D: Engine> SqlTx<D> {
 }
 
 impl<D: Dialect> SqlTx<D> {
-    /// The key this transaction claimed.
-    pub(crate) fn claimed(&mut self, key: &str) {
+    /// The key this transaction claimed, with a row that lives
+    /// `lifetime_ms` from its insert, which came after `sent`.
+    pub(crate) fn claimed(&mut self, key: &str, sent: Instant, lifetime_ms: i64) {
         self.origin = Some(key.into());
+        self.row_lifetime = Some((sent, lifetime_ms));
+    }
+
+    /// The milliseconds the claim's row is known to live from now at least,
+    /// and its whole lifetime; `None` for a transaction without a claim.
+    pub(crate) fn row_lifetime(&self) -> Option<(i64, i64)> {
+        let (sent, lifetime) = self.row_lifetime?;
+        let elapsed = i64::try_from(sent.elapsed().as_millis()).unwrap_or(i64::MAX);
+        Some((lifetime.saturating_sub(elapsed), lifetime))
     }
 
     /// The storage key it claimed (empty for a transaction of the store's

@@ -90,13 +90,11 @@ use sqlx::{MySqlConnection, MySqlPool, mysql::MySqlPoolOptions};
 
 pub use super::{EngineCheck, Plain, Transactional};
 use super::{
-    Settings, SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
-    dialect::{Dialect, Engine, ErrorClass, LeaseClaim, Statements, TxClaim, glue, sealed},
+    SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
+    dialect::{Dialect, Engine, ErrorClass, LeaseClaim, Statements, glue, sealed},
+    tx_engine::{ClaimRequest, End, Expiry, Seam, TxClaim, TxEngine},
 };
-use crate::{
-    fingerprint::Fingerprint,
-    store::{StorageKey, StoreError},
-};
+use crate::store::{StorageKey, StoreError};
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
@@ -191,10 +189,10 @@ KEY {i}_sent (state, sent_at)) ENGINE = InnoDB",
         statements(table, &SQL)
     }
 
-    async fn open(url: &str, settings: &Settings) -> Result<MySqlPool, StoreError> {
+    async fn open(url: &str, connections: u32, timeout: Duration) -> Result<MySqlPool, StoreError> {
         let pool = MySqlPoolOptions::new()
-            .max_connections(settings.max_connections)
-            .acquire_timeout(settings.timeout);
+            .max_connections(connections)
+            .acquire_timeout(timeout);
         super::connect_pool::<Self>(pool, url.parse()?).await
     }
 
@@ -311,62 +309,55 @@ KEY {i}_sent (state, sent_at)) ENGINE = InnoDB",
             Err(error) => Err(error),
         }
     }
+}
 
+impl TxEngine for MySql {
     async fn tx_state(
-        base: &super::Base<Self>,
-        _settings: &Settings,
+        pool: &MySqlPool,
+        engine: &Self,
+        table: &str,
+        _: Duration,
     ) -> Result<transactional::TxState, StoreError> {
         // What a claim restores on MySQL, where its settings are the session's.
         let (lock_wait, wait_timeout): (i64, i64) = sqlx::query_as(
             "SELECT CAST(@@session.innodb_lock_wait_timeout AS SIGNED), CAST(@@session.wait_timeout AS SIGNED)",
         )
-        .fetch_one(&base.pool)
+        .fetch_one(pool)
         .await?;
         Ok(transactional::TxState {
-            sql: statements::TxStatements::new(
-                &base.sql.table,
-                base.engine.flavor,
-                lock_wait,
-                wait_timeout,
-            ),
+            sql: statements::TxStatements::new(table, engine.flavor, lock_wait, wait_timeout),
         })
     }
 
     fn tx_claim(
-        store: &MySqlTxStore,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        _in_line: bool,
+        seam: &Seam<Self>,
+        claim: &ClaimRequest<'_>,
     ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
-        transactional::claim(store, key, fingerprint)
+        transactional::claim(seam, claim)
     }
 
     fn tx_complete(
-        store: &MySqlTxStore,
+        seam: &Seam<Self>,
         tx: &mut MySqlTx,
         key: &StorageKey,
         record: Vec<u8>,
-        retention_ms: i64,
+        expiry: Expiry,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        transactional::complete(store, tx, key, record, retention_ms)
+        transactional::complete(seam, tx, key, record, expiry)
     }
 
-    fn tx_release(
-        store: &MySqlTxStore,
+    fn tx_end(
+        seam: &Seam<Self>,
         tx: MySqlTx,
+        end: End,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        transactional::release(store, tx)
-    }
-
-    async fn tx_commit(store: &MySqlTxStore, mut tx: MySqlTx) -> Result<(), StoreError> {
-        let end = store.state.sql.end("COMMIT");
-        tx.end(&end).await.map_err(|e| store.base.error(e))
+        transactional::end(seam, tx, end.sql())
     }
 
     fn tx_in_flight(
-        store: &MySqlTxStore,
+        seam: &Seam<Self>,
         key: &StorageKey,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        transactional::in_flight(store, key)
+        transactional::in_flight(seam, key)
     }
 }

@@ -8,9 +8,12 @@ use std::time::Duration;
 use super::Flavor;
 use crate::{
     fingerprint::push_hex,
-    store::sql::dialect::{
-        Param::{self, *},
-        Statements, Stmt,
+    store::sql::{
+        dialect::{
+            Param::{self, *},
+            Statements, Stmt,
+        },
+        tx_engine::Expiry,
     },
 };
 
@@ -99,6 +102,22 @@ pub(super) fn statements(table: &str, flavor: Flavor) -> Statements {
     }
 }
 
+/// The user variable a connection's session settings are marked with: set
+/// (to the empty binary string, which leaves a fingerprint's bytes as they
+/// are) once the session is ready for claims, `NULL` on a fresh
+/// connection.
+const SESSION_MARK: &str = "@tower_idempotency_session";
+
+/// MySQL's error number for a `NULL` written into a `NOT NULL` column by a
+/// single-row `INSERT` (whatever the `sql_mode`): the claim's fingerprint
+/// carries the session's mark, so on a connection whose session is not
+/// ready yet the claim fails with it, and inserts nothing.
+pub(super) const SESSION_NOT_READY: u16 = 1048;
+
+/// MySQL's error number for an arithmetic overflow: the completion's check
+/// that the claim's row is still in the transaction.
+pub(super) const ROW_GONE: u16 = 1690;
+
 /// The transactional store's statements. The claim travels in the text
 /// protocol with the session's settings, so its values are literals (hex,
 /// whatever the `sql_mode`).
@@ -137,13 +156,36 @@ impl TxStatements {
         }
     }
 
+    /// What a connection's session is given once, before its first claim,
+    /// in a round trip of its own (the failed claim's transaction rolled
+    /// back first): it reads committed data — under REPEATABLE READ,
+    /// InnoDB's gap locks made concurrent claims of *different* keys wait
+    /// for each other, and a claim that may not wait reported a new key in
+    /// flight —, on MariaDB the bounds of every request transaction it
+    /// will run (`idle_transaction_timeout`, `max_statement_time`, whole
+    /// seconds), and the mark that says it is ready. Like the bounds of
+    /// the PostgreSQL store, these stay with the pooled connection.
+    pub(super) fn session(&self, bound: Duration) -> String {
+        let bounds = match self.flavor {
+            Flavor::MariaDb => {
+                let seconds = seconds(bound);
+                format!("idle_transaction_timeout = {seconds}, max_statement_time = {seconds}, ")
+            }
+            Flavor::MySql => String::new(),
+        };
+        format!(
+            "ROLLBACK; SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; SET {bounds}{SESSION_MARK} = X''"
+        )
+    }
+
     /// Begins the request's transaction with the claim in it, in one round
-    /// trip: the session reads committed data (see [`Self::begin`]), stops
-    /// committing each statement on its own (so that even after a deadlock
-    /// rolled everything back, nothing a handler writes later commits
-    /// without its record), takes the transaction's bound, and inserts the
-    /// claim's row, expiring after `lifetime_ms`. A row another transaction
-    /// has not committed makes the insert fail at once (1205): in flight; a
+    /// trip: the session stops committing each statement on its own (so
+    /// that even after a deadlock rolled everything back, nothing a handler
+    /// writes later commits without its record), takes the transaction's
+    /// bound on MySQL (`wait_timeout`), and inserts the claim's row,
+    /// expiring after `lifetime_ms`, its fingerprint carrying the session's
+    /// mark ([`SESSION_NOT_READY`]). A row another transaction has not
+    /// committed makes the insert fail at once (1205): in flight; a
     /// committed one fails it with 1062: read next.
     pub(super) fn claim(
         &self,
@@ -154,7 +196,7 @@ impl TxStatements {
         lifetime_ms: i64,
     ) -> String {
         let insert = format!(
-            "INSERT INTO {} (`key`, fingerprint, token, record, expires_at) VALUES ({}, {}, NULL, NULL, {})",
+            "INSERT INTO {} (`key`, fingerprint, token, record, expires_at) VALUES ({}, CONCAT({}, {SESSION_MARK}), NULL, NULL, {})",
             self.table,
             hex(key.as_bytes()),
             hex(fingerprint),
@@ -165,22 +207,13 @@ impl TxStatements {
 
     /// What begins a claim's transaction: see [`Self::claim`].
     fn begin(&self, bound: Duration) -> String {
-        let seconds = bound.as_secs_f64().ceil().max(1.0) as u64;
-        let session = match self.flavor {
-            Flavor::MariaDb => format!(
-                "SET autocommit = 0, idle_transaction_timeout = {seconds}, max_statement_time = {seconds}"
+        match self.flavor {
+            Flavor::MariaDb => "SET autocommit = 0".to_owned(),
+            Flavor::MySql => format!(
+                "SET autocommit = 0, wait_timeout = {}, innodb_lock_wait_timeout = 1",
+                seconds(bound)
             ),
-            Flavor::MySql => {
-                format!(
-                    "SET autocommit = 0, wait_timeout = {seconds}, innodb_lock_wait_timeout = 1"
-                )
-            }
-        };
-        // READ COMMITTED, whatever the server's default: under REPEATABLE
-        // READ, InnoDB's gap locks made concurrent claims of *different*
-        // keys wait for each other, and a claim that may not wait reported
-        // a new key in flight.
-        format!("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED; {session}")
+        }
     }
 
     /// The committed row that holds the key, read once the claim's
@@ -197,33 +230,26 @@ impl TxStatements {
     }
 
     /// The record written into the claim's row and committed, in one round
-    /// trip. Its expiry, written with the claim, is kept when it lies
-    /// between the retention from now and a little later
-    /// (`SqlTxStore::longest_kept_ms`), and written anew otherwise: the
-    /// common update changes no indexed column, so InnoDB touches no
-    /// secondary index. If the claim's row is
-    /// gone (the handler deleted it, or a deadlock rolled the transaction
-    /// back and the handler went on writing), committing would keep writes
-    /// without their record: the check after the update then fails (1242,
-    /// a scalar subquery of two rows, evaluated only then), and the
-    /// `COMMIT` after it never runs.
-    pub(super) fn complete(
-        &self,
-        key: &str,
-        record: &[u8],
-        retention_ms: i64,
-        longest_ms: i64,
-    ) -> String {
+    /// trip; its expiry kept as the claim wrote it — the update then
+    /// changes no indexed column, and InnoDB touches no secondary index —
+    /// or written as the retention from now. If the claim's row is gone
+    /// (the handler deleted it, or a deadlock rolled the transaction back
+    /// and the handler went on writing), committing would keep writes
+    /// without their record: the check after the update then overflows
+    /// ([`ROW_GONE`]: its row count is 0), and the `COMMIT` after it never
+    /// runs.
+    pub(super) fn complete(&self, key: &str, record: &[u8], expiry: Expiry) -> String {
         let mut sql = String::with_capacity(2 * record.len() + 256);
         sql.push_str("UPDATE ");
         sql.push_str(&self.table);
         sql.push_str(" SET record = ");
         push_hex_literal(&mut sql, record);
+        if let Expiry::Retention(ms) = expiry {
+            sql.push_str(", expires_at = ");
+            sql.push_str(&later(&ms.to_string()));
+        }
         sql.push_str(&format!(
-            ", expires_at = LEAST(GREATEST(expires_at, {}), {}) WHERE `key` = {}; \
-             SELECT IF(ROW_COUNT() = 1, 0, (SELECT 1 UNION ALL SELECT 2)); {}",
-            later(&retention_ms.to_string()),
-            later(&longest_ms.to_string()),
+            " WHERE `key` = {}; SELECT 9223372036854775807 + (1 - ROW_COUNT()); {}",
             hex(key.as_bytes()),
             self.end("COMMIT"),
         ));
@@ -261,6 +287,11 @@ impl TxStatements {
     pub(super) fn probe(&self, key: &str) -> String {
         probe(&self.table, self.flavor, key)
     }
+}
+
+/// A bound in whole seconds, at least one, as MySQL's settings take it.
+fn seconds(bound: Duration) -> u64 {
+    bound.as_secs_f64().ceil().max(1.0) as u64
 }
 
 /// For the start-up check and the in-flight probe: a claim as a

@@ -1,16 +1,20 @@
-//! MySQL's transactional claim: the claim's row inserted with the session's
-//! settings in one round trip; a duplicate of a committed key read, at READ
-//! COMMITTED and after its transaction's rollback, in one more; the record
-//! written and committed in one.
+//! MySQL's transactional claim: the claim's row inserted with the
+//! transaction's settings in one round trip (the session's own were given
+//! once, on the connection's first claim); a duplicate of a committed key
+//! read, at READ COMMITTED and after its transaction's rollback, in one
+//! more; the record written and committed in one.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::{MySql, MySqlTx, MySqlTxStore, number, statements::TxStatements};
-use crate::{
-    fingerprint::Fingerprint,
-    store::{
-        StorageKey, StoreError,
-        sql::dialect::{Engine, ErrorClass, TxClaim},
+use super::{
+    MySql, MySqlTx, number,
+    statements::{ROW_GONE, SESSION_NOT_READY, TxStatements},
+};
+use crate::store::{
+    StorageKey, StoreError,
+    sql::{
+        dialect::{Engine, ErrorClass},
+        tx_engine::{ClaimRequest, Expiry, Seam, TxClaim},
     },
 };
 
@@ -28,26 +32,33 @@ impl std::fmt::Debug for TxState {
 }
 
 pub(super) async fn claim(
-    store: &MySqlTxStore,
-    key: &StorageKey,
-    fingerprint: &Fingerprint,
+    seam: &Seam<MySql>,
+    request: &ClaimRequest<'_>,
 ) -> Result<TxClaim<MySql>, StoreError> {
-    let (base, sql) = (&store.base, &store.state.sql);
-    let connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
+    let sql = &seam.state.sql;
+    let connection = seam.connection().await?;
     // From here on, a failure closes the connection (see `SqlTx`).
     let mut tx = MySqlTx::begun(connection, (), Instant::now());
-    let wait = store.claim_wait;
-    let inserted = MySql::raw(
-        &mut tx,
-        &sql.claim(
-            key.as_str(),
-            fingerprint.as_bytes(),
-            wait,
-            store.bound,
-            store.claim_lifetime_ms()?,
-        ),
-    )
-    .await;
+    let claim = sql.claim(
+        request.key.as_str(),
+        request.fingerprint.as_bytes(),
+        request.wait,
+        request.bound,
+        request.lifetime_ms,
+    );
+    let mut inserted = MySql::raw(&mut tx, &claim).await;
+    if inserted
+        .as_ref()
+        .is_err_and(|e| number(e) == Some(SESSION_NOT_READY))
+    {
+        // The connection's first claim: its session set up, in a round
+        // trip of its own, then the claim again.
+        if let Err(error) = MySql::raw(&mut tx, &sql.session(request.bound)).await {
+            tx.close_on_drop();
+            return Err(seam.error(error));
+        }
+        inserted = MySql::raw(&mut tx, &claim).await;
+    }
     let error = match inserted {
         Ok(()) => return Ok(TxClaim::Acquired(tx)),
         Err(error) => error,
@@ -56,14 +67,14 @@ pub(super) async fn claim(
         // An uncommitted row holds the key. The transaction is still open
         // after a lock-wait timeout: rolled back, in the background.
         ErrorClass::LockTimeout | ErrorClass::Conflict => {
-            roll_back(store, tx);
+            roll_back(seam, tx);
             Ok(TxClaim::InFlight)
         }
         // A committed row holds the key.
-        ErrorClass::Duplicate => found(store, tx, key, fingerprint, wait).await,
+        ErrorClass::Duplicate => found(seam, tx, request).await,
         _ => {
             tx.close_on_drop();
-            Err(base.error(error))
+            Err(seam.error(error))
         }
     }
 }
@@ -72,14 +83,12 @@ pub(super) async fn claim(
 /// expired record this claim takes over. The claim's transaction ends in
 /// the read's round trip; a take-over begins another.
 async fn found(
-    store: &MySqlTxStore,
+    seam: &Seam<MySql>,
     mut tx: MySqlTx,
-    key: &StorageKey,
-    fingerprint: &Fingerprint,
-    wait: Duration,
+    request: &ClaimRequest<'_>,
 ) -> Result<TxClaim<MySql>, StoreError> {
-    let (base, sql) = (&store.base, &store.state.sql);
-    let read = sql.read_after_rollback(key.as_str());
+    let sql = &seam.state.sql;
+    let read = sql.read_after_rollback(request.key.as_str());
     let row = {
         let on: &mut sqlx::MySqlConnection = &mut tx;
         sqlx::Executor::fetch_optional(on, sqlx::raw_sql(sqlx::AssertSqlSafe(read))).await
@@ -88,22 +97,22 @@ async fn found(
         Ok(Ok(row)) => row,
         Ok(Err(error)) | Err(error) => {
             tx.close_on_drop();
-            return Err(base.error(error));
+            return Err(seam.error(error));
         }
     };
     let Some(connection) = tx.ended() else {
-        return Err(base.error(sqlx::Error::PoolClosed));
+        return Err(seam.error(sqlx::Error::PoolClosed));
     };
     match row {
         Some(row) if row.ms_left > 0 => Ok(TxClaim::Found(row)),
         Some(_) => {
             let mut tx = MySqlTx::begun(connection, (), Instant::now());
             let take_over = sql.take_over(
-                key.as_str(),
-                fingerprint.as_bytes(),
-                wait,
-                store.bound,
-                store.claim_lifetime_ms()?,
+                request.key.as_str(),
+                request.fingerprint.as_bytes(),
+                request.wait,
+                request.bound,
+                request.lifetime_ms,
             );
             let taken = {
                 let on: &mut sqlx::MySqlConnection = &mut tx;
@@ -113,17 +122,17 @@ async fn found(
                 Ok(done) if done.rows_affected() == 1 => Ok(TxClaim::Acquired(tx)),
                 // Taken over, or deleted, by another request since the read.
                 Ok(_) => {
-                    roll_back(store, tx);
+                    roll_back(seam, tx);
                     Ok(TxClaim::InFlight)
                 }
                 Err(error) => match MySql::classify(&error) {
                     ErrorClass::LockTimeout | ErrorClass::Conflict => {
-                        roll_back(store, tx);
+                        roll_back(seam, tx);
                         Ok(TxClaim::InFlight)
                     }
                     _ => {
                         tx.close_on_drop();
-                        Err(base.error(error))
+                        Err(seam.error(error))
                     }
                 },
             }
@@ -135,8 +144,8 @@ async fn found(
 
 /// Rolls a transaction that found nothing to do back, in the background:
 /// the duplicate's answer does not wait for it.
-fn roll_back(store: &MySqlTxStore, mut tx: MySqlTx) {
-    let (end, timeout) = (store.state.sql.end("ROLLBACK"), store.base.timeout);
+fn roll_back(seam: &Seam<MySql>, mut tx: MySqlTx) {
+    let (end, timeout) = (seam.state.sql.end("ROLLBACK"), seam.timeout());
     tokio::spawn(async move {
         // Timed out or failed: dropping `tx` closes its connection.
         let _ = tokio::time::timeout(timeout, tx.end(&end)).await;
@@ -144,57 +153,52 @@ fn roll_back(store: &MySqlTxStore, mut tx: MySqlTx) {
 }
 
 pub(super) async fn complete(
-    store: &MySqlTxStore,
+    seam: &Seam<MySql>,
     tx: &mut MySqlTx,
     key: &StorageKey,
     record: Vec<u8>,
-    retention_ms: i64,
+    expiry: Expiry,
 ) -> Result<(), StoreError> {
-    let (base, sql) = (&store.base, &store.state.sql);
-    // Retention counts from now, the end of the handler. On a multi-node
-    // cluster, a duplicate committed on another node first fails this
-    // COMMIT's certification (1213): nothing of this request commits.
-    let longest = store.longest_kept_ms(retention_ms)?;
-    match tx
-        .end(&sql.complete(key.as_str(), &record, retention_ms, longest))
-        .await
-    {
+    // On a multi-node cluster, a duplicate committed on another node first
+    // fails this COMMIT's certification (1213): nothing of this request
+    // commits.
+    let complete = seam.state.sql.complete(key.as_str(), &record, expiry);
+    match tx.end(&complete).await {
         Ok(()) => Ok(()),
         // The check after the update: the claim's row is gone (the handler
         // deleted it, or a deadlock rolled the transaction back and the
         // handler went on writing). Committing would keep writes without
         // their record; the failed batch never reached its COMMIT, and the
         // closed connection rolls the rest back.
-        Err(error) if number(&error) == Some(1242) => Err(StoreError::Refused(
+        Err(error) if number(&error) == Some(ROW_GONE) => Err(StoreError::Refused(
             "the claim's row is no longer in the transaction".into(),
         )),
-        Err(error) => Err(base.error(error)),
+        Err(error) => Err(seam.error(error)),
     }
 }
 
-pub(super) async fn release(store: &MySqlTxStore, mut tx: MySqlTx) -> Result<(), StoreError> {
-    let end = store.state.sql.end("ROLLBACK");
-    tx.end(&end).await.map_err(|e| store.base.error(e))
+/// Ends the transaction with `end`, the session's settings restored.
+pub(super) async fn end(seam: &Seam<MySql>, mut tx: MySqlTx, end: &str) -> Result<(), StoreError> {
+    let end = seam.state.sql.end(end);
+    tx.end(&end).await.map_err(|e| seam.error(e))
 }
 
 /// Whether a transaction holds `key` in flight: a claim of it in a
 /// transaction of its own, rolled back in the same round trip, meets the
 /// uncommitted row and fails without waiting (a request claiming the key at
 /// that very moment may be told `409`).
-pub(super) async fn in_flight(store: &MySqlTxStore, key: &StorageKey) -> Result<bool, StoreError> {
-    let (base, sql) = (&store.base, &store.state.sql);
-    let connection = base
-        .bounded(async { base.pool.acquire().await.map_err(|e| base.error(e)) })
-        .await?;
+pub(super) async fn in_flight(seam: &Seam<MySql>, key: &StorageKey) -> Result<bool, StoreError> {
+    let sql = &seam.state.sql;
+    let connection = seam.bounded(seam.connection()).await?;
     let mut tx = MySqlTx::begun(connection, (), Instant::now());
     let probe = format!("{}; {}", sql.probe(key.as_str()), sql.end("ROLLBACK"));
     // A probe that fails closes its connection, which rolls it back.
-    match base.bounded(async { Ok(tx.end(&probe).await) }).await? {
+    match seam.bounded(async { Ok(tx.end(&probe).await) }).await? {
         Ok(()) => Ok(false),
         Err(error) => match MySql::classify(&error) {
             ErrorClass::LockTimeout => Ok(true),
             ErrorClass::Duplicate => Ok(false),
-            _ => Err(base.error(error)),
+            _ => Err(seam.error(error)),
         },
     }
 }

@@ -131,13 +131,11 @@ use sqlx::{PgConnection, PgPool, postgres::PgPoolOptions};
 
 pub use super::{EngineCheck, Plain, Transactional};
 use super::{
-    Settings, SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
-    dialect::{Args, Dialect, Engine, ErrorClass, LeaseClaim, Statements, TxClaim, glue, sealed},
+    SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
+    dialect::{Args, Dialect, Engine, ErrorClass, LeaseClaim, Statements, glue, sealed},
+    tx_engine::{ClaimRequest, Expiry, Seam, TxClaim, TxEngine},
 };
-use crate::{
-    fingerprint::Fingerprint,
-    store::{StorageKey, StoreError},
-};
+use crate::store::{StorageKey, StoreError};
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
@@ -224,10 +222,10 @@ CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
         statements(table, &SQL)
     }
 
-    async fn open(url: &str, settings: &Settings) -> Result<PgPool, StoreError> {
+    async fn open(url: &str, connections: u32, timeout: Duration) -> Result<PgPool, StoreError> {
         let pool = PgPoolOptions::new()
-            .max_connections(settings.max_connections)
-            .acquire_timeout(settings.timeout);
+            .max_connections(connections)
+            .acquire_timeout(timeout);
         super::connect_pool::<Self>(pool, url.parse()?).await
     }
 
@@ -302,53 +300,47 @@ CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
             .await?
             .is_some())
     }
+}
 
+impl TxEngine for Postgres {
     async fn tx_state(
-        base: &super::Base<Self>,
-        _settings: &Settings,
+        pool: &PgPool,
+        _: &Self,
+        table: &str,
+        timeout: Duration,
     ) -> Result<transactional::TxState, StoreError> {
         // What the claim restores once it no longer needs its short wait.
         let lock_timeout: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
-            .fetch_one(&base.pool)
+            .fetch_one(pool)
             .await?;
         Ok(transactional::TxState {
-            sql: statements::TxStatements::new(&base.sql.table),
-            idle: std::sync::Arc::new(idle::IdleTransactions::new(&base.pool, base.timeout)),
+            sql: statements::TxStatements::new(table),
+            idle: std::sync::Arc::new(idle::IdleTransactions::new(pool, timeout)),
             lock_timeout: lock_timeout.into(),
         })
     }
 
     fn tx_claim(
-        store: &PostgresTxStore,
-        key: &StorageKey,
-        fingerprint: &Fingerprint,
-        _in_line: bool,
+        seam: &Seam<Self>,
+        claim: &ClaimRequest<'_>,
     ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
-        transactional::claim(store, key, fingerprint)
+        transactional::claim(seam, claim)
     }
 
     fn tx_complete(
-        store: &PostgresTxStore,
+        seam: &Seam<Self>,
         tx: &mut PostgresTx,
         key: &StorageKey,
         record: Vec<u8>,
-        retention_ms: i64,
+        expiry: Expiry,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        transactional::complete(store, tx, key, record, retention_ms)
-    }
-
-    async fn tx_release(store: &PostgresTxStore, mut tx: PostgresTx) -> Result<(), StoreError> {
-        tx.end("ROLLBACK").await.map_err(|e| store.base.error(e))
-    }
-
-    async fn tx_commit(store: &PostgresTxStore, mut tx: PostgresTx) -> Result<(), StoreError> {
-        tx.end("COMMIT").await.map_err(|e| store.base.error(e))
+        transactional::complete(seam, tx, key, record, expiry)
     }
 
     fn tx_in_flight(
-        store: &PostgresTxStore,
+        seam: &Seam<Self>,
         key: &StorageKey,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        transactional::in_flight(store, key)
+        transactional::in_flight(seam, key)
     }
 }

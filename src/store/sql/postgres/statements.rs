@@ -9,9 +9,12 @@ use sha2::{Digest, Sha256};
 
 use crate::{
     fingerprint::{Fingerprint, push_hex},
-    store::sql::dialect::{
-        Param::{self, *},
-        Statements, Stmt,
+    store::sql::{
+        dialect::{
+            Param::{self, *},
+            Statements, Stmt,
+        },
+        tx_engine::Expiry,
     },
 };
 
@@ -192,10 +195,9 @@ impl TxStatements {
              SELECT 1::bigint, ''::bytea, NULL::bytea, NULL::bytea, 0::bigint FROM claimed \
              UNION ALL SELECT 0, fingerprint, token, record, {MS_LEFT} FROM {t} \
              WHERE key = $1 AND NOT EXISTS (SELECT 1 FROM claimed); \
-             PREPARE {names}_complete (text, bytea, bigint, bigint) AS \
+             PREPARE {names}_complete (text, bytea, bigint) AS \
              WITH done AS (UPDATE {t} SET record = $2, \
-             expires_at = LEAST(GREATEST(expires_at, clock_timestamp() + $3 * interval '1 millisecond'), \
-             clock_timestamp() + $4 * interval '1 millisecond') \
+             expires_at = COALESCE(clock_timestamp() + $3 * interval '1 millisecond', expires_at) \
              WHERE key = $1 RETURNING 1) \
              SELECT 1 / (SELECT count(*)::int FROM done)"
         )
@@ -215,20 +217,13 @@ impl TxStatements {
 
     /// The transactional completion, sent with `COMMIT` in one round trip:
     /// the record written into the claim's row. Its expiry, written with the
-    /// claim, is raised only if the retention from now (`clock_timestamp()`,
-    /// the end of the handler, not the transaction's start) outlasts it —
-    /// the transaction outlived its bound — so that the common update
-    /// changes no indexed column: PostgreSQL keeps it on its page (a HOT
-    /// update) and touches no index. If the row is gone, the prepared
-    /// statement's division by zero fails, and the `COMMIT` after it never
-    /// runs.
-    pub(super) fn complete(
-        &self,
-        key: &str,
-        record: &[u8],
-        retention_ms: i64,
-        longest_ms: i64,
-    ) -> String {
+    /// claim, is kept (`NULL`), so that the common update changes no
+    /// indexed column: PostgreSQL keeps it on its page (a HOT update) and
+    /// touches no index; or written as the retention from now
+    /// (`clock_timestamp()`, the end of the handler, not the transaction's
+    /// start). If the row is gone, the prepared statement's division by
+    /// zero fails, and the `COMMIT` after it never runs.
+    pub(super) fn complete(&self, key: &str, record: &[u8], expiry: Expiry) -> String {
         let mut sql = String::with_capacity(2 * record.len() + 128);
         sql.push_str(&format!(
             "EXECUTE {}_complete({}, ",
@@ -236,7 +231,10 @@ impl TxStatements {
             text_literal(key)
         ));
         push_bytea_literal(&mut sql, record);
-        sql.push_str(&format!(", {retention_ms}, {longest_ms}); COMMIT"));
+        match expiry {
+            Expiry::Kept => sql.push_str(", NULL); COMMIT"),
+            Expiry::Retention(ms) => sql.push_str(&format!(", {ms}); COMMIT")),
+        }
         sql
     }
 }

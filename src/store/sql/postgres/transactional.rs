@@ -7,14 +7,13 @@ use std::{sync::Arc, time::Instant};
 use sqlx::{Executor, PgConnection, postgres::PgRow};
 
 use super::{
-    NOT_PREPARED, Postgres, PostgresTx, PostgresTxStore, idle::IdleTransactions, sqlstate,
-    statements::TxStatements,
+    NOT_PREPARED, Postgres, PostgresTx, idle::IdleTransactions, sqlstate, statements::TxStatements,
 };
-use crate::{
-    fingerprint::Fingerprint,
-    store::{
-        StorageKey, StoreError,
-        sql::dialect::{Engine, ErrorClass, KeyRow, TxClaim},
+use crate::store::{
+    StorageKey, StoreError,
+    sql::{
+        dialect::{Engine, ErrorClass, KeyRow},
+        tx_engine::{ClaimRequest, Expiry, Seam, TxClaim},
     },
 };
 
@@ -57,10 +56,11 @@ impl Answer {
 /// row, or `None` when the claim met a duplicate's uncommitted row (in
 /// flight).
 async fn begin_claim(
-    store: &PostgresTxStore,
+    seam: &Seam<Postgres>,
+    bound: std::time::Duration,
     claim: &str,
 ) -> Result<Option<(PostgresTx, Option<PgRow>)>, StoreError> {
-    let state = &store.state;
+    let state = &seam.state;
     // `Executor::fetch_optional`, boxed, rather than `RawSql`'s async fn,
     // whose future trips rustc's inference of higher-ranked `Send` bounds
     // (rust-lang/rust#100013).
@@ -78,7 +78,7 @@ async fn begin_claim(
                 return Ok(Some((parked, row)));
             }
             Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
-                state.idle.park(parked, &store.base.pool);
+                state.idle.park(parked, seam.pool());
                 return Ok(None);
             }
             // E.g. closed by the server meanwhile (a restart, an idle
@@ -89,12 +89,7 @@ async fn begin_claim(
             }
         }
     }
-    let connection = store
-        .base
-        .pool
-        .acquire()
-        .await
-        .map_err(|e| store.base.error(e))?;
+    let connection = seam.connection().await?;
     // From here on, a failure closes the connection (see `SqlTx`).
     let mut tx = PostgresTx::begun(connection, (), Instant::now());
     // READ COMMITTED whatever the database's default: the claim must see the
@@ -114,13 +109,11 @@ async fn begin_claim(
         // database's default isolation level).
         let on: &mut PgConnection = &mut tx;
         let session = on
-            .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(
-                state.sql.session(store.bound),
-            )))
+            .execute(sqlx::raw_sql(sqlx::AssertSqlSafe(state.sql.session(bound))))
             .await;
         if let Err(error) = session {
             tx.close_on_drop();
-            return Err(store.base.error(error));
+            return Err(seam.error(error));
         }
         let prepare = state.sql.prepare();
         let sql = format!("BEGIN ISOLATION LEVEL READ COMMITTED; {prepare}; {claim}");
@@ -134,27 +127,26 @@ async fn begin_claim(
         // The duplicate's transaction is aborted: parked for the next claim
         // to roll back.
         Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
-            state.idle.park(tx, &store.base.pool);
+            state.idle.park(tx, seam.pool());
             Ok(None)
         }
-        Err(error) => Err(store.base.error(error)),
+        Err(error) => Err(seam.error(error)),
     }
 }
 
 pub(super) async fn claim(
-    store: &PostgresTxStore,
-    key: &StorageKey,
-    fingerprint: &Fingerprint,
+    seam: &Seam<Postgres>,
+    request: &ClaimRequest<'_>,
 ) -> Result<TxClaim<Postgres>, StoreError> {
-    let state = &store.state;
+    let state = &seam.state;
     let claim = state.sql.claim(
-        key.as_str(),
-        fingerprint,
-        store.claim_wait,
-        store.claim_lifetime_ms()?,
+        request.key.as_str(),
+        request.fingerprint,
+        request.wait,
+        request.lifetime_ms,
         &state.lock_timeout,
     );
-    let Some((mut tx, row)) = begin_claim(store, &claim).await? else {
+    let Some((mut tx, row)) = begin_claim(seam, request.bound, &claim).await? else {
         return Ok(TxClaim::InFlight);
     };
     let mut answer = Answer::read(row);
@@ -169,19 +161,19 @@ pub(super) async fn claim(
         answer = match on.fetch_optional(again).await {
             Ok(row) => Answer::read(row),
             Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
-                state.idle.park(tx, &store.base.pool);
+                state.idle.park(tx, seam.pool());
                 return Ok(TxClaim::InFlight);
             }
-            Err(error) => return Err(store.base.error(error)),
+            Err(error) => return Err(seam.error(error)),
         };
     }
     match answer {
         Ok(Answer::Row(row)) if row.acquired => Ok(TxClaim::Acquired(tx)),
-        Ok(Answer::Row(row)) if row.ms_left <= 0 => take_over(store, tx, key, fingerprint).await,
+        Ok(Answer::Row(row)) if row.ms_left <= 0 => take_over(seam, tx, request).await,
         Ok(Answer::Row(row)) => {
             // Nothing to do in this transaction: it ends with the next claim
             // on its connection.
-            state.idle.park(tx, &store.base.pool);
+            state.idle.park(tx, seam.pool());
             Ok(TxClaim::Found(row))
         }
         Ok(Answer::Raced) => {
@@ -192,7 +184,7 @@ pub(super) async fn claim(
         }
         Err(error) => {
             state.idle.roll_back(tx);
-            Err(store.base.error(error))
+            Err(seam.error(error))
         }
     }
 }
@@ -201,71 +193,60 @@ pub(super) async fn claim(
 /// replaces it, in its transaction. A concurrent claim doing the same waits
 /// on the row, then finds it live.
 async fn take_over(
-    store: &PostgresTxStore,
+    seam: &Seam<Postgres>,
     mut tx: PostgresTx,
-    key: &StorageKey,
-    fingerprint: &Fingerprint,
+    request: &ClaimRequest<'_>,
 ) -> Result<TxClaim<Postgres>, StoreError> {
-    let lifetime = store.claim_lifetime_ms()?;
+    let state = &seam.state;
     let on: &mut PgConnection = &mut tx;
-    let taken = sqlx::query(sqlx::AssertSqlSafe(store.state.sql.take_over.clone()))
-        .bind(key.as_str())
-        .bind(&fingerprint.as_bytes()[..])
-        .bind(lifetime)
-        .bind(&*store.state.lock_timeout)
+    let taken = sqlx::query(sqlx::AssertSqlSafe(state.sql.take_over.clone()))
+        .bind(request.key.as_str())
+        .bind(&request.fingerprint.as_bytes()[..])
+        .bind(request.lifetime_ms)
+        .bind(&*state.lock_timeout)
         .execute(on)
         .await;
     match taken {
         Ok(done) if done.rows_affected() == 1 => Ok(TxClaim::Acquired(tx)),
         // Taken over by another claim meanwhile, which committed.
         Ok(_) => {
-            store.state.idle.roll_back(tx);
+            state.idle.roll_back(tx);
             Ok(TxClaim::InFlight)
         }
         Err(error) => {
-            store.state.idle.roll_back(tx);
-            Err(store.base.error(error))
+            state.idle.roll_back(tx);
+            Err(seam.error(error))
         }
     }
 }
 
 pub(super) async fn complete(
-    store: &PostgresTxStore,
+    seam: &Seam<Postgres>,
     tx: &mut PostgresTx,
     key: &StorageKey,
     record: Vec<u8>,
-    retention_ms: i64,
+    expiry: Expiry,
 ) -> Result<(), StoreError> {
     // The record and COMMIT in one round trip (simple protocol, so the
     // values are literals); if the record cannot be written, COMMIT never
     // runs. Written into one buffer: the record's literal can run to
     // megabytes. On an error `end` closes the connection: everything rolled
     // back.
-    let longest = store.longest_kept_ms(retention_ms)?;
-    let complete = store
-        .state
-        .sql
-        .complete(key.as_str(), &record, retention_ms, longest);
-    tx.end(&complete).await.map_err(|e| store.base.error(e))
+    let complete = seam.state.sql.complete(key.as_str(), &record, expiry);
+    tx.end(&complete).await.map_err(|e| seam.error(e))
 }
 
 /// Whether a transaction holds `key` in flight: a claim in a transaction of
 /// its own, rolled back at once, that meets it waits 50 ms and fails.
-pub(super) async fn in_flight(
-    store: &PostgresTxStore,
-    key: &StorageKey,
-) -> Result<bool, StoreError> {
-    let probe = store.state.sql.probe(key.as_str());
-    let base = &store.base;
-    let connection = base
-        .bounded(async { base.pool.acquire().await.map_err(|e| base.error(e)) })
-        .await?;
+pub(super) async fn in_flight(seam: &Seam<Postgres>, key: &StorageKey) -> Result<bool, StoreError> {
+    let probe = seam.state.sql.probe(key.as_str());
+    let connection = seam.bounded(seam.connection()).await?;
     // Closed if the probe fails halfway: never back in the pool inside its
     // transaction.
     let mut tx = PostgresTx::begun(connection, (), Instant::now());
-    match base.bounded(async { Ok(tx.end(&probe).await) }).await? {
+    match seam.bounded(async { Ok(tx.end(&probe).await) }).await? {
         Ok(()) => Ok(false),
         Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => Ok(true),
-        Err(error) => Err(base.error(error)),
+        Err(error) => Err(seam.error(error)),
     }
 }

@@ -70,10 +70,11 @@ use tokio::sync::OwnedMutexGuard;
 
 pub use super::{EngineCheck, Plain, Transactional};
 use super::{
-    Settings, SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
+    SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
     dialect::{Dialect, Engine, ErrorClass, LeaseClaim, Statements, glue, sealed},
+    tx_engine::{ClaimRequest, Expiry, Seam, TxClaim, TxEngine},
 };
-use crate::store::StoreError;
+use crate::store::{Forgotten, StorageKey, StoreError};
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
@@ -172,15 +173,19 @@ CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
     /// A pool on the file `url` names (`sqlite://payments.db`, created if
     /// missing), in WAL mode with `synchronous = FULL`: a committed record
     /// survives a crash of the process and of the machine.
-    async fn open(url: &str, settings: &Settings) -> Result<SqlitePool, StoreError> {
+    async fn open(
+        url: &str,
+        connections: u32,
+        timeout: Duration,
+    ) -> Result<SqlitePool, StoreError> {
         let options = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
-            .busy_timeout(settings.timeout);
+            .busy_timeout(timeout);
         let path = options.get_filename().display().to_string();
         SqlitePoolOptions::new()
-            .max_connections(settings.max_connections)
+            .max_connections(connections)
             // In-process connections do not go stale the way network ones
             // do: testing each before use would cost every request a trip
             // to its connection's thread.
@@ -273,52 +278,46 @@ CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
             .await?
             .is_some())
     }
+}
 
+impl TxEngine for Sqlite {
     async fn tx_state(
-        base: &super::Base<Self>,
-        _settings: &Settings,
+        _: &SqlitePool,
+        _: &Self,
+        table: &str,
+        _: Duration,
     ) -> Result<transactional::TxState, StoreError> {
-        Ok(transactional::TxState::new(&base.sql.table))
+        Ok(transactional::TxState::new(table))
     }
 
     fn tx_claim(
-        store: &SqliteTxStore,
-        key: &crate::store::StorageKey,
-        fingerprint: &crate::fingerprint::Fingerprint,
-        in_line: bool,
-    ) -> impl Future<Output = Result<super::dialect::TxClaim<Self>, StoreError>> + Send {
-        transactional::claim(store, key, fingerprint, in_line)
+        seam: &Seam<Self>,
+        claim: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
+        transactional::claim(seam, claim)
     }
 
     fn tx_complete(
-        store: &SqliteTxStore,
+        seam: &Seam<Self>,
         tx: &mut SqliteTx,
-        key: &crate::store::StorageKey,
+        key: &StorageKey,
         record: Vec<u8>,
-        retention_ms: i64,
+        expiry: Expiry,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        transactional::complete(store, tx, key, record, retention_ms)
-    }
-
-    async fn tx_release(store: &SqliteTxStore, mut tx: SqliteTx) -> Result<(), StoreError> {
-        tx.end("ROLLBACK").await.map_err(|e| store.base.error(e))
-    }
-
-    async fn tx_commit(store: &SqliteTxStore, mut tx: SqliteTx) -> Result<(), StoreError> {
-        tx.end("COMMIT").await.map_err(|e| store.base.error(e))
+        transactional::complete(seam, tx, key, record, expiry)
     }
 
     fn tx_in_flight(
-        store: &SqliteTxStore,
-        key: &crate::store::StorageKey,
+        seam: &Seam<Self>,
+        key: &StorageKey,
     ) -> impl Future<Output = Result<bool, StoreError>> + Send {
-        transactional::in_flight(store, key)
+        transactional::in_flight(seam, key)
     }
 
     fn tx_forget(
-        store: &SqliteTxStore,
-        key: &crate::store::StorageKey,
-    ) -> impl Future<Output = Result<crate::store::Forgotten, StoreError>> + Send {
-        transactional::forget(store, key)
+        seam: &Seam<Self>,
+        key: &StorageKey,
+    ) -> impl Future<Output = Result<Forgotten, StoreError>> + Send {
+        transactional::forget(seam, key)
     }
 }

@@ -11,17 +11,17 @@ use std::{
 
 use tokio::sync::OwnedMutexGuard;
 
-use super::{Sqlite, SqliteTx, SqliteTxStore, statements};
+use super::{Sqlite, SqliteTx, statements};
 use crate::{
     fingerprint::Fingerprint,
     lock::lock,
     store::{
         Forgotten, StorageKey, StoreError,
         sql::{
-            Base,
             base::now_ms,
-            dialect::{Args, Engine, Stmt, TxClaim},
+            dialect::{Args, Engine, Stmt},
             tx::SqlTx,
+            tx_engine::{ClaimRequest, Expiry, Seam, TxClaim},
         },
     },
 };
@@ -37,6 +37,7 @@ const FORGET_WAIT: Duration = Duration::from_millis(100);
 pub struct TxState {
     complete: Stmt,
     complete_later: Stmt,
+    forget_completed: Stmt,
     in_flight: Arc<Mutex<HashSet<StorageKey>>>,
 }
 
@@ -51,6 +52,7 @@ impl TxState {
         Self {
             complete: statements::tx_complete(table),
             complete_later: statements::tx_complete_later(table),
+            forget_completed: statements::statements(table).forget_completed,
             in_flight: Arc::default(),
         }
     }
@@ -66,8 +68,6 @@ impl TxState {
 pub struct Held {
     _turn: OwnedMutexGuard<()>,
     _registered: Registered,
-    /// When the claim's row expires, in Unix milliseconds.
-    expires_at: i64,
 }
 
 impl std::fmt::Debug for Held {
@@ -100,20 +100,19 @@ impl Drop for Registered {
 }
 
 pub(super) async fn claim(
-    store: &SqliteTxStore,
-    key: &StorageKey,
-    fingerprint: &Fingerprint,
-    in_line: bool,
+    seam: &Seam<Sqlite>,
+    request: &ClaimRequest<'_>,
 ) -> Result<TxClaim<Sqlite>, StoreError> {
+    let key = request.key;
     // A replay (or a mismatch) needs no write lock, and no place in the
     // registry: concurrent replays of one key all replay.
-    if store.state.in_flight(key) {
+    if seam.state.in_flight(key) {
         return Ok(TxClaim::InFlight);
     }
-    if let Some(row) = store.base.live_row(key).await? {
+    if let Some(row) = seam.live_row(key).await? {
         return Ok(TxClaim::Found(row));
     }
-    let Some(registered) = Registered::enter(&store.state.in_flight, key) else {
+    let Some(registered) = Registered::enter(&seam.state.in_flight, key) else {
         return Ok(TxClaim::InFlight);
     };
     // On a task of its own, which makes the transaction whole (connection,
@@ -122,11 +121,11 @@ pub(super) async fn claim(
     // transaction. A transaction nobody took closes its connection when
     // dropped, which rolls it back.
     let claim = tokio::spawn({
-        let base = store.base.clone();
-        let (key, fingerprint) = (key.clone(), *fingerprint);
-        let lifetime = store.claim_lifetime_ms()?;
-        let wait = (!in_line).then_some(base.timeout);
-        async move { insert_claim(&base, registered, &key, &fingerprint, lifetime, wait).await }
+        let seam = seam.clone();
+        let (key, fingerprint) = (key.clone(), *request.fingerprint);
+        let lifetime = request.lifetime_ms;
+        let wait = (!request.in_line).then_some(seam.timeout());
+        async move { insert_claim(&seam, registered, &key, &fingerprint, lifetime, wait).await }
     });
     match claim
         .await
@@ -134,8 +133,7 @@ pub(super) async fn claim(
     {
         Some(tx) => Ok(TxClaim::Acquired(tx)),
         // Committed by another process since the first look.
-        None => Ok(store
-            .base
+        None => Ok(seam
             .live_row(key)
             .await?
             .map_or(TxClaim::InFlight, TxClaim::Found)),
@@ -148,30 +146,28 @@ pub(super) async fn claim(
 /// and inserts the claim's row: the transaction holding it, or `None` when
 /// a live row holds the key.
 async fn insert_claim(
-    base: &Base<Sqlite>,
+    seam: &Seam<Sqlite>,
     registered: Registered,
     key: &StorageKey,
     fingerprint: &Fingerprint,
     lifetime: i64,
     wait: Option<Duration>,
 ) -> Result<Option<SqliteTx>, StoreError> {
-    let turn = base.engine.turn(wait).await?;
+    let turn = seam.engine().turn(wait).await?;
     // The transaction's bound counts from its turn, not from the wait.
     let began = Instant::now();
-    let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
+    let mut connection = seam.connection().await?;
     let now = now_ms();
-    let expires_at = now.saturating_add(lifetime);
     let claim = statements::tx_claim(
-        &base.sql.table,
+        seam.table(),
         key.as_str(),
         fingerprint.as_bytes(),
         now,
-        expires_at,
+        now.saturating_add(lifetime),
     );
     let held = Held {
         _turn: turn,
         _registered: registered,
-        expires_at,
     };
     let claimed =
         sqlx::Executor::fetch_optional(&mut *connection, sqlx::raw_sql(sqlx::AssertSqlSafe(claim)))
@@ -186,42 +182,35 @@ async fn insert_claim(
             Ok(None)
         }
         // Whether `BEGIN` ran is not known: the connection is closed.
-        Err(error) => Err(base.error(error)),
+        Err(error) => Err(seam.error(error)),
     }
 }
 
 pub(super) async fn complete(
-    store: &SqliteTxStore,
+    seam: &Seam<Sqlite>,
     tx: &mut SqliteTx,
     key: &StorageKey,
     record: Vec<u8>,
-    retention_ms: i64,
+    expiry: Expiry,
 ) -> Result<(), StoreError> {
-    let base = &store.base;
-    // Retention counts from now, the end of the handler. The claim's row
-    // was written to expire a little later than that, unless the
-    // transaction ran long or the store was last asked another retention:
-    // then the expiry — an indexed column — is written too.
-    let now = now_ms();
+    // Retention counts from now, the end of the handler: a kept expiry
+    // changes no index.
+    let (complete, ms) = match expiry {
+        Expiry::Kept => (&seam.state.complete, 0),
+        Expiry::Retention(ms) => (&seam.state.complete_later, ms),
+    };
     let args = Args {
         key: key.as_str(),
         record: &record,
-        now,
-        ms: retention_ms,
+        now: now_ms(),
+        ms,
         ..Args::default()
-    };
-    let kept =
-        now.saturating_add(retention_ms)..=now.saturating_add(store.longest_kept_ms(retention_ms)?);
-    let complete = if kept.contains(&tx.held().expires_at) {
-        &store.state.complete
-    } else {
-        &store.state.complete_later
     };
     let written = match Sqlite::execute(&mut **tx, complete, &args).await {
         Ok(written) => written,
         Err(error) => {
             tx.close_on_drop();
-            return Err(base.error(error));
+            return Err(seam.error(error));
         }
     };
     if written != 1 {
@@ -235,7 +224,7 @@ pub(super) async fn complete(
     // A COMMIT that fails (a full disk) closes the connection: SQLite may
     // have rolled the transaction back on its own, and a connection that
     // believes itself inside one must never serve another request.
-    tx.end("COMMIT").await.map_err(|e| base.error(e))
+    tx.end("COMMIT").await.map_err(|e| seam.error(e))
 }
 
 /// Forgets a committed record, unless a claim of the key may be in flight:
@@ -243,29 +232,27 @@ pub(super) async fn complete(
 /// file's write lock, and its uncommitted row is invisible. The lock is
 /// taken before the delete and held through it, so no claim can begin in
 /// between and have its fresh record deleted.
-pub(super) async fn forget(
-    store: &SqliteTxStore,
-    key: &StorageKey,
-) -> Result<Forgotten, StoreError> {
-    if store.state.in_flight(key) {
+pub(super) async fn forget(seam: &Seam<Sqlite>, key: &StorageKey) -> Result<Forgotten, StoreError> {
+    if seam.state.in_flight(key) {
         return Ok(Forgotten::InFlight);
     }
     // On a task of its own, as a claim: a caller that stops waiting must
     // not leave the connection inside the transaction.
-    let (base, key) = (store.base.clone(), key.clone());
-    tokio::spawn(async move { forget_committed(&base, &key).await })
+    let (seam, key) = (seam.clone(), key.clone());
+    tokio::spawn(async move { forget_committed(&seam, &key).await })
         .await
         .map_err(|e| StoreError::Unavailable(e.into()))?
 }
 
-async fn forget_committed(base: &Base<Sqlite>, key: &StorageKey) -> Result<Forgotten, StoreError> {
+async fn forget_committed(seam: &Seam<Sqlite>, key: &StorageKey) -> Result<Forgotten, StoreError> {
     let args = Args {
         key: key.as_str(),
         now: now_ms(),
         ..Args::default()
     };
-    let deleted = holding_the_write_lock(base, async |connection| {
-        let deleted = Sqlite::execute(connection, &base.sql.forget_completed, &args).await?;
+    let forget = &seam.state.forget_completed;
+    let deleted = holding_the_write_lock(seam, async |connection| {
+        let deleted = Sqlite::execute(connection, forget, &args).await?;
         Ok((deleted, true))
     })
     .await?;
@@ -280,13 +267,13 @@ async fn forget_committed(base: &Base<Sqlite>, key: &StorageKey) -> Result<Forgo
 /// registry), or in another one — a writer there holds the file's write
 /// lock, and its uncommitted row is invisible, so that is all that can be
 /// known of it.
-pub(super) async fn in_flight(store: &SqliteTxStore, key: &StorageKey) -> Result<bool, StoreError> {
-    if store.state.in_flight(key) {
+pub(super) async fn in_flight(seam: &Seam<Sqlite>, key: &StorageKey) -> Result<bool, StoreError> {
+    if seam.state.in_flight(key) {
         return Ok(true);
     }
-    let base = store.base.clone();
+    let seam = seam.clone();
     let probed =
-        tokio::spawn(async move { holding_the_write_lock(&base, async |_| Ok(((), false))).await });
+        tokio::spawn(async move { holding_the_write_lock(&seam, async |_| Ok(((), false))).await });
     let free = probed
         .await
         .map_err(|e| StoreError::Unavailable(e.into()))??;
@@ -299,24 +286,25 @@ pub(super) async fn in_flight(store: &SqliteTxStore, key: &StorageKey) -> Result
 /// Run it on a task of its own: a caller that stops waiting must not leave
 /// the connection inside the transaction.
 async fn holding_the_write_lock<T>(
-    base: &Base<Sqlite>,
+    seam: &Seam<Sqlite>,
     work: impl AsyncFnOnce(&mut sqlx::SqliteConnection) -> Result<(T, bool), sqlx::Error>,
 ) -> Result<Option<T>, StoreError> {
-    let _turn = base.engine.turn(Some(base.timeout)).await?;
-    let mut connection = base.pool.acquire().await.map_err(|e| base.error(e))?;
+    let timeout = seam.timeout();
+    let _turn = seam.engine().turn(Some(timeout)).await?;
+    let mut connection = seam.connection().await?;
     let begin = format!(
         "PRAGMA busy_timeout = {}; BEGIN IMMEDIATE",
         FORGET_WAIT.as_millis()
     );
     let began = Sqlite::raw(&mut connection, &begin).await;
-    let restore = format!("PRAGMA busy_timeout = {}", base.timeout.as_millis());
+    let restore = format!("PRAGMA busy_timeout = {}", timeout.as_millis());
     if let Err(error) = began {
         if Sqlite::raw(&mut connection, &restore).await.is_err() {
             connection.close_on_drop();
         }
         return match Sqlite::classify(&error) {
             super::ErrorClass::Busy => Ok(None),
-            _ => Err(base.error(error)),
+            _ => Err(seam.error(error)),
         };
     }
     let done = work(&mut connection).await;
@@ -331,5 +319,5 @@ async fn holding_the_write_lock<T>(
         connection.close_on_drop();
     }
     done.map(|(value, _)| Some(value))
-        .map_err(|error| base.error(error))
+        .map_err(|error| seam.error(error))
 }
