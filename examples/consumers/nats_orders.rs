@@ -252,7 +252,19 @@ impl Nats {
             (limits.ack_wait / 3).max(Duration::from_millis(100)),
             || message.ack_with(AckKind::Progress),
         );
-        let handled = orders::handle(orders, settings, &message.payload, &hold, last).await;
+        let message_id = message
+            .headers
+            .as_ref()
+            .and_then(|headers| headers.get("Nats-Msg-Id"))
+            .map(|id| id.as_str().to_owned())
+            .unwrap_or_else(|| sequence.to_string());
+        let origin = orders::Origin {
+            system: "nats",
+            destination: &self.stream,
+            message_id: Some(&message_id),
+        };
+        let handled =
+            orders::handle(orders, settings, &origin, &message.payload, &hold, last).await;
         let acked = match &handled.disposition {
             Disposition::Ack => message.ack().await,
             Disposition::Retry { after } => message.ack_with(AckKind::Nak(Some(*after))).await,

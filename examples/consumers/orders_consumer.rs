@@ -207,7 +207,16 @@ async fn handle<St: Ledger>(
 ) -> Result<(), lapin::Error> {
     // RabbitMQ cannot extend a delivery: no hold to keep. Classic queues
     // have no delivery limit; nothing here spends a quorum queue's.
-    let handled = orders::handle(orders, settings, &delivery.data, &NoHold, false).await;
+    let origin = orders::Origin {
+        system: "rabbitmq",
+        destination: &rabbit.queue,
+        message_id: delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|id| id.as_str()),
+    };
+    let handled = orders::handle(orders, settings, &origin, &delivery.data, &NoHold, false).await;
     match &handled.disposition {
         Disposition::Ack => {
             delivery.ack(BasicAckOptions::default()).await?;

@@ -107,6 +107,11 @@ struct Queue {
 }
 
 impl Queue {
+    /// The queue's name: the last part of its URL.
+    fn name(&self) -> &str {
+        self.url.rsplit('/').next().unwrap_or(&self.url)
+    }
+
     async fn describe(client: &Client, url: String) -> Self {
         let attributes = client
             .get_queue_attributes()
@@ -373,8 +378,13 @@ impl Sqs {
                 Ok(())
             },
         );
+        let origin = orders::Origin {
+            system: "aws_sqs",
+            destination: self.queue.name(),
+            message_id: message.message_id(),
+        };
         let body = message.body().unwrap_or_default();
-        orders::handle(orders, settings, body.as_bytes(), &hold, last).await
+        orders::handle(orders, settings, &origin, body.as_bytes(), &hold, last).await
     }
 
     /// Left in the queue, visible again after `after` (whole seconds).

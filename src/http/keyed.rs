@@ -15,7 +15,7 @@ use crate::{
         buffer::{self, Buffered},
         grpc::{self, Wire},
         handler,
-        observe::Throttle,
+        observe::{self, Throttle},
         outcome::{Answered, BypassReason, IdempotencyOutcome},
         rejection::RejectionKind,
         replay,
@@ -82,7 +82,10 @@ where
         Some(key) => key,
         None => match config.key_source.in_body(&body) {
             Ok(key) => {
-                tracing::Span::current().record("idempotency.key", tracing::field::display(&key));
+                if !config.sensitive_keys {
+                    tracing::Span::current()
+                        .record("idempotency.key", tracing::field::display(&key));
+                }
                 key
             }
             Err(None) if !config.require_key => {
@@ -96,10 +99,12 @@ where
     };
     let fingerprint = shared.fingerprint.fingerprint(&parts, &messages);
     let storage_key = StorageKey::new(&scope, &key);
-    tracing::Span::current().record(
-        "idempotency.storage_key",
-        tracing::field::display(&storage_key),
-    );
+    let storage_key = if config.sensitive_keys {
+        storage_key.sensitive()
+    } else {
+        storage_key
+    };
+    observe::record_key(&tracing::Span::current(), &storage_key);
     // The handler may use the key, e.g. as the idempotency key of a call to a
     // payment processor downstream.
     parts.extensions.insert(key);

@@ -102,6 +102,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 pass_through_without_scope: false,
                 retention: protocol::DEFAULT_RETENTION,
                 retention_header: false,
+                sensitive_keys: false,
                 lease: protocol::DEFAULT_LEASE,
                 max_request_body: 1024 * 1024,
                 max_stored_body: 1024 * 1024,
@@ -319,6 +320,29 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// ```
     pub fn retention_header(mut self, on: bool) -> Self {
         self.config().retention_header = on;
+        self
+    }
+
+    /// Keeps idempotency keys out of spans and logs, for APIs whose keys may
+    /// carry customer data (an order reference, an email): each key is
+    /// shown there only as `sha256:` and the first 16 hex digits of a
+    /// SHA-256 of its scope and key — the same on every line about it,
+    /// and what [`StorageKey::logged_as`](crate::store::StorageKey::logged_as)
+    /// and the operator CLI's `inspect` print, so an operator can still
+    /// find them. Off by default.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .single_tenant()
+    ///     .sensitive_keys();
+    /// # let _ = layer;
+    /// ```
+    pub fn sensitive_keys(mut self) -> Self {
+        self.config().sensitive_keys = true;
         self
     }
 

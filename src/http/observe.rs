@@ -14,17 +14,36 @@ use tracing::Instrument;
 use super::outcome::{Answered, IdempotencyOutcome};
 #[cfg(feature = "metrics")]
 use crate::observe::{labelled, names};
+use crate::store::StorageKey;
 
 /// The span of one keyed request: the handler's own logs nest inside it.
 /// The scope is never a field (it may be a credential); the storage key,
-/// which carries its hash, is.
-pub(crate) fn request_span(key: &str) -> tracing::Span {
-    tracing::info_span!(
+/// which carries its hash, is. A sensitive key is recorded only once it is
+/// known hashed ([`record_key`]). Its OpenTelemetry status (through
+/// `tracing-opentelemetry`'s `otel.status_code`) is set only when the
+/// layer failed the request ([`IdempotencyOutcome::is_failure`]): a
+/// replay, a duplicate in flight, a refused key are answers, not errors.
+pub(crate) fn request_span(key: &str, sensitive: bool) -> tracing::Span {
+    let span = tracing::info_span!(
         "idempotency",
-        idempotency.key = %key,
+        idempotency.key = tracing::field::Empty,
         idempotency.storage_key = tracing::field::Empty,
         idempotency.outcome = tracing::field::Empty,
-    )
+        otel.status_code = tracing::field::Empty,
+    );
+    if !sensitive && !key.is_empty() {
+        span.record("idempotency.key", key);
+    }
+    span
+}
+
+/// Records the request's storage key on its span: as it is, or — a
+/// sensitive key — hashed, as both its fields.
+pub(crate) fn record_key(span: &tracing::Span, key: &StorageKey) {
+    if key.is_sensitive() {
+        span.record("idempotency.key", tracing::field::display(key));
+    }
+    span.record("idempotency.storage_key", tracing::field::display(key));
 }
 
 /// Runs a keyed request's future in its span, then records what became of it
@@ -39,10 +58,10 @@ pub(crate) async fn recorded<E>(
 }
 
 fn record_outcome(span: &tracing::Span, outcome: &IdempotencyOutcome) {
-    span.record(
-        "idempotency.outcome",
-        tracing::field::display(outcome.name()),
-    );
+    span.record("idempotency.outcome", outcome.name());
+    if outcome.is_failure() {
+        span.record("otel.status_code", "error");
+    }
     #[cfg(feature = "metrics")]
     labelled!(
         counter!(names::OUTCOMES, "outcome" => outcome.name(), one of ["executed", "replayed"])

@@ -112,6 +112,43 @@ impl IdempotencyOutcome {
     }
 }
 
+impl IdempotencyOutcome {
+    /// Whether the layer failed the request, rather than answered it: the
+    /// store out of reach (refused, or the handler run unprotected), a
+    /// handler that panicked or whose body failed, a response sent but not
+    /// stored (a retry may execute again), a refused or misused
+    /// transaction, a keyed request without a scope. A replay, a duplicate
+    /// in flight, a key reused with other parameters or refused are
+    /// answers: the request's span keeps an unset status for them.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::{IdempotencyOutcome, RejectionKind};
+    ///
+    /// assert!(!IdempotencyOutcome::Replayed.is_failure());
+    /// let outage = RejectionKind::StoreUnavailable { retry_after: Duration::from_secs(1) };
+    /// assert!(IdempotencyOutcome::Rejected(outage).is_failure());
+    /// ```
+    pub fn is_failure(&self) -> bool {
+        match self {
+            Self::Executed(completion) => matches!(completion, Completion::LeaseLost),
+            Self::Rejected(kind) => matches!(
+                kind,
+                RejectionKind::StoreUnavailable { .. }
+                    | RejectionKind::HandlerPanicked
+                    | RejectionKind::ResponseBodyFailed
+                    | RejectionKind::TransactionHeld
+                    | RejectionKind::TransactionRefused
+                    | RejectionKind::NoScope
+            ),
+            Self::Unprotected => true,
+            Self::Replayed | Self::Bypassed(_) => false,
+        }
+    }
+}
+
 /// What became of an executed request's response.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -139,7 +139,10 @@ where
             scope,
             wire,
         };
-        let span = observe::request_span(request.key.as_ref().map_or("", IdempotencyKey::as_str));
+        let span = observe::request_span(
+            request.key.as_ref().map_or("", IdempotencyKey::as_str),
+            self.shared.config.sensitive_keys,
+        );
         let handled = keyed::handle(self.shared.clone(), inner, request);
         ResponseFuture::keyed(Box::pin(observe::recorded(span, handled)))
     }

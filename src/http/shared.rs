@@ -28,6 +28,8 @@ pub(crate) struct Config {
     pub(crate) retention: Duration,
     /// Whether stored and replayed answers say how long they are replayed.
     pub(crate) retention_header: bool,
+    /// Whether keys appear in spans and logs only hashed.
+    pub(crate) sensitive_keys: bool,
     pub(crate) lease: Duration,
     pub(crate) max_request_body: usize,
     pub(crate) max_stored_body: usize,

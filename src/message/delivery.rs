@@ -139,8 +139,8 @@ impl DeliveryLease for NoHold {
 }
 
 /// One delivery of a message, as the broker handed it over: its business
-/// key, its payload, the broker's hold on it, and whether the broker will
-/// deliver it again. What
+/// key, its payload, the broker's hold on it, whether the broker will
+/// deliver it again, and where it came from (for telemetry). What
 /// [`IdempotencyProcessor::settle`](super::IdempotencyProcessor::settle)
 /// settles.
 ///
@@ -153,7 +153,12 @@ impl DeliveryLease for NoHold {
 /// let payload = br#"{"order_id":"order-42","amount":1999}"#;
 /// // JetStream: `AckWait` 30 s, `MaxDeliver` 5, the 5th delivery.
 /// let hold = extend_every(Duration::from_secs(10), || async { Ok(()) });
-/// let delivery = Delivery::new("order-42", payload).held_by(&hold).last(5 >= 5);
+/// let delivery = Delivery::new("order-42", payload)
+///     .held_by(&hold)
+///     .last(5 >= 5)
+///     .messaging_system("nats")
+///     .destination("orders")
+///     .message_id("ORDERS.42");
 /// # let _ = delivery;
 /// ```
 #[derive(Clone, Copy, Debug)]
@@ -162,6 +167,16 @@ pub struct Delivery<'a, L = NoHold> {
     pub(super) payload: &'a [u8],
     pub(super) hold: &'a L,
     pub(super) last: bool,
+    pub(super) source: Source<'a>,
+}
+
+/// Where a delivery came from: OpenTelemetry's messaging attributes of its
+/// span.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Source<'a> {
+    pub(super) system: Option<&'a str>,
+    pub(super) destination: Option<&'a str>,
+    pub(super) message_id: Option<&'a str>,
 }
 
 impl<'a> Delivery<'a> {
@@ -179,6 +194,7 @@ impl<'a> Delivery<'a> {
             payload,
             hold: &NO_HOLD,
             last: false,
+            source: Source::default(),
         }
     }
 }
@@ -196,6 +212,7 @@ impl<'a, L: DeliveryLease> Delivery<'a, L> {
             payload: self.payload,
             hold,
             last: self.last,
+            source: self.source,
         }
     }
 
@@ -213,13 +230,49 @@ impl<'a, L: DeliveryLease> Delivery<'a, L> {
         self.last = last;
         self
     }
+
+    /// The broker, as OpenTelemetry names it (`messaging.system`:
+    /// `"aws_sqs"`, `"rabbitmq"`, `"kafka"`; `"nats"` for NATS): an
+    /// attribute of the delivery's span.
+    ///
+    /// # Examples
+    ///
+    /// See [`Delivery`].
+    pub fn messaging_system(mut self, system: &'a str) -> Self {
+        self.source.system = Some(system);
+        self
+    }
+
+    /// The queue, stream or subject it was delivered from
+    /// (`messaging.destination.name`): the span's attribute, and its name,
+    /// `process {destination}`.
+    ///
+    /// # Examples
+    ///
+    /// See [`Delivery`].
+    pub fn destination(mut self, destination: &'a str) -> Self {
+        self.source.destination = Some(destination);
+        self
+    }
+
+    /// The broker's id of the message (`messaging.message.id`: SQS's
+    /// `MessageId`, AMQP's `message-id`, JetStream's stream sequence). Only
+    /// for telemetry: the business key, never this id, decides duplicates.
+    ///
+    /// # Examples
+    ///
+    /// See [`Delivery`].
+    pub fn message_id(mut self, id: &'a str) -> Self {
+        self.source.message_id = Some(id);
+        self
+    }
 }
 
 /// Runs `work`, extending `lease` every interval until it ends; the
 /// extensions run beside the work, never pausing it.
 pub(super) async fn keeping<L: DeliveryLease, F: Future>(
     lease: &L,
-    key: &str,
+    key: &(dyn std::fmt::Display + Sync),
     work: F,
 ) -> F::Output {
     let interval = lease.interval();
@@ -259,7 +312,7 @@ mod tests {
             Ok(())
         });
         let started = tokio::time::Instant::now();
-        let out = keeping(&hold, "k", async {
+        let out = keeping(&hold, &"k", async {
             tokio::time::sleep(Duration::from_secs(95)).await;
             "done"
         })
@@ -279,7 +332,7 @@ mod tests {
             tried.fetch_add(1, Ordering::SeqCst);
             Err::<(), ExtendError>("receipt handle expired".into())
         });
-        let out = keeping(&hold, "k", async {
+        let out = keeping(&hold, &"k", async {
             tokio::time::sleep(Duration::from_millis(3500)).await;
             7
         })

@@ -11,6 +11,7 @@ use std::{
 use futures_util::FutureExt;
 use serde::{Serialize, de::DeserializeOwned};
 use tokio::sync::watch;
+use tracing::Instrument;
 
 use super::{
     DeadLetterReason, Delivery, DeliveryBudget, DeliveryLease, Disposition, NoHold, ProcessError,
@@ -39,6 +40,8 @@ pub struct IdempotencyProcessor<St, F = DefaultFingerprint> {
     retention: Duration,
     fingerprint: F,
     budget: DeliveryBudget,
+    /// Whether keys appear in spans and logs only hashed.
+    sensitive_keys: bool,
     /// Set once the consumer drains: deliveries kept in hand go back.
     draining: Arc<watch::Sender<bool>>,
 }
@@ -64,6 +67,7 @@ impl<St: Store> IdempotencyProcessor<St> {
             retention: protocol::DEFAULT_RETENTION,
             fingerprint: DefaultFingerprint::new(),
             budget: DeliveryBudget::new(),
+            sensitive_keys: false,
             draining: Arc::new(watch::Sender::new(false)),
         }
     }
@@ -97,6 +101,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
             retention: self.retention,
             fingerprint,
             budget: self.budget,
+            sensitive_keys: self.sensitive_keys,
             draining: self.draining,
         }
     }
@@ -173,6 +178,46 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
     pub fn budget(mut self, budget: DeliveryBudget) -> Self {
         self.budget = budget;
         self
+    }
+
+    /// Keeps business keys out of spans and logs, for keys that may carry
+    /// customer data: each is shown there only as `sha256:` and the first
+    /// 16 hex digits of a SHA-256 of its scope and key — what
+    /// [`StorageKey::logged_as`](crate::store::StorageKey::logged_as) and
+    /// the operator CLI's `inspect` print: the sibling of the layer's
+    /// [`sensitive_keys`](crate::IdempotencyLayer::sensitive_keys).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{MemoryStore, message::IdempotencyProcessor};
+    ///
+    /// let orders = IdempotencyProcessor::new(MemoryStore::new()).sensitive_keys();
+    /// # let _ = orders;
+    /// ```
+    pub fn sensitive_keys(mut self) -> Self {
+        self.sensitive_keys = true;
+        self
+    }
+
+    /// The message `key`'s address in the store.
+    fn storage_key(&self, key: &IdempotencyKey) -> StorageKey {
+        let key = StorageKey::new(&self.scope, key);
+        if self.sensitive_keys {
+            key.sensitive()
+        } else {
+            key
+        }
+    }
+
+    /// The business key `key` as spans and logs show it.
+    fn shown(&self, key: &str) -> String {
+        match IdempotencyKey::new(key) {
+            Ok(_) if !self.sensitive_keys => key.to_owned(),
+            Ok(valid) => self.storage_key(&valid).to_string(),
+            Err(_) if !self.sensitive_keys => key.to_owned(),
+            Err(_) => "<invalid key>".to_owned(),
+        }
     }
 
     /// Stops keeping deliveries in hand, for a graceful shutdown (SIGTERM):
@@ -265,6 +310,8 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
     {
         let kept = Instant::now();
         let mut draining = self.draining.subscribe();
+        let shown = self.shown(delivery.key);
+        let span = delivery_span(&delivery, &shown);
         let settling = async {
             let (mut attempts, mut failures, mut timeouts) = (0, 0, 0);
             loop {
@@ -298,30 +345,37 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
                     }
                 };
                 if *draining.borrow() {
-                    return give_back(outcome, attempts, Duration::ZERO, &delivery);
+                    return give_back(outcome, attempts, Duration::ZERO, &delivery, &shown);
                 }
                 if self.budget.spent(kept.elapsed()) {
-                    return give_back(outcome, attempts, after, &delivery);
+                    return give_back(outcome, attempts, after, &delivery, &shown);
                 }
                 if let Err(error) = &outcome {
-                    tracing::warn!(key = %delivery.key, %error, ?after, attempts, "idempotency: message not processed; tried again in hand");
+                    tracing::warn!(key = %shown, %error, ?after, attempts, "idempotency: message not processed; tried again in hand");
                 }
                 tokio::select! {
                     () = tokio::time::sleep(after) => {}
                     _ = draining.wait_for(|drained| *drained) => {
-                        return give_back(outcome, attempts, Duration::ZERO, &delivery);
+                        return give_back(outcome, attempts, Duration::ZERO, &delivery, &shown);
                     }
                 }
             }
         };
-        let settled = delivery::keeping(delivery.hold, delivery.key, settling).await;
-        observe::message_settled(
-            settled.disposition.name(),
-            match &settled.disposition {
-                Disposition::DeadLetter(reason) => reason.kind(),
-                _ => "",
-            },
-        );
+        let settled = delivery::keeping(delivery.hold, &shown, settling)
+            .instrument(span.clone())
+            .await;
+        let reason = match &settled.disposition {
+            Disposition::DeadLetter(reason) => reason.kind(),
+            _ => "",
+        };
+        span.record("idempotency.disposition", settled.disposition.name());
+        span.record("idempotency.attempts", settled.attempts);
+        if !reason.is_empty() {
+            // What could never be processed: the delivery failed.
+            span.record("idempotency.dead_letter_reason", reason);
+            span.record("otel.status_code", "error");
+        }
+        observe::message_settled(settled.disposition.name(), reason);
         settled
     }
 
@@ -388,9 +442,34 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
         L: DeliveryLease,
     {
-        let business_key = key;
         let key = IdempotencyKey::new(key).map_err(ProcessError::InvalidKey)?;
-        let key = StorageKey::new(&self.scope, &key);
+        let key = self.storage_key(&key);
+        let span = tracing::info_span!(
+            "idempotency",
+            idempotency.key = %key,
+            idempotency.outcome = tracing::field::Empty,
+        );
+        let processed = self
+            .process_key(key, payload, broker, work)
+            .instrument(span.clone())
+            .await;
+        span.record("idempotency.outcome", outcome_name(&processed));
+        processed
+    }
+
+    /// [`process_delivery`](Self::process_delivery) of a valid key.
+    async fn process_key<T, E, W, L>(
+        &self,
+        key: StorageKey,
+        payload: &[u8],
+        broker: &L,
+        work: W,
+    ) -> Result<ProcessOutcome<T>, ProcessError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
+        L: DeliveryLease,
+    {
         let fingerprint = self.fingerprint.fingerprint_payload(payload);
         let claimed = protocol::claim(
             &self.store,
@@ -420,9 +499,10 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         // Held until settled: if this future is dropped while the work runs,
         // the claim is released (and a transaction rolled back).
         let outcome = {
+            let shown = hold.key().clone();
             let work =
                 hold.run(async |granted| AssertUnwindSafe(work(granted)).catch_unwind().await);
-            delivery::keeping(broker, business_key, work).await
+            delivery::keeping(broker, &shown, work).await
         };
         let value = match outcome {
             Ok(Ok(value)) => value,
@@ -495,6 +575,7 @@ fn give_back<T, E: fmt::Display, L>(
     attempts: u32,
     after: Duration,
     delivery: &Delivery<'_, L>,
+    shown: &str,
 ) -> Settled<T, E> {
     if !delivery.last {
         return Settled::new(Disposition::Retry { after }, outcome, attempts);
@@ -504,8 +585,55 @@ fn give_back<T, E: fmt::Display, L>(
         Err(error) => error.to_string(),
         Ok(_) => "undecided".to_owned(),
     };
-    tracing::error!(key = %delivery.key, %why, attempts, "idempotency: a message undecided on the broker's last delivery was dead-lettered, not dropped: redrive it");
+    tracing::error!(key = %shown, %why, attempts, "idempotency: a message undecided on the broker's last delivery was dead-lettered, not dropped: redrive it");
     let reason =
         DeadLetterReason::Undecided(format!("{why} (given back after {attempts} attempts)"));
     Settled::new(Disposition::DeadLetter(reason), outcome, attempts)
+}
+
+/// The span of one delivery, as OpenTelemetry's messaging conventions name
+/// it (through `tracing-opentelemetry`'s `otel.*` fields): a consumer span
+/// `process {destination}`, with the broker, the destination and the
+/// broker's message id as given, and the business key as a field of its
+/// own (`shown`: hashed when keys are sensitive). Its status is set only
+/// when the delivery is dead-lettered; a duplicate is acknowledged, not an
+/// error.
+fn delivery_span<L>(delivery: &Delivery<'_, L>, shown: &str) -> tracing::Span {
+    let source = &delivery.source;
+    let name = match source.destination {
+        Some(destination) => format!("process {destination}"),
+        None => "process".to_owned(),
+    };
+    tracing::info_span!(
+        "idempotency.delivery",
+        otel.name = name,
+        otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
+        messaging.system = source.system,
+        messaging.destination.name = source.destination,
+        messaging.message.id = source.message_id,
+        messaging.operation.type = "process",
+        messaging.operation.name = "process",
+        idempotency.key = shown,
+        idempotency.disposition = tracing::field::Empty,
+        idempotency.attempts = tracing::field::Empty,
+        idempotency.dead_letter_reason = tracing::field::Empty,
+    )
+}
+
+/// What became of one attempt, as its span's `idempotency.outcome`.
+fn outcome_name<T, E>(outcome: &Result<ProcessOutcome<T>, ProcessError<E>>) -> &'static str {
+    match outcome {
+        Ok(ProcessOutcome::Executed(_)) => "executed",
+        Ok(ProcessOutcome::Duplicate(_)) => "duplicate",
+        Ok(ProcessOutcome::DuplicateUnreadable { .. }) => "duplicate_unreadable",
+        Ok(ProcessOutcome::InFlight { .. }) => "in_flight",
+        Ok(ProcessOutcome::Mismatch) => "mismatch",
+        Err(ProcessError::Work(_)) => "work_failed",
+        Err(ProcessError::Panicked) => "panicked",
+        Err(ProcessError::Unavailable(_)) => "unavailable",
+        Err(ProcessError::NotCommitted(_)) => "not_committed",
+        Err(ProcessError::Refused(_)) => "refused",
+        Err(ProcessError::InvalidKey(_)) => "invalid_key",
+    }
 }

@@ -397,6 +397,9 @@ pub(crate) fn ttl_millis(ttl: Duration, what: &str) -> Result<u64, StoreError> {
 /// show this key). The hash has a fixed length, so scope `a:b` with key `c`
 /// and scope `a` with key `b:c` never collide.
 ///
+/// A key made [`sensitive`](Self::sensitive) keeps the idempotency key out
+/// of logs and spans too: it is shown there only as a hash.
+///
 /// # Examples
 ///
 /// ```
@@ -408,8 +411,12 @@ pub(crate) fn ttl_millis(ttl: Duration, what: &str) -> Result<u64, StoreError> {
 /// assert!(key.as_str().ends_with(":order-42"));
 /// assert!(!key.as_str().contains("acct_1"));
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct StorageKey(Arc<str>);
+#[derive(Clone)]
+pub struct StorageKey {
+    encoded: Arc<str>,
+    /// Shown hashed in logs and spans.
+    sensitive: bool,
+}
 
 impl StorageKey {
     /// Encodes a scope and a key as `{hex SHA-256 of the scope}:{key}`.
@@ -424,28 +431,99 @@ impl StorageKey {
         let key = key.as_str().as_bytes();
         rest[1..=key.len()].copy_from_slice(key);
         let encoded = &encoded[..64 + 1 + key.len()];
-        Self(
-            std::str::from_utf8(encoded)
+        Self {
+            encoded: std::str::from_utf8(encoded)
                 .expect("hex and an ASCII key")
                 .into(),
-        )
+            sensitive: false,
+        }
     }
 
     /// The encoded key.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.encoded
+    }
+
+    /// This key, shown in logs and spans (its `Display` and `Debug`) only
+    /// as `sha256:` and the first 16 hex digits of a SHA-256 of the
+    /// encoded key — the same on every line about it, and what
+    /// [`logged_as`](Self::logged_as) says — for keys that may carry
+    /// customer data. Stores address it as before.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyKey, store::StorageKey};
+    ///
+    /// let key = StorageKey::new("acct_1", &IdempotencyKey::new("jane@example.com").unwrap()).sensitive();
+    /// let shown = key.to_string();
+    /// assert!(shown.starts_with("sha256:") && !shown.contains("jane"));
+    /// assert!(key.as_str().ends_with(":jane@example.com"));
+    /// ```
+    pub fn sensitive(mut self) -> Self {
+        self.sensitive = true;
+        self
+    }
+
+    /// Whether logs and spans show this key only hashed.
+    pub fn is_sensitive(&self) -> bool {
+        self.sensitive
+    }
+
+    /// How a sensitive key is shown in logs and spans: `sha256:` and 16
+    /// hex digits, whether or not this one is sensitive — to find an
+    /// operator's key in logs written with sensitive keys.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyKey, store::StorageKey};
+    ///
+    /// let key = StorageKey::new("acct_1", &IdempotencyKey::new("order-42").unwrap());
+    /// assert_eq!(key.logged_as(), key.clone().sensitive().to_string());
+    /// ```
+    pub fn logged_as(&self) -> String {
+        let mut hasher = FingerprintHasher::new("tower-idempotency/logged-key/v1");
+        hasher.field(self.encoded.as_bytes());
+        let mut shown = [0; 16];
+        write_hex(&mut shown, &hasher.finish().as_bytes()[..8]);
+        format!(
+            "sha256:{}",
+            std::str::from_utf8(&shown).expect("hex digits")
+        )
+    }
+}
+
+// Two addresses are one record's whatever their display.
+impl PartialEq for StorageKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.encoded == other.encoded
+    }
+}
+
+impl Eq for StorageKey {}
+
+impl std::hash::Hash for StorageKey {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.encoded.hash(state);
     }
 }
 
 impl fmt::Debug for StorageKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
+        if self.sensitive {
+            return f.write_str(&self.logged_as());
+        }
+        fmt::Debug::fmt(&*self.encoded, f)
     }
 }
 
 impl fmt::Display for StorageKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        if self.sensitive {
+            return f.write_str(&self.logged_as());
+        }
+        f.write_str(&self.encoded)
     }
 }
 

@@ -261,11 +261,24 @@ pub struct Handled {
     pub disposition: Disposition,
 }
 
-/// Settles one delivery of `data`, keeping the broker's `hold` on it while
-/// it is in hand; `last` when the broker will not deliver it again.
+/// Where a delivery came from, for its span (OpenTelemetry's messaging
+/// attributes).
+pub struct Origin<'a> {
+    /// `messaging.system`: `aws_sqs`, `rabbitmq`, `nats`.
+    pub system: &'static str,
+    /// The queue or stream.
+    pub destination: &'a str,
+    /// The broker's id of the message, if it has one.
+    pub message_id: Option<&'a str>,
+}
+
+/// Settles one delivery of `data` from `origin`, keeping the broker's
+/// `hold` on it while it is in hand; `last` when the broker will not
+/// deliver it again.
 pub async fn handle<St: Ledger, L: DeliveryLease>(
     orders: &IdempotencyProcessor<St>,
     settings: &Settings,
+    origin: &Origin<'_>,
     data: &[u8],
     hold: &L,
     last: bool,
@@ -285,7 +298,15 @@ pub async fn handle<St: Ledger, L: DeliveryLease>(
     };
     let work_delay = settings.work_delay;
     let id = order.order_id.as_str();
-    let delivery = Delivery::new(id, data).held_by(hold).last(last);
+    let delivery = Delivery::new(id, data)
+        .held_by(hold)
+        .last(last)
+        .messaging_system(origin.system)
+        .destination(origin.destination);
+    let delivery = match origin.message_id {
+        Some(message_id) => delivery.message_id(message_id),
+        None => delivery,
+    };
     let settled = orders
         .settle(
             delivery,

@@ -48,7 +48,12 @@
 //! default (as on PostgreSQL): under REPEATABLE READ, InnoDB's gap locks
 //! make concurrent inserts of *different* keys wait for each other, and a
 //! claim that may not wait would report a new key in flight. The store
-//! sets it for the session of each connection it claims on.
+//! sets it — and on MariaDB the transaction's bounds — once for the
+//! session of each connection, before its first claim, in a round trip of
+//! its own; like the PostgreSQL store's bounds, they stay with the pooled
+//! connection. (A user variable marks the session as ready, and the
+//! claim's fingerprint carries it: a connection not set up yet fails its
+//! claim, inserting nothing, and is set up.)
 //!
 //! **[`MySqlStore`]** (the default): claims are leases, each operation one
 //! short autocommit statement.

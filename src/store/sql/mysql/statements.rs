@@ -179,13 +179,15 @@ impl TxStatements {
     }
 
     /// Begins the request's transaction with the claim in it, in one round
-    /// trip: the session stops committing each statement on its own (so
-    /// that even after a deadlock rolled everything back, nothing a handler
-    /// writes later commits without its record), takes the transaction's
-    /// bound on MySQL (`wait_timeout`), and inserts the claim's row,
-    /// expiring after `lifetime_ms`, its fingerprint carrying the session's
-    /// mark ([`SESSION_NOT_READY`]). A row another transaction has not
-    /// committed makes the insert fail at once (1205): in flight; a
+    /// trip: the transaction begins (on MySQL with its bound,
+    /// `wait_timeout`, and the claim's lock wait), the claim's row is
+    /// inserted, expiring after `lifetime_ms`, its fingerprint carrying the
+    /// session's mark ([`SESSION_NOT_READY`]), and only then does the
+    /// session stop committing each statement on its own — so that even
+    /// after a deadlock rolled everything back, nothing a handler writes
+    /// later commits without its record, while a claim that found the key
+    /// taken leaves the session as it was. A row another transaction has
+    /// not committed makes the insert fail at once (1205): in flight; a
     /// committed one fails it with 1062: read next.
     pub(super) fn claim(
         &self,
@@ -202,15 +204,16 @@ impl TxStatements {
             hex(fingerprint),
             later(&lifetime_ms.to_string()),
         );
-        format!("{}; {}", self.begin(bound), self.waiting(wait, &insert))
+        self.in_transaction(bound, &self.waiting(wait, &insert))
     }
 
-    /// What begins a claim's transaction: see [`Self::claim`].
-    fn begin(&self, bound: Duration) -> String {
+    /// `statement` as the first of a claim's transaction: see
+    /// [`Self::claim`].
+    fn in_transaction(&self, bound: Duration, statement: &str) -> String {
         match self.flavor {
-            Flavor::MariaDb => "SET autocommit = 0".to_owned(),
+            Flavor::MariaDb => format!("BEGIN; {statement}; SET autocommit = 0"),
             Flavor::MySql => format!(
-                "SET autocommit = 0, wait_timeout = {}, innodb_lock_wait_timeout = 1",
+                "SET wait_timeout = {}, innodb_lock_wait_timeout = 1; BEGIN; {statement}; SET autocommit = 0",
                 seconds(bound)
             ),
         }
@@ -221,9 +224,14 @@ impl TxStatements {
     /// COMMITTED a plain read sees the latest commit, and holds no lock a
     /// concurrent replay would wait for.
     pub(super) fn read_after_rollback(&self, key: &str) -> String {
+        // The claim failed before the session stopped committing on its
+        // own: on MariaDB there is nothing to restore.
+        let end = match self.flavor {
+            Flavor::MariaDb => "ROLLBACK".to_owned(),
+            Flavor::MySql => self.end("ROLLBACK"),
+        };
         format!(
-            "{}; SELECT CAST(0 AS SIGNED), fingerprint, token, record, {MS_LEFT} FROM {} WHERE `key` = {}",
-            self.end("ROLLBACK"),
+            "{end}; SELECT CAST(0 AS SIGNED), fingerprint, token, record, {MS_LEFT} FROM {} WHERE `key` = {}",
             self.table,
             hex(key.as_bytes())
         )
@@ -236,8 +244,8 @@ impl TxStatements {
     /// (the handler deleted it, or a deadlock rolled the transaction back
     /// and the handler went on writing), committing would keep writes
     /// without their record: the check after the update then overflows
-    /// ([`ROW_GONE`]: its row count is 0), and the `COMMIT` after it never
-    /// runs.
+    /// ([`ROW_GONE`]: its row count is 0; a `SET`, which answers with no
+    /// rows to read), and the `COMMIT` after it never runs.
     pub(super) fn complete(&self, key: &str, record: &[u8], expiry: Expiry) -> String {
         let mut sql = String::with_capacity(2 * record.len() + 256);
         sql.push_str("UPDATE ");
@@ -249,7 +257,7 @@ impl TxStatements {
             sql.push_str(&later(&ms.to_string()));
         }
         sql.push_str(&format!(
-            " WHERE `key` = {}; SELECT 9223372036854775807 + (1 - ROW_COUNT()); {}",
+            " WHERE `key` = {}; SET @tower_idempotency_row = 9223372036854775807 + (1 - ROW_COUNT()); {}",
             hex(key.as_bytes()),
             self.end("COMMIT"),
         ));
@@ -274,7 +282,7 @@ impl TxStatements {
             later(&lifetime_ms.to_string()),
             hex(key.as_bytes()),
         );
-        format!("{}; {}", self.begin(bound), self.waiting(wait, &update))
+        self.in_transaction(bound, &self.waiting(wait, &update))
     }
 
     /// Ends the transaction with `end` (`COMMIT`, `ROLLBACK`), the session
