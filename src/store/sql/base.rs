@@ -55,6 +55,33 @@ pub enum EngineCheck {
     Warn,
 }
 
+/// What a SQL store's table holds, counted at one moment (a scan of the
+/// table: an operator's question, not a request's).
+///
+/// # Examples
+///
+/// ```no_run
+/// # #[cfg(feature = "sqlite")]
+/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+/// let store = tower_idempotency::SqliteStore::builder().connect("sqlite://payments.db").await?;
+/// let stats = store.stats().await?;
+/// println!("{} records, {} expired not yet deleted", stats.completed, stats.expired);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TableStats {
+    /// Live completed records: what retries replay.
+    pub completed: u64,
+    /// Live claims without a record: a lease store's requests in flight (a
+    /// transactional store's claims are uncommitted rows, which no count
+    /// sees).
+    pub in_flight: u64,
+    /// Expired rows not deleted yet: they count as absent, and take space
+    /// until [`DeleteExpired`](super::DeleteExpired) runs.
+    pub expired: u64,
+}
+
 pub(crate) struct Base<D: Dialect> {
     pub(crate) pool: Pool<D::Db>,
     /// The bound on every operation: its statements and the wait for a
@@ -164,6 +191,32 @@ impl<D: Engine> Base<D> {
         };
         let _turn = self.engine.turn(Some(self.timeout)).await?;
         self.execute(&self.sql.delete_expired, &args).await
+    }
+
+    /// How many rows the table holds, by what they are.
+    pub(crate) async fn stats(&self) -> Result<TableStats, StoreError> {
+        let args = Args {
+            now: now_ms(),
+            ..Args::default()
+        };
+        let pairs = self
+            .bounded(async {
+                let mut on = self.pool.acquire().await.map_err(|e| self.error(e))?;
+                D::fetch_pairs(&mut on, &self.sql.counts, &args)
+                    .await
+                    .map_err(|e| self.error(e))
+            })
+            .await?;
+        let mut stats = TableStats::default();
+        for (state, count) in pairs {
+            let count = u64::try_from(count).unwrap_or(0);
+            match state {
+                0 => stats.completed = count,
+                1 => stats.in_flight = count,
+                _ => stats.expired += count,
+            }
+        }
+        Ok(stats)
     }
 
     /// Creates the table and its index if they are missing. Safe to run

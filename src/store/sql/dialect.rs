@@ -378,6 +378,9 @@ pub(crate) struct Statements {
     pub(crate) delete_claim: Stmt,
     /// Up to Batch expired rows deleted.
     pub(crate) delete_expired: Stmt,
+    /// (state, count) for each state of the table's rows: 0 a live record,
+    /// 1 a live claim without one, 2 expired (and not deleted yet). Now.
+    pub(crate) counts: Stmt,
 }
 
 /// Binds `stmt`'s values from `args`, in order.

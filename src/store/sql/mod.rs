@@ -61,7 +61,7 @@ pub mod sqlite;
 use std::time::Duration;
 
 pub(crate) use base::Base;
-pub use base::EngineCheck;
+pub use base::{EngineCheck, TableStats};
 pub use builder::SqlStoreBuilder;
 pub use dialect::Dialect;
 pub use lease::SqlStore;
@@ -183,6 +183,14 @@ macro_rules! table_methods {
             /// ```
             pub async fn migrate(&self) -> Result<(), $crate::store::StoreError> {
                 $crate::store::sql::check::migrate(&self.base).await
+            }
+
+            /// What the table holds: live records, claims in flight, expired
+            /// rows not deleted yet; see [`TableStats`](crate::store::sql::TableStats).
+            pub async fn stats(
+                &self,
+            ) -> Result<$crate::store::sql::TableStats, $crate::store::StoreError> {
+                self.base.stats().await
             }
 
             /// Deletes up to `batch` expired records; see

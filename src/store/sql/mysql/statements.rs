@@ -99,6 +99,11 @@ pub(super) fn statements(table: &str, flavor: Flavor) -> Statements {
             "DELETE FROM {t} WHERE expires_at < UTC_TIMESTAMP(3) LIMIT ?",
             &[Batch],
         ),
+        counts: s(
+            "SELECT CAST(CASE WHEN expires_at <= UTC_TIMESTAMP(3) THEN 2 WHEN record IS NULL THEN 1 ELSE 0 END AS SIGNED), \
+             CAST(COUNT(*) AS SIGNED) FROM {t} GROUP BY 1",
+            &[],
+        ),
     }
 }
 

@@ -82,6 +82,11 @@ pub(super) fn statements(table: &str) -> Statements {
              LIMIT $1 FOR UPDATE SKIP LOCKED)",
             &[Batch],
         ),
+        counts: s(
+            "SELECT (CASE WHEN expires_at <= now() THEN 2 WHEN record IS NULL THEN 1 ELSE 0 END)::bigint, \
+             count(*)::bigint FROM {t} GROUP BY 1",
+            &[],
+        ),
     }
 }
 

@@ -54,6 +54,11 @@ pub(super) fn statements(table: &str) -> Statements {
             "DELETE FROM {t} WHERE key IN (SELECT key FROM {t} WHERE expires_at < ?1 LIMIT ?2)",
             &[Now, Batch],
         ),
+        counts: s(
+            "SELECT CASE WHEN expires_at <= ?1 THEN 2 WHEN record IS NULL THEN 1 ELSE 0 END, count(*) \
+             FROM {t} GROUP BY 1",
+            &[Now],
+        ),
     }
 }
 

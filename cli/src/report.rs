@@ -1,0 +1,123 @@
+//! What a command found, printed for a person (`name: value` lines) or as
+//! one JSON object (`--json`).
+
+use std::time::UNIX_EPOCH;
+
+use serde_json::{Map, Value, json};
+use tower_idempotency::{
+    CompletedRecord,
+    store::{Forgotten, KeyState, StorageKey, sql::TableStats},
+};
+
+use crate::opened::Opened;
+
+/// The fields of an answer, in the order they are printed.
+pub(crate) struct Report(Vec<(&'static str, Value)>);
+
+impl Report {
+    /// What the store holds for `key`.
+    pub(crate) fn state(store: &Opened, key: &StorageKey, state: &KeyState) -> Self {
+        let mut fields = vec![
+            ("key", json!(key.as_str())),
+            // What logs written with sensitive keys show for it.
+            ("logged_as", json!(key.logged_as())),
+        ];
+        if let Some(name) = store.redis_key(key) {
+            fields.push(("redis_key", json!(name)));
+        }
+        match state {
+            KeyState::Absent => fields.push(("state", json!("absent"))),
+            KeyState::InFlight { retry_after } => {
+                fields.push(("state", json!("in_flight")));
+                fields.push(("retry_after_ms", json!(retry_after.as_millis() as u64)));
+            }
+            KeyState::Completed { record, expires_in } => {
+                fields.push(("state", json!("completed")));
+                let (kind, status, size) = match &**record {
+                    CompletedRecord::Response(response) => (
+                        "response",
+                        Some(response.status().as_u16()),
+                        Some(response.body().len()),
+                    ),
+                    CompletedRecord::Unreplayable { status, .. } => {
+                        ("unreplayable", Some(status.as_u16()), None)
+                    }
+                    CompletedRecord::Message { result, .. } => {
+                        ("message", None, result.as_ref().map(|r| r.len()))
+                    }
+                };
+                fields.push(("record", json!(kind)));
+                if let Some(status) = status {
+                    fields.push(("status", json!(status)));
+                }
+                if let Some(size) = size {
+                    fields.push(("body_bytes", json!(size)));
+                }
+                let created = record
+                    .created_at()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                fields.push(("created_at_unix", json!(created)));
+                fields.push(("expires_in_secs", json!(expires_in.as_secs())));
+            }
+        }
+        Self(fields)
+    }
+
+    /// A key forgotten.
+    pub(crate) fn forgotten(key: &StorageKey, forgotten: Forgotten) -> Self {
+        let what = match forgotten {
+            Forgotten::ForcedInFlight => "in_flight_claim",
+            _ => "completed_record",
+        };
+        Self(vec![
+            ("key", json!(key.as_str())),
+            ("logged_as", json!(key.logged_as())),
+            ("forgot", json!(what)),
+        ])
+    }
+
+    /// Expired records deleted.
+    pub(crate) fn swept(deleted: u64) -> Self {
+        Self(vec![("deleted", json!(deleted))])
+    }
+
+    /// A SQL table's rows.
+    pub(crate) fn table(stats: TableStats) -> Self {
+        Self(vec![
+            ("completed", json!(stats.completed)),
+            ("in_flight", json!(stats.in_flight)),
+            ("expired", json!(stats.expired)),
+        ])
+    }
+
+    /// A Redis server's keys under the prefix, its memory and policy.
+    pub(crate) fn redis(keys: u64, used_memory: Option<u64>, policy: Option<String>) -> Self {
+        let mut fields = vec![("keys", json!(keys))];
+        if let Some(bytes) = used_memory {
+            fields.push(("used_memory_bytes", json!(bytes)));
+        }
+        if let Some(policy) = policy {
+            fields.push(("maxmemory_policy", json!(policy)));
+        }
+        Self(fields)
+    }
+
+    pub(crate) fn print(&self, json: bool) {
+        if json {
+            let object: Map<String, Value> = self
+                .0
+                .iter()
+                .map(|(name, value)| ((*name).to_owned(), value.clone()))
+                .collect();
+            println!("{}", Value::Object(object));
+            return;
+        }
+        for (name, value) in &self.0 {
+            match value {
+                Value::String(text) => println!("{name}: {text}"),
+                other => println!("{name}: {other}"),
+            }
+        }
+    }
+}

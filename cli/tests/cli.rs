@@ -1,0 +1,429 @@
+//! The operator CLI against real servers: records written by the stores
+//! as an application writes them, then looked up, forgotten, swept and
+//! counted by the binary, its output and exit status checked. Each
+//! scenario is written once and run on every store it applies to.
+
+use std::{process::Output, sync::Arc, time::Duration};
+
+use tower_idempotency::{
+    FingerprintHasher, IdempotencyKey, MySqlStore, PostgresStore, RedisStore, SqliteStore,
+    StoredResponse,
+    store::{Claim, StorageKey, Store},
+};
+use tower_idempotency_harness::{
+    mysql::TestDatabase as MySqlDatabase, postgres::TestDatabase, redis_server::RedisServer,
+    sqlite::TestFile,
+};
+
+/// One store under test: its URL, and what keeps its server or file.
+struct Backend {
+    url: String,
+    sql: bool,
+    _keep: Box<dyn std::any::Any + Send>,
+}
+
+impl Backend {
+    fn redis() -> Self {
+        let server = RedisServer::start();
+        Self {
+            url: server.url(),
+            sql: false,
+            _keep: Box::new(server),
+        }
+    }
+
+    fn postgres() -> Self {
+        let db = TestDatabase::create();
+        Self {
+            url: db.url().to_owned(),
+            sql: true,
+            _keep: Box::new(db),
+        }
+    }
+
+    fn mysql() -> Self {
+        let db = MySqlDatabase::create();
+        Self {
+            url: db.url().to_owned(),
+            sql: true,
+            _keep: Box::new(db),
+        }
+    }
+
+    fn sqlite() -> Self {
+        let file = TestFile::create();
+        Self {
+            url: file.url(),
+            sql: true,
+            _keep: Box::new(file),
+        }
+    }
+
+    /// The binary, on this store.
+    async fn cli(&self, args: &[&str]) -> Run {
+        cli(&[&["--store", &self.url], args].concat()).await
+    }
+}
+
+/// What one run of the binary said.
+struct Run {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_str(self.stdout.trim()).unwrap_or_else(|e| panic!("{e}: {}", self.stdout))
+    }
+}
+
+impl std::fmt::Debug for Run {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "exit {}\n{}{}", self.code, self.stdout, self.stderr)
+    }
+}
+
+async fn cli(args: &[&str]) -> Run {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = tokio::process::Command::new(env!("CARGO_BIN_EXE_tower-idempotency"))
+        .args(args)
+        .env_remove("IDEMPOTENCY_STORE")
+        .output()
+        .await
+        .expect("run the CLI");
+    Run {
+        code: status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&stderr).into_owned(),
+    }
+}
+
+fn key(scope: &str, key: &str) -> StorageKey {
+    StorageKey::new(scope, &IdempotencyKey::new(key).unwrap())
+}
+
+fn fingerprint() -> tower_idempotency::Fingerprint {
+    let mut hasher = FingerprintHasher::new("cli-test");
+    hasher.field(b"POST /v1/charges");
+    hasher.finish()
+}
+
+/// A `201` stored under `key` for `retention`, as the layer stores one.
+async fn seed<St: Store>(store: &St, key: &StorageKey, retention: Duration) {
+    let Ok(Claim::Acquired(mut granted)) = store
+        .claim(key, &fingerprint(), Duration::from_secs(30))
+        .await
+    else {
+        panic!("claim {key}");
+    };
+    let response = StoredResponse::capture(
+        http::StatusCode::CREATED,
+        &http::HeaderMap::new(),
+        bytes::Bytes::from_static(br#"{"id":"ch_1"}"#),
+    );
+    let stored = store
+        .complete(
+            key,
+            &mut granted,
+            &fingerprint(),
+            Arc::new(tower_idempotency::CompletedRecord::Response(response)),
+            retention,
+        )
+        .await
+        .unwrap();
+    assert!(stored);
+}
+
+/// A claim of `key` held: a request in flight.
+async fn hold<St: Store>(store: &St, key: &StorageKey) -> St::Granted {
+    match store
+        .claim(key, &fingerprint(), Duration::from_secs(30))
+        .await
+    {
+        Ok(Claim::Acquired(granted)) => granted,
+        _ => panic!("claim {key}"),
+    }
+}
+
+const DAY: Duration = Duration::from_secs(86_400);
+
+/// Inspect, forget (and its refusals), stats and sweep on a lease store
+/// (Redis, or a SQL table's lease store).
+async fn lease_store_scenario<St: Store>(backend: &Backend, store: St) {
+    let order = key("acct_alice", "order-42");
+    seed(&store, &order, DAY).await;
+
+    let found = backend
+        .cli(&["inspect", "--scope", "acct_alice", "order-42"])
+        .await;
+    assert_eq!(found.code, 0, "{found:?}");
+    assert!(found.stdout.contains("state: completed"), "{found:?}");
+    assert!(found.stdout.contains("status: 201"), "{found:?}");
+    assert!(found.stdout.contains(&order.logged_as()), "{found:?}");
+    let json = backend
+        .cli(&["--json", "inspect", "--scope", "acct_alice", "\"order-42\""])
+        .await
+        .json();
+    assert_eq!(json["state"], "completed");
+    assert_eq!(json["status"], 201);
+    assert_eq!(json["key"], order.as_str());
+    assert!(json["expires_in_secs"].as_u64().unwrap() > 86_000);
+
+    // Another tenant's key of the same name is another record.
+    let other = backend
+        .cli(&["inspect", "--scope", "acct_bob", "order-42"])
+        .await;
+    assert_eq!(other.code, 1, "{other:?}");
+    assert!(other.stderr.contains("holds nothing"), "{other:?}");
+    let single = backend
+        .cli(&["inspect", "--single-tenant", "order-42"])
+        .await;
+    assert_eq!(single.code, 1, "{single:?}");
+
+    // A request in flight: shown, refused, forced.
+    let running = key("acct_alice", "order-43");
+    let mut granted = hold(&store, &running).await;
+    let shown = backend
+        .cli(&["--json", "inspect", "--scope", "acct_alice", "order-43"])
+        .await;
+    assert_eq!(shown.code, 0, "{shown:?}");
+    assert_eq!(shown.json()["state"], "in_flight");
+    let refused = backend
+        .cli(&["forget", "--scope", "acct_alice", "order-43"])
+        .await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(refused.stderr.contains("in flight"), "{refused:?}");
+    let forced = backend
+        .cli(&["forget", "--force", "--scope", "acct_alice", "order-43"])
+        .await;
+    assert_eq!(forced.code, 0, "{forced:?}");
+    assert!(
+        forced.stdout.contains("forgot: in_flight_claim"),
+        "{forced:?}"
+    );
+    // The running handler's completion is fenced off.
+    let late = store
+        .complete(
+            &running,
+            &mut granted,
+            &fingerprint(),
+            Arc::new(tower_idempotency::CompletedRecord::Message {
+                result: None,
+                created_at: std::time::SystemTime::now(),
+            }),
+            DAY,
+        )
+        .await
+        .unwrap();
+    assert!(!late, "a forced claim's completion must be fenced off");
+
+    // Counted.
+    let stats = backend.cli(&["--json", "stats"]).await;
+    assert_eq!(stats.code, 0, "{stats:?}");
+    let stats = stats.json();
+    if backend.sql {
+        assert_eq!(stats["completed"], 1, "{stats}");
+        assert_eq!(stats["in_flight"], 0, "{stats}");
+    } else {
+        // The record, and the store's own naming key.
+        assert!(stats["keys"].as_u64().unwrap() >= 1, "{stats}");
+    }
+
+    // Forgotten: the next request executes.
+    let forgot = backend
+        .cli(&["forget", "--scope", "acct_alice", "order-42"])
+        .await;
+    assert_eq!(forgot.code, 0, "{forgot:?}");
+    assert!(
+        forgot.stdout.contains("forgot: completed_record"),
+        "{forgot:?}"
+    );
+    let gone = backend
+        .cli(&["inspect", "--scope", "acct_alice", "order-42"])
+        .await;
+    assert_eq!(gone.code, 1, "{gone:?}");
+    let Ok(Claim::Acquired(granted)) = store.claim(&order, &fingerprint(), DAY).await else {
+        panic!("a forgotten key executes again");
+    };
+    assert!(store.release(&order, granted).await.unwrap());
+    let again = backend
+        .cli(&["forget", "--scope", "acct_alice", "order-42"])
+        .await;
+    assert_eq!(again.code, 1, "{again:?}");
+    assert!(again.stderr.contains("nothing to forget"), "{again:?}");
+
+    // Swept: what expired is deleted, what lives is kept.
+    if backend.sql {
+        for n in 0..3 {
+            seed(
+                &store,
+                &key("acct_alice", &format!("old-{n}")),
+                Duration::from_secs(1),
+            )
+            .await;
+        }
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let expired = backend.cli(&["--json", "stats"]).await.json();
+        assert_eq!(expired["expired"], 3, "{expired}");
+        let swept = backend.cli(&["--json", "sweep", "--batch", "2"]).await;
+        assert_eq!(swept.code, 0, "{swept:?}");
+        assert_eq!(swept.json()["deleted"], 3);
+        let after = backend.cli(&["--json", "stats"]).await.json();
+        assert_eq!(after["expired"], 0, "{after}");
+    } else {
+        let refused = backend.cli(&["sweep"]).await;
+        assert_eq!(refused.code, 2, "{refused:?}");
+        assert!(
+            refused.stderr.contains("expire by themselves"),
+            "{refused:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn on_redis() {
+    let backend = Backend::redis();
+    let store = RedisStore::builder().connect(&backend.url).await.unwrap();
+    lease_store_scenario(&backend, store).await;
+}
+
+#[tokio::test]
+async fn on_a_postgres_lease_table() {
+    let backend = Backend::postgres();
+    let store = PostgresStore::builder()
+        .create_table_if_missing()
+        .connect(&backend.url)
+        .await
+        .unwrap();
+    lease_store_scenario(&backend, store).await;
+}
+
+#[tokio::test]
+async fn on_a_mysql_lease_table() {
+    let backend = Backend::mysql();
+    let store = MySqlStore::builder()
+        .create_table_if_missing()
+        .connect(&backend.url)
+        .await
+        .unwrap();
+    lease_store_scenario(&backend, store).await;
+}
+
+#[tokio::test]
+async fn on_a_sqlite_lease_table() {
+    let backend = Backend::sqlite();
+    let store = SqliteStore::builder()
+        .create_table_if_missing()
+        .connect(&backend.url)
+        .await
+        .unwrap();
+    lease_store_scenario(&backend, store).await;
+}
+
+/// A transactional store's claim is its open transaction: seen in flight,
+/// never forgotten, gone with the transaction.
+async fn transactional_scenario<St: Store>(backend: &Backend, store: St) {
+    let order = key("acct_alice", "order-44");
+    let open = hold(&store, &order).await;
+    let shown = backend
+        .cli(&["--json", "inspect", "--scope", "acct_alice", "order-44"])
+        .await;
+    assert_eq!(shown.code, 0, "{shown:?}");
+    assert_eq!(shown.json()["state"], "in_flight");
+    let refused = backend
+        .cli(&["forget", "--scope", "acct_alice", "order-44"])
+        .await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(refused.stderr.contains("--force forgets it"), "{refused:?}");
+    // Not even by force: only the transaction, or its timeout, ends it.
+    let forced = backend
+        .cli(&["forget", "--force", "--scope", "acct_alice", "order-44"])
+        .await;
+    assert_eq!(forced.code, 1, "{forced:?}");
+    assert!(forced.stderr.contains("open transaction"), "{forced:?}");
+    drop(open);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let gone = backend
+        .cli(&["inspect", "--scope", "acct_alice", "order-44"])
+        .await;
+    assert_eq!(gone.code, 1, "{gone:?}");
+    // Committed with its record, it is an ordinary record.
+    seed(&store, &order, DAY).await;
+    let found = backend
+        .cli(&["inspect", "--scope", "acct_alice", "order-44"])
+        .await;
+    assert_eq!(found.code, 0, "{found:?}");
+    let forgot = backend
+        .cli(&["forget", "--scope", "acct_alice", "order-44"])
+        .await;
+    assert_eq!(forgot.code, 0, "{forgot:?}");
+}
+
+#[tokio::test]
+async fn on_a_postgres_transactional_table() {
+    let backend = Backend::postgres();
+    let store = PostgresStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(&backend.url)
+        .await
+        .unwrap();
+    transactional_scenario(&backend, store).await;
+}
+
+#[tokio::test]
+async fn on_a_mysql_transactional_table() {
+    let backend = Backend::mysql();
+    let store = MySqlStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(&backend.url)
+        .await
+        .unwrap();
+    transactional_scenario(&backend, store).await;
+}
+
+/// Mistakes are told apart from outages, each with its own status.
+#[tokio::test]
+async fn mistakes_and_outages_say_so() {
+    let no_store = cli(&["inspect", "--scope", "a", "k"]).await;
+    assert_eq!(no_store.code, 2, "{no_store:?}");
+    assert!(no_store.stderr.contains("--store"), "{no_store:?}");
+    let scheme = cli(&["--store", "memcached://127.0.0.1", "stats"]).await;
+    assert_eq!(scheme.code, 2, "{scheme:?}");
+    let no_scope = cli(&["--store", "sqlite://x.db", "inspect", "k"]).await;
+    assert_eq!(no_scope.code, 2, "{no_scope:?}");
+    assert!(no_scope.stderr.contains("--single-tenant"), "{no_scope:?}");
+    let bad_key = cli(&[
+        "--store",
+        "sqlite://x.db",
+        "inspect",
+        "--scope",
+        "a",
+        "two words",
+    ])
+    .await;
+    assert_eq!(bad_key.code, 2, "{bad_key:?}");
+    assert!(bad_key.stderr.contains("not valid"), "{bad_key:?}");
+
+    let backend = Backend::postgres();
+    let missing = backend.cli(&["--table", "nope", "stats"]).await;
+    assert_eq!(missing.code, 2, "{missing:?}");
+    assert!(missing.stderr.contains("nope"), "{missing:?}");
+    let file = cli(&[
+        "--store",
+        "sqlite:///tmp/tower-idempotency-cli-no-such.db",
+        "stats",
+    ])
+    .await;
+    assert_eq!(file.code, 2, "{file:?}");
+    assert!(!std::path::Path::new("/tmp/tower-idempotency-cli-no-such.db").exists());
+
+    let port = tower_idempotency_harness::redis_server::free_port();
+    let down = cli(&["--store", &format!("redis://127.0.0.1:{port}"), "stats"]).await;
+    assert_eq!(down.code, 3, "{down:?}");
+}
