@@ -40,6 +40,7 @@ use tower_idempotency::{
         sql::{Dialect, SqlTx},
     },
 };
+use tower_idempotency_harness::cpu;
 use tower_idempotency_harness::mysql::TestDatabase as MySqlDatabase;
 use tower_idempotency_harness::postgres::TestDatabase;
 use tower_idempotency_harness::redis_server::RedisServer;
@@ -76,6 +77,17 @@ struct NewCharge {
     amount: i64,
     currency: String,
     description: Option<String>,
+}
+
+impl NewCharge {
+    /// Its `charge.created`, as the outbox variants enqueue it.
+    fn event(&self) -> Vec<u8> {
+        format!(
+            r#"{{"type":"charge.created","amount":{},"currency":"{}"}}"#,
+            self.amount, self.currency
+        )
+        .into_bytes()
+    }
 }
 
 /// The handler under test: parse a charge, answer 201 with a Location.
@@ -400,14 +412,10 @@ async fn enqueue_event<D: Dialect>(
     tx: &mut IdempotentTx<SqlTx<D>>,
     new: &NewCharge,
 ) {
-    let payload = format!(
-        r#"{{"type":"charge.created","amount":{},"currency":"{}"}}"#,
-        new.amount, new.currency
-    );
     outbox
         .enqueue(
             tx,
-            OutgoingMessage::new("charges", payload).ordering_key("acct"),
+            OutgoingMessage::new("charges", new.event()).ordering_key("acct"),
         )
         .await
         .expect("enqueue the event");
@@ -509,7 +517,7 @@ fn hex(bytes: &[u8]) -> String {
 /// claim that inserts nothing finds a completed row, whose response is
 /// read and sent, and the transaction rolled back, in one more round trip.
 async fn pg_claim_first(
-    State(pool): State<PgPool>,
+    State((pool, event)): State<(PgPool, bool)>,
     headers: http::HeaderMap,
     Json(new): Json<NewCharge>,
 ) -> Response {
@@ -533,8 +541,18 @@ async fn pg_claim_first(
             return Err(read_stored!(on, read));
         }
         insert_charge(&mut on, &new).await;
+        let event = event.then(|| {
+            format!(
+                "INSERT INTO idempotency_outbox (id, destination, ordering_key, payload, headers, created_at) \
+                 VALUES ('floor-{}', 'charges', 'acct', '\\x{}', '{{}}', {}); ",
+                &key[65..],
+                hex(&new.event()),
+                unix_ms()
+            )
+        });
         let complete = format!(
-            "UPDATE idempotency_records SET record = '\\x{}' WHERE key = '{key}'; COMMIT",
+            "{}UPDATE idempotency_records SET record = '\\x{}' WHERE key = '{key}'; COMMIT",
+            event.unwrap_or_default(),
             hex(FLOOR_RESPONSE)
         );
         sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
@@ -556,11 +574,12 @@ async fn pg_claim_first(
 /// in one; a duplicate rolls back and reads the stored response in one.
 /// The session reads committed data, as the store's claims do.
 async fn mysql_claim_first(
-    State(pool): State<MySqlPool>,
+    State((pool, event)): State<(MySqlPool, bool)>,
     headers: http::HeaderMap,
     Json(new): Json<NewCharge>,
 ) -> Response {
-    let key = hex(floor_key(&headers, 2).as_bytes());
+    let plain = floor_key(&headers, 2);
+    let key = hex(plain.as_bytes());
     let executed = detached(async move {
         let mut on = pool.acquire().await.expect("a connection");
         let claim = format!(
@@ -584,8 +603,18 @@ async fn mysql_claim_first(
             Err(error) => panic!("claim: {error}"),
         }
         insert_charge_mysql(&mut on, &new).await;
+        let event = event.then(|| {
+            format!(
+                "INSERT INTO idempotency_outbox (id, destination, ordering_key, payload, headers, created_at) \
+                 VALUES ('floor-{}', 'charges', 'acct', X'{}', '{{}}', {}); ",
+                &plain[65..],
+                hex(&new.event()),
+                unix_ms()
+            )
+        });
         let complete = format!(
-            "UPDATE idempotency_records SET record = X'{}' WHERE `key` = X'{key}'; COMMIT",
+            "{}UPDATE idempotency_records SET record = X'{}' WHERE `key` = X'{key}'; COMMIT",
+            event.unwrap_or_default(),
             hex(FLOOR_RESPONSE)
         );
         sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
@@ -607,7 +636,7 @@ async fn mysql_claim_first(
 /// response written and `COMMIT`; a claim that inserts nothing reads the
 /// stored response and rolls back.
 async fn sqlite_claim_first(
-    State((pool, writer)): State<(SqlitePool, Arc<tokio::sync::Mutex<()>>)>,
+    State((pool, writer, event)): State<(SqlitePool, Arc<tokio::sync::Mutex<()>>, bool)>,
     headers: http::HeaderMap,
     Json(new): Json<NewCharge>,
 ) -> Response {
@@ -631,8 +660,18 @@ async fn sqlite_claim_first(
             return Err(read_stored!(on, read));
         }
         insert_charge_sqlite(&mut on, &new).await;
+        let event = event.then(|| {
+            format!(
+                "INSERT INTO idempotency_outbox (id, destination, ordering_key, payload, headers, created_at) \
+                 VALUES ('floor-{}', 'charges', 'acct', X'{}', '{{}}', {}); ",
+                &key[65..],
+                hex(&new.event()),
+                unix_ms()
+            )
+        });
         let complete = format!(
-            "UPDATE idempotency_records SET record = X'{}' WHERE key = '{key}'; COMMIT",
+            "{}UPDATE idempotency_records SET record = X'{}' WHERE key = '{key}'; COMMIT",
+            event.unwrap_or_default(),
             hex(FLOOR_RESPONSE)
         );
         sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
@@ -851,7 +890,7 @@ async fn start_variants(
             &["pg-floor"],
             Router::new()
                 .route("/v1/charges", post(pg_claim_first))
-                .with_state(pool.clone()),
+                .with_state((pool.clone(), false)),
         ),
         (
             "pg-replay-floor",
@@ -867,7 +906,7 @@ async fn start_variants(
             &["pg-floor"],
             Router::new()
                 .route("/v1/charges", post(pg_claim_first))
-                .with_state(pool.clone()),
+                .with_state((pool.clone(), false)),
         ),
         (
             "pg-tx",
@@ -888,9 +927,17 @@ async fn start_variants(
             in_transaction().layer(layer(cached_store(transactional()))),
         ),
         (
+            "pg-claim-floor-outbox",
+            Keys::Unique,
+            &["pg-claim-floor"],
+            Router::new()
+                .route("/v1/charges", post(pg_claim_first))
+                .with_state((pool.clone(), true)),
+        ),
+        (
             "pg-tx-outbox",
             Keys::Unique,
-            &["pg-tx", "pg-floor"],
+            &["pg-tx", "pg-claim-floor-outbox"],
             Router::new()
                 .route("/v1/charges", post(charge_with_event))
                 .with_state(pg_outbox)
@@ -916,7 +963,7 @@ async fn start_variants(
             &["sqlite-floor-record"],
             Router::new()
                 .route("/v1/charges", post(sqlite_claim_first))
-                .with_state((sqlite.pool().clone(), sqlite_writer.clone())),
+                .with_state((sqlite.pool().clone(), sqlite_writer.clone(), false)),
         ),
         (
             "sqlite-replay-floor",
@@ -932,7 +979,7 @@ async fn start_variants(
             &["sqlite-replay-floor"],
             Router::new()
                 .route("/v1/charges", post(sqlite_claim_first))
-                .with_state((sqlite.pool().clone(), sqlite_writer)),
+                .with_state((sqlite.pool().clone(), sqlite_writer.clone(), false)),
         ),
         (
             "sqlite-tx",
@@ -941,9 +988,17 @@ async fn start_variants(
             sqlite_in_transaction().layer(layer(sqlite.clone())),
         ),
         (
+            "sqlite-claim-floor-outbox",
+            Keys::Unique,
+            &["sqlite-claim-floor"],
+            Router::new()
+                .route("/v1/charges", post(sqlite_claim_first))
+                .with_state((sqlite.pool().clone(), sqlite_writer.clone(), true)),
+        ),
+        (
             "sqlite-tx-outbox",
             Keys::Unique,
-            &["sqlite-tx", "sqlite-floor-record"],
+            &["sqlite-tx", "sqlite-claim-floor-outbox"],
             Router::new()
                 .route("/v1/charges", post(sqlite_charge_with_event))
                 .with_state(sqlite_outbox)
@@ -983,7 +1038,7 @@ async fn start_variants(
             &["mysql-floor"],
             Router::new()
                 .route("/v1/charges", post(mysql_claim_first))
-                .with_state(mysql.pool().clone()),
+                .with_state((mysql.pool().clone(), false)),
         ),
         (
             "mysql-replay-floor",
@@ -999,7 +1054,7 @@ async fn start_variants(
             &["mysql-floor"],
             Router::new()
                 .route("/v1/charges", post(mysql_claim_first))
-                .with_state(mysql.pool().clone()),
+                .with_state((mysql.pool().clone(), false)),
         ),
         (
             "mysql-tx",
@@ -1008,9 +1063,17 @@ async fn start_variants(
             mysql_in_transaction().layer(layer(mysql.clone())),
         ),
         (
+            "mysql-claim-floor-outbox",
+            Keys::Unique,
+            &["mysql-claim-floor"],
+            Router::new()
+                .route("/v1/charges", post(mysql_claim_first))
+                .with_state((mysql.pool().clone(), true)),
+        ),
+        (
             "mysql-tx-outbox",
             Keys::Unique,
-            &["mysql-tx", "mysql-floor"],
+            &["mysql-tx", "mysql-claim-floor-outbox"],
             Router::new()
                 .route("/v1/charges", post(mysql_charge_with_event))
                 .with_state(mysql_outbox)
@@ -1141,7 +1204,7 @@ async fn pg_counters(pool: &PgPool) -> PgCounters {
     PgCounters {
         xids: xids as f64,
         wal_bytes: wal_bytes as f64,
-        cpu_us: processes_cpu_us("postgres"),
+        cpu_us: cpu::processes_us("postgres"),
     }
 }
 
@@ -1161,75 +1224,8 @@ async fn my_counters(pool: &MySqlPool) -> MyCounters {
             .unwrap();
     MyCounters {
         redo_bytes: written.parse().unwrap_or(0.0),
-        cpu_us: processes_cpu_us("mariadbd") + processes_cpu_us("mysqld"),
+        cpu_us: cpu::processes_us("mariadbd") + cpu::processes_us("mysqld"),
     }
-}
-
-/// User + system CPU time, in µs, of every process whose command is `name`,
-/// with that of their exited children (the postmaster's reaped backends and
-/// workers), so the sum only grows (Linux; 0 elsewhere). A backend reaped
-/// while `/proc` is read can be missed both as itself and in its parent's
-/// total (one run read -467 µs per request that way), so the processes are
-/// read until two readings in a row find the same ones.
-fn processes_cpu_us(name: &str) -> f64 {
-    let mut last = processes_cpu(name);
-    loop {
-        let next = processes_cpu(name);
-        if next.0 == last.0 {
-            return next.1;
-        }
-        last = next;
-    }
-}
-
-/// The ids of the processes whose command is `name`, and their CPU time
-/// with their exited children's, in µs.
-fn processes_cpu(name: &str) -> (Vec<u32>, f64) {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return (Vec::new(), 0.0);
-    };
-    let mut pids = Vec::new();
-    let mut total = 0.0;
-    for entry in entries.flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        let named = stat
-            .split_once(" (")
-            .is_some_and(|(_, rest)| rest.starts_with(&format!("{name})")));
-        if named {
-            pids.push(pid);
-            total += stat_cpu_us(&stat, true);
-        }
-    }
-    pids.sort_unstable();
-    (pids, total)
-}
-
-/// User + system CPU time in a `/proc/<pid>/stat` line, in µs; with
-/// `children`, plus that of the exited children it waited for.
-fn stat_cpu_us(stat: &str, children: bool) -> f64 {
-    // Fields after the command name, which is parenthesised and may hold spaces.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .map_or("", |(_, rest)| rest)
-        .split_whitespace()
-        .collect();
-    let ticks: f64 = fields
-        .get(11..if children { 15 } else { 13 })
-        .map_or(0.0, |t| {
-            t.iter().filter_map(|v| v.parse::<f64>().ok()).sum()
-        });
-    ticks * 1e6 / 100.0 // USER_HZ is 100 on Linux
-}
-
-/// User + system CPU time of this process so far, in µs (Linux; 0 elsewhere).
-fn process_cpu_us() -> f64 {
-    // Not its children: they are the `wrk` runs.
-    std::fs::read_to_string("/proc/self/stat").map_or(0.0, |stat| stat_cpu_us(&stat, false))
 }
 
 fn wrk(variant: &Variant, run_id: &str, secs: u64, connections: u32) -> Run {
@@ -1262,10 +1258,10 @@ fn wrk(variant: &Variant, run_id: &str, secs: u64, connections: u32) -> Run {
 
 /// One measured run: wrk's numbers plus this process's CPU per request.
 fn measure(variant: &Variant, run_id: &str, secs: u64, connections: u32) -> Run {
-    let cpu_before = process_cpu_us();
+    let cpu_before = cpu::own_us();
     let mut run = wrk(variant, run_id, secs, connections);
     let requests = run.rps * secs as f64;
-    run.cpu_us = (process_cpu_us() - cpu_before) / requests.max(1.0);
+    run.cpu_us = (cpu::own_us() - cpu_before) / requests.max(1.0);
     run
 }
 

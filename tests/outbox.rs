@@ -318,6 +318,81 @@ macro_rules! outbox_suite {
                 assert_eq!(outbox.stats().await.unwrap(), Default::default());
             }
 
+            /// What a handler enqueues is what the relay publishes, byte for byte:
+            /// every byte value in the payload, quotes, backslashes and
+            /// non-ASCII text in the destination, the ordering key and the
+            /// headers (the row travels as SQL text with the commit).
+            async fn a_message_is_published_byte_for_byte(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let payload: Vec<u8> = (0..=255u8).chain(*b"'\\\"\0").collect();
+                let destination = r#"charges.'quoted'\back\slash"é"#;
+                let ordering = "acct_'o\\'brien_ü";
+                let key = storage_key("bytes");
+                let mut tx = claim(&store, &key).await;
+                outbox
+                    .enqueue(
+                        &mut tx,
+                        OutgoingMessage::new(destination, payload.clone())
+                            .ordering_key(ordering)
+                            .header("type", "it's \\ \"quoted\" — ✓")
+                            .id("given-'id'\\"),
+                    )
+                    .await
+                    .unwrap();
+                commit(&store, &key, tx).await;
+                let broker = Broker::default();
+                let relay = OutboxRelay::new(outbox.clone(), broker.clone());
+                assert_eq!(relay.run_once().await.unwrap().published, 1);
+                let got = broker.got.lock().unwrap().clone();
+                assert_eq!(got[0].payload, payload);
+                assert_eq!(got[0].destination, destination);
+                assert_eq!(got[0].ordering_key.as_deref(), Some(ordering));
+                assert_eq!(got[0].id, "given-'id'\\");
+                assert_eq!(
+                    got[0].headers,
+                    vec![("type".to_owned(), "it's \\ \"quoted\" — ✓".to_owned())]
+                );
+            }
+
+            /// A handler that gives one id to two messages: the second row fails
+            /// the commit, so nothing of the request commits — no charge, no
+            /// message, no record — and its success is withheld.
+            async fn an_id_given_twice_fails_the_commit_and_nothing_commits(b: B) {
+                #[derive(Clone)]
+                struct Twice {
+                    charges: Charges,
+                    outbox: Outbox<D>,
+                }
+                async fn twice(
+                    State(app): State<Twice>,
+                    mut tx: IdempotentTx<SqlTx<D>>,
+                ) -> StatusCode {
+                    app.charges.write(&mut *tx, "twice").await.unwrap();
+                    for _ in 0..2 {
+                        let event = OutgoingMessage::new("charges", "{}").id("the-same-id");
+                        app.outbox.enqueue(&mut tx, event).await.unwrap();
+                    }
+                    StatusCode::CREATED
+                }
+                let (store, charges, outbox) = outbox_of(&b).await;
+                let app = Router::new()
+                    .route("/twice", post(twice))
+                    .layer(IdempotencyLayer::new(store).single_tenant())
+                    .with_state(Twice {
+                        charges: charges.clone(),
+                        outbox: outbox.clone(),
+                    });
+                let reply = oneshot(&app, request("/twice", "twice-1", "{}")).await;
+                assert!(reply.status.is_server_error(), "{:?}", reply.body);
+                assert_eq!(charges.total().await, 0, "nothing committed");
+                assert_eq!(outbox.stats().await.unwrap(), Default::default());
+                let again = oneshot(&app, request("/twice", "twice-1", "{}")).await;
+                assert!(
+                    again.status.is_server_error(),
+                    "executed again, not replayed"
+                );
+            }
+
             /// `n` messages over `keys` ordering keys, one transaction per message (a
             /// claim and its completion, as a request's); their ids by key, in order.
             async fn enqueue_many(
@@ -427,6 +502,16 @@ macro_rules! outbox_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn refused_message() {
                 a_refused_message_is_kept_and_reported_never_dropped(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn byte_for_byte() {
+                a_message_is_published_byte_for_byte(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn an_id_given_twice() {
+                an_id_given_twice_fails_the_commit_and_nothing_commits(backend()).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -64,6 +64,8 @@ enum Command {
     /// handler's completion is then fenced off, and a retry runs it a
     /// second time); a transactional store's claim is its open
     /// transaction, which only the transaction (or its timeout) ends.
+    /// Instances that serve replays from a `CachedStore` keep replaying
+    /// what they cached until it expires: forget through each of them.
     Forget {
         #[command(flatten)]
         key: KeyArgs,

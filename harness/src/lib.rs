@@ -5,6 +5,7 @@
 //! skip.
 
 pub mod cluster;
+pub mod cpu;
 #[cfg(feature = "galera")]
 pub mod galera;
 #[cfg(feature = "mysql")]

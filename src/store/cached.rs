@@ -35,6 +35,18 @@ use crate::{fingerprint::Fingerprint, observe, record::CompletedRecord};
 /// more than 5 s behind the one that wrote a record can make this process
 /// replay it from the cache after Redis has dropped it.
 ///
+/// **In front of a SQL store.** On a transactional SQL store too, a
+/// replay this process has seen before is answered from memory: no round
+/// trip, no transaction — about the speed of the handler alone. The first
+/// replay of a key on each instance still goes to the database (and fills
+/// that instance's cache), and so does every retry that lands on another
+/// instance: the cache pays where retries come back to the instance that
+/// answered (one instance, sticky clients) or where one key is replayed
+/// many times (a webhook sender that redelivers, a client in a retry loop).
+/// A key forgotten in the store is still replayed by each instance that
+/// cached it, until its entry expires: forget through each instance (the
+/// cache's [`forget`](Store::forget) evicts its entry).
+///
 /// Memory is bounded by `max_bytes`, counting each record's body and headers;
 /// the least valuable entries are evicted first (CLOCK-Pro, from
 /// [`quick_cache`]).

@@ -589,9 +589,31 @@ mod brokers {
     /// The relay against publishing directly: per round, `nats-direct`
     /// publishes N messages 64 at a time; `nats-relay` enqueues N messages
     /// in the outbox beforehand (one consumer transaction each, not timed),
-    /// then relays until the outbox is empty (batches of 64, the default).
-    /// The messages have 256 ordering keys, as accounts would.
+    /// then relays until the outbox is empty (the relay's defaults). The
+    /// messages have 256 ordering keys, as accounts would. Beside each
+    /// rate, the CPU time per message of `nats-server`, PostgreSQL and this
+    /// process: on a machine whose cores the three share, what the
+    /// database adds per message bounds the relay's rate.
     pub async fn relay(rounds: u64, store: PostgresTxStore) {
+        use tower_idempotency_harness::cpu;
+        /// CPU µs per message of nats-server, postgres and this process
+        /// over `run`, and its rate.
+        async fn costed(n: u64, run: impl std::future::Future<Output = ()>) -> (f64, [f64; 3]) {
+            let read = || {
+                [
+                    cpu::processes_us("nats-server"),
+                    cpu::processes_us("postgres"),
+                    cpu::own_us(),
+                ]
+            };
+            let before = read();
+            let started = Instant::now();
+            run.await;
+            let rate = n as f64 / started.elapsed().as_secs_f64();
+            let after = read();
+            let per = |i: usize| (after[i] - before[i]) / n as f64;
+            (rate, [per(0), per(1), per(2)])
+        }
         let n = number("MSG_OUTBOX_N", 10_000);
         let nats = NatsServer::start();
         let outbox = Outbox::on(&store)
@@ -602,14 +624,13 @@ mod brokers {
             .unwrap();
         let events = IdempotencyProcessor::new(store).scope("outbox-bench");
         println!(
-            "\noutbox relay: {n} messages per variant and round to JetStream (nats-server), PostgreSQL outbox, {rounds} rounds"
+            "\noutbox relay: {n} messages per variant and round to JetStream (nats-server), PostgreSQL outbox, {rounds} rounds; cpu us per message: nats-server / postgres / this process"
         );
         let (mut direct, mut relayed) = (Vec::new(), Vec::new());
         for round in 1..=rounds {
             let body = |i: u64| format!(r#"{{"type":"charge.created","order_id":"r{round}-{i}"}}"#);
             // Directly: the same messages, ids and acknowledgements.
             let stream = TestStream::create(&nats).await;
-            let started = Instant::now();
             let publishes = (0..n).map(|i| {
                 let (js, subject) = (stream.js.clone(), stream.subject.clone());
                 let body = body(i);
@@ -623,11 +644,14 @@ mod brokers {
                         .unwrap();
                 }
             });
-            futures_util::stream::iter(publishes)
-                .buffer_unordered(64)
-                .collect::<Vec<_>>()
-                .await;
-            direct.push(n as f64 / started.elapsed().as_secs_f64());
+            let (d, d_cpu) = costed(n, async {
+                futures_util::stream::iter(publishes)
+                    .buffer_unordered(64)
+                    .collect::<Vec<_>>()
+                    .await;
+            })
+            .await;
+            direct.push(d);
 
             // Through the outbox.
             let stream = TestStream::create(&nats).await;
@@ -651,15 +675,22 @@ mod brokers {
                 .collect::<Vec<_>>()
                 .await;
             let relay = OutboxRelay::new(outbox.clone(), JetStreamPublisher(stream.js.clone()));
-            let started = Instant::now();
-            let mut published = 0;
-            while published < n as usize {
-                published += relay.run_once().await.unwrap().published;
-            }
-            relayed.push(n as f64 / started.elapsed().as_secs_f64());
-            let (d, r) = (direct[round as usize - 1], relayed[round as usize - 1]);
+            let (r, r_cpu) = costed(n, async {
+                let mut published = 0;
+                while published < n as usize {
+                    published += relay.run_once().await.unwrap().published;
+                }
+            })
+            .await;
+            relayed.push(r);
             println!(
-                "round {round}: nats-direct {d:>9.0} msg/s  nats-relay {r:>9.0} msg/s {:>8.4} x nats-direct",
+                "round {round}: nats-direct {d:>9.0} msg/s ({:.1} / {:.1} / {:.1})  nats-relay {r:>9.0} msg/s ({:.1} / {:.1} / {:.1}) {:>8.4} x nats-direct",
+                d_cpu[0],
+                d_cpu[1],
+                d_cpu[2],
+                r_cpu[0],
+                r_cpu[1],
+                r_cpu[2],
                 r / d
             );
         }

@@ -324,15 +324,24 @@ pub(crate) struct MessageRow {
 /// The outbox's statements, for one table. Times are Unix milliseconds by
 /// the caller's clock (`Now`).
 pub(crate) struct OutboxStatements {
+    /// The table, checked.
+    pub(crate) table: String,
+    /// How the engine writes a text value (valid UTF-8) and a byte string
+    /// as literals: an enqueued message's row travels as SQL text, with the
+    /// transaction's `COMMIT`.
+    pub(crate) text: fn(&mut String, &str),
+    pub(crate) bytes: fn(&mut String, &[u8]),
     /// Creates the table and its indexes if missing.
     pub(crate) schema: String,
     /// Fails unless the table exists, with the columns the statements use.
     pub(crate) exists: Stmt,
-    /// Id, Destination, OrderingKey, Payload, Headers, Now.
-    pub(crate) enqueue: Stmt,
     /// Up to Batch pending messages due by Now, each the oldest pending of
-    /// its ordering key, claimed for Token until Now + Ms.
+    /// its ordering key, claimed for Token until Now + Ms; answering with
+    /// them when `claim_returns`.
     pub(crate) claim: Stmt,
+    pub(crate) claim_returns: bool,
+    /// Refreshes the table's statistics, where the engine needs it done.
+    pub(crate) analyze: Option<String>,
     /// The messages Token claimed, oldest first.
     pub(crate) claimed: Stmt,
     /// Every message Token still claims marked sent at Now.

@@ -65,6 +65,9 @@ pub struct SqlTx<D: Dialect> {
     /// The claim's row lives this many milliseconds from a moment no
     /// earlier than this one (the claim was sent then).
     row_lifetime: Option<(Instant, i64)>,
+    /// Statements sent with the commit, as SQL text: the rows of the
+    /// outgoing messages it enqueued (one round trip fewer each).
+    deferred: String,
 }
 
 // See `SqlStore::builder`: the engines are this crate's own.
@@ -79,6 +82,7 @@ impl<D: Engine> SqlTx<D> {
             origin: None,
             messages: 0,
             row_lifetime: None,
+            deferred: String::new(),
         }
     }
 
@@ -97,6 +101,18 @@ impl<D: Engine> SqlTx<D> {
         }
         drop(self.connection.take());
         ended
+    }
+
+    /// Runs the deferred statements, then `end` (which commits), in one
+    /// round trip: see [`end`](Self::end). One of them failing (a
+    /// duplicate id) stops the batch before its `COMMIT`.
+    pub(crate) async fn commit_with(&mut self, end: &str) -> Result<(), sqlx::Error> {
+        if self.deferred.is_empty() {
+            return self.end(end).await;
+        }
+        let mut sql = std::mem::take(&mut self.deferred);
+        sql.push_str(end);
+        self.end(&sql).await
     }
 
     /// The connection of a transaction one of its own statements ended (a
@@ -143,6 +159,12 @@ impl<D: Dialect> SqlTx<D> {
         let position = self.messages;
         self.messages += 1;
         position
+    }
+
+    /// Where statements to run with the commit are written, as SQL text,
+    /// each ending with `; `.
+    pub(crate) fn deferred(&mut self) -> &mut String {
+        &mut self.deferred
     }
 }
 

@@ -174,7 +174,9 @@ pub(crate) trait TxEngine: Engine {
     ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send;
 
     /// Writes the record into the claim's row, its expiry as told, and
-    /// commits — or fails, the connection then closed: nothing commits.
+    /// commits with the transaction's deferred statements
+    /// ([`SqlTx::commit_with`]) — or fails, the connection then closed:
+    /// nothing commits.
     fn tx_complete(
         seam: &Seam<Self>,
         tx: &mut SqlTx<Self>,
@@ -183,13 +185,20 @@ pub(crate) trait TxEngine: Engine {
         expiry: Expiry,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Ends the transaction without a record.
+    /// Ends the transaction without a record (a commit with its deferred
+    /// statements).
     fn tx_end(
         seam: &Seam<Self>,
         mut tx: SqlTx<Self>,
         end: End,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move { tx.end(end.sql()).await.map_err(|e| seam.error(e)) }
+        async move {
+            let ended = match end {
+                End::Rollback => tx.end(end.sql()).await,
+                End::Commit => tx.commit_with(end.sql()).await,
+            };
+            ended.map_err(|e| seam.error(e))
+        }
     }
 
     /// Whether a transaction (in any process) holds `key` in flight: an

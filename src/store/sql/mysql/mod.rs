@@ -190,6 +190,15 @@ KEY {i}_sent (state, sent_at)) ENGINE = InnoDB",
             placeholders: Placeholders::Question,
             claim_lock: "",
             delete_limit: true,
+            returning: false,
+            analyze: None,
+            // Hex, whatever the `sql_mode` says of backslashes; text with
+            // its character set named.
+            text: |sql, text| {
+                sql.push_str("_utf8mb4 ");
+                statements::push_hex_literal(sql, text.as_bytes());
+            },
+            bytes: statements::push_hex_literal,
         };
         statements(table, &SQL)
     }
@@ -356,7 +365,7 @@ impl TxEngine for MySql {
         tx: MySqlTx,
         end: End,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        transactional::end(seam, tx, end.sql())
+        transactional::end(seam, tx, end)
     }
 
     fn tx_in_flight(

@@ -336,7 +336,7 @@ fn hex(bytes: &[u8]) -> String {
 
 /// Appends `bytes` as a hex literal (see [`hex`]): a record's can run to
 /// megabytes.
-fn push_hex_literal(out: &mut String, bytes: &[u8]) {
+pub(super) fn push_hex_literal(out: &mut String, bytes: &[u8]) {
     out.push_str("X'");
     push_hex(out, bytes);
     out.push('\'');

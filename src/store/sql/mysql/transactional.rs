@@ -14,7 +14,7 @@ use crate::store::{
     StorageKey, StoreError,
     sql::{
         dialect::{Engine, ErrorClass},
-        tx_engine::{ClaimRequest, Expiry, Seam, TxClaim},
+        tx_engine::{ClaimRequest, End, Expiry, Seam, TxClaim},
     },
 };
 
@@ -163,7 +163,7 @@ pub(super) async fn complete(
     // fails this COMMIT's certification (1213): nothing of this request
     // commits.
     let complete = seam.state.sql.complete(key.as_str(), &record, expiry);
-    match tx.end(&complete).await {
+    match tx.commit_with(&complete).await {
         Ok(()) => Ok(()),
         // The check after the update: the claim's row is gone (the handler
         // deleted it, or a deadlock rolled the transaction back and the
@@ -178,9 +178,13 @@ pub(super) async fn complete(
 }
 
 /// Ends the transaction with `end`, the session's settings restored.
-pub(super) async fn end(seam: &Seam<MySql>, mut tx: MySqlTx, end: &str) -> Result<(), StoreError> {
-    let end = seam.state.sql.end(end);
-    tx.end(&end).await.map_err(|e| seam.error(e))
+pub(super) async fn end(seam: &Seam<MySql>, mut tx: MySqlTx, end: End) -> Result<(), StoreError> {
+    let sql = seam.state.sql.end(end.sql());
+    let ended = match end {
+        End::Rollback => tx.end(&sql).await,
+        End::Commit => tx.commit_with(&sql).await,
+    };
+    ended.map_err(|e| seam.error(e))
 }
 
 /// Whether a transaction holds `key` in flight: a claim of it in a

@@ -261,11 +261,12 @@ type Query<D, T> = for<'a> fn(&'a Outbox<D>, &'a Stmt, &'a Args<'a>) -> Done<'a,
 struct Ops<D: Dialect> {
     /// On a pooled connection, this process's turn to write held.
     execute: Query<D, u64>,
-    /// In the request's transaction.
-    execute_in:
-        for<'a> fn(&'a Outbox<D>, &'a mut SqlTx<D>, &'a Stmt, &'a Args<'a>) -> Done<'a, u64>,
+    /// On a pooled connection, this process's turn to write held (a claim
+    /// that answers with its rows writes them).
     messages: Query<D, Vec<OutboxMessage>>,
     pairs: Query<D, Vec<(i64, i64)>>,
+    /// SQL text, on a pooled connection.
+    raw: for<'a> fn(&'a Outbox<D>, &'a str) -> Done<'a, ()>,
 }
 
 impl<D: Dialect> Clone for Ops<D> {
@@ -286,20 +287,10 @@ impl<D: Engine> Ops<D> {
                     base.execute(stmt, args).await
                 })
             },
-            execute_in: |outbox, tx, stmt, args| {
-                Box::pin(async move {
-                    let base = &outbox.store.base;
-                    base.bounded(async {
-                        D::execute(&mut **tx, stmt, args)
-                            .await
-                            .map_err(|e| base.error(e))
-                    })
-                    .await
-                })
-            },
             messages: |outbox, stmt, args| {
                 Box::pin(async move {
                     let base = &outbox.store.base;
+                    let _turn = base.engine.turn(Some(base.timeout)).await?;
                     let rows = base
                         .bounded(async {
                             let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
@@ -309,6 +300,16 @@ impl<D: Engine> Ops<D> {
                         })
                         .await?;
                     Ok(rows.into_iter().map(OutboxMessage::from_row).collect())
+                })
+            },
+            raw: |outbox, sql| {
+                Box::pin(async move {
+                    let base = &outbox.store.base;
+                    base.bounded(async {
+                        let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
+                        D::raw(&mut on, sql).await.map_err(|e| base.error(e))
+                    })
+                    .await
                 })
             },
             pairs: |outbox, stmt, args| {
@@ -374,10 +375,15 @@ impl<D: Dialect> Outbox<D> {
     /// request's scope, key and the message's position among the ones it
     /// enqueued, unless the message names its own.
     ///
+    /// The message's row travels with the transaction's `COMMIT`, in the
+    /// same round trip, rather than in one of its own: an id already in
+    /// the outbox (one the handler gave twice) fails the commit — nothing
+    /// of the request commits, and its answer is withheld (`500`) — not
+    /// this call.
+    ///
     /// # Errors
     ///
-    /// The database's, as a store's: the insert failed (a duplicate id, a
-    /// lost connection). On PostgreSQL the transaction is then aborted.
+    /// None today; kept for stores that write at once.
     ///
     /// # Examples
     ///
@@ -394,16 +400,15 @@ impl<D: Dialect> Outbox<D> {
             None => derived_id(tx.origin(), position),
         };
         let headers = serde_json::to_string(&message.headers).expect("strings serialize");
-        let args = Args {
+        statements::RowInsert {
             id: &id,
             destination: &message.destination,
             ordering_key: message.ordering_key.as_deref(),
             payload: &message.payload,
             headers: &headers,
-            now: now_ms(),
-            ..Args::default()
-        };
-        (self.ops.execute_in)(self, tx, &self.sql.enqueue, &args).await?;
+            created_at: now_ms(),
+        }
+        .write(tx.deferred(), &self.sql);
         Ok(id)
     }
 
@@ -492,6 +497,10 @@ impl<D: Dialect> Outbox<D> {
         args: &Args<'_>,
     ) -> Result<Vec<OutboxMessage>, StoreError> {
         (self.ops.messages)(self, stmt, args).await
+    }
+
+    async fn raw(&self, sql: &str) -> Result<(), StoreError> {
+        (self.ops.raw)(self, sql).await
     }
 }
 

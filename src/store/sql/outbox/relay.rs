@@ -81,6 +81,9 @@ pub struct RelayRound {
 pub struct OutboxRelay<D: Dialect, P> {
     outbox: Outbox<D>,
     publisher: P,
+    /// When the table's statistics were last refreshed (where the engine
+    /// needs it: see `OutboxStatements::analyze`).
+    analyzed: std::sync::Mutex<Option<std::time::Instant>>,
     batch: u32,
     poll: Duration,
     claim_for: Duration,
@@ -101,7 +104,7 @@ impl<D: Dialect, P> fmt::Debug for OutboxRelay<D, P> {
 }
 
 impl<D: Dialect, P: Publisher> OutboxRelay<D, P> {
-    /// A relay of `outbox` through `publisher`: batches of 64, a poll
+    /// A relay of `outbox` through `publisher`: batches of 256, a poll
     /// every 50 ms while idle, claims of 30 s, back-off from 500 ms to
     /// 30 s, sent messages kept 7 days.
     ///
@@ -112,7 +115,8 @@ impl<D: Dialect, P: Publisher> OutboxRelay<D, P> {
         Self {
             outbox,
             publisher,
-            batch: 64,
+            analyzed: std::sync::Mutex::new(None),
+            batch: 256,
             poll: Duration::from_millis(50),
             claim_for: Duration::from_secs(30),
             backoff: (Duration::from_millis(500), Duration::from_secs(30)),
@@ -120,7 +124,9 @@ impl<D: Dialect, P: Publisher> OutboxRelay<D, P> {
         }
     }
 
-    /// Messages per round (default 64).
+    /// Messages per round (default 256). A round takes at most one message
+    /// per ordering key (the next waits for it to be sent), so a batch
+    /// larger than the keys with messages waiting is never full.
     ///
     /// # Examples
     ///
@@ -212,6 +218,7 @@ impl<D: Dialect, P: Publisher> OutboxRelay<D, P> {
     pub async fn run_once(&self) -> Result<RelayRound, StoreError> {
         let token = LeaseToken::generate().to_bytes();
         let sql = &self.outbox.sql;
+        self.refresh_statistics(false).await;
         let claim = Args {
             token: &token,
             now: now_ms(),
@@ -219,16 +226,22 @@ impl<D: Dialect, P: Publisher> OutboxRelay<D, P> {
             batch: i64::from(self.batch),
             ..Args::default()
         };
-        let claimed = self.outbox.execute(&sql.claim, &claim).await?;
+        let messages = if sql.claim_returns {
+            self.outbox.messages(&sql.claim, &claim).await?
+        } else {
+            if self.outbox.execute(&sql.claim, &claim).await? == 0 {
+                return Ok(RelayRound::default());
+            }
+            let find = Args {
+                token: &token,
+                ..Args::default()
+            };
+            self.outbox.messages(&sql.claimed, &find).await?
+        };
         let mut round = RelayRound::default();
-        if claimed == 0 {
+        if messages.is_empty() {
             return Ok(round);
         }
-        let find = Args {
-            token: &token,
-            ..Args::default()
-        };
-        let messages = self.outbox.messages(&sql.claimed, &find).await?;
         round.claimed = messages.len();
         // One per ordering key in a batch: published side by side.
         let outcomes = futures_util::future::join_all(
@@ -273,6 +286,10 @@ impl<D: Dialect, P: Publisher> OutboxRelay<D, P> {
         let marked = self.outbox.execute(&sql.sent, &sent).await?;
         round.published = usize::try_from(marked).unwrap_or(usize::MAX);
         crate::observe::outbox(round.published, round.retried, round.refused);
+        if round.claimed == self.batch as usize {
+            // A backlog: the claim's plan depends on the table's size.
+            self.refresh_statistics(true).await;
+        }
         Ok(round)
     }
 
@@ -344,6 +361,31 @@ impl<D: Dialect, P: Publisher> OutboxRelay<D, P> {
     /// See the [module docs](super).
     pub fn spawn(self) -> tokio::task::JoinHandle<()> {
         tokio::spawn(self.run(std::future::pending()))
+    }
+
+    /// Refreshes the table's statistics where the engine needs it
+    /// (PostgreSQL): on the first round, and on a backlog (`full`) at most
+    /// once a minute — a plan made for a nearly empty table reads every
+    /// pending row on each claim. A failure is logged: only speed depends
+    /// on it.
+    async fn refresh_statistics(&self, full: bool) {
+        let Some(analyze) = &self.outbox.sql.analyze else {
+            return;
+        };
+        let due = {
+            let mut last = crate::lock::lock(&self.analyzed);
+            let due = match *last {
+                None => true,
+                Some(at) => full && at.elapsed() >= Duration::from_secs(60),
+            };
+            if due {
+                *last = Some(std::time::Instant::now());
+            }
+            due
+        };
+        if due && let Err(error) = self.outbox.raw(analyze).await {
+            tracing::debug!(%error, "idempotency: the outbox's statistics could not be refreshed");
+        }
     }
 
     fn backoff_after(&self, attempts: u32) -> i64 {

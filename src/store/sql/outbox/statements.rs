@@ -17,6 +17,52 @@ pub(crate) struct OutboxSql {
     pub(crate) claim_lock: &'static str,
     /// `DELETE … LIMIT` (MySQL) or `DELETE … WHERE seq IN (SELECT … LIMIT)`.
     pub(crate) delete_limit: bool,
+    /// Whether an `UPDATE` answers with the rows it changed (`RETURNING`):
+    /// the claim then reads its messages in the same statement.
+    pub(crate) returning: bool,
+    /// What refreshes the planner's statistics of the table, where a
+    /// stale estimate makes the claim read every pending row (PostgreSQL,
+    /// whose never-analyzed table is thought nearly empty).
+    pub(crate) analyze: Option<&'static str>,
+    /// How a text value and a byte string are written as literals (see
+    /// [`OutboxStatements`]).
+    pub(crate) text: fn(&mut String, &str),
+    pub(crate) bytes: fn(&mut String, &[u8]),
+}
+
+/// A message's row as SQL text: the insert [`Outbox::enqueue`] defers to
+/// the transaction's commit, with its values as `engine`'s literals.
+///
+/// [`Outbox::enqueue`]: super::Outbox::enqueue
+pub(crate) struct RowInsert<'a> {
+    pub(crate) id: &'a str,
+    pub(crate) destination: &'a str,
+    pub(crate) ordering_key: Option<&'a str>,
+    pub(crate) payload: &'a [u8],
+    pub(crate) headers: &'a str,
+    pub(crate) created_at: i64,
+}
+
+impl RowInsert<'_> {
+    /// Appends the insert, and `; `, to `sql`.
+    pub(crate) fn write(&self, sql: &mut String, engine: &OutboxStatements) {
+        sql.push_str("INSERT INTO ");
+        sql.push_str(&engine.table);
+        sql.push_str(" (id, destination, ordering_key, payload, headers, created_at) VALUES (");
+        (engine.text)(sql, self.id);
+        sql.push_str(", ");
+        (engine.text)(sql, self.destination);
+        sql.push_str(", ");
+        match self.ordering_key {
+            Some(key) => (engine.text)(sql, key),
+            None => sql.push_str("NULL"),
+        }
+        sql.push_str(", ");
+        (engine.bytes)(sql, self.payload);
+        sql.push_str(", ");
+        (engine.text)(sql, self.headers);
+        sql.push_str(&format!(", {}); ", self.created_at));
+    }
 }
 
 /// How values are written into the text.
@@ -105,6 +151,9 @@ pub(crate) fn statements(table: &str, engine: &OutboxSql) -> OutboxStatements {
          ORDER BY seq LIMIT {batch})"
     };
     OutboxStatements {
+        table: table.to_owned(),
+        text: engine.text,
+        bytes: engine.bytes,
         schema: engine
             .schema
             .replace("{t}", table)
@@ -112,10 +161,6 @@ pub(crate) fn statements(table: &str, engine: &OutboxSql) -> OutboxStatements {
         exists: s(
             "SELECT seq, id, destination, ordering_key, payload, headers, created_at, state, \
              attempts, next_at, claimed_by, last_error, sent_at FROM {t} LIMIT 0",
-        ),
-        enqueue: s(
-            "INSERT INTO {t} (id, destination, ordering_key, payload, headers, created_at) \
-             VALUES ({id}, {destination}, {ordering_key}, {payload}, {headers}, {now})",
         ),
         // Each message claimed is the oldest pending one of its ordering
         // key: the next is claimable once it is sent (or refused). Pending
@@ -127,9 +172,16 @@ pub(crate) fn statements(table: &str, engine: &OutboxSql) -> OutboxStatements {
              SELECT o.seq FROM {{t}} o WHERE o.state = 0 AND o.next_at <= {{now}} \
              AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {{t}} e \
              WHERE e.state = 0 AND e.ordering_key = o.ordering_key AND e.seq < o.seq)) \
-             ORDER BY o.seq LIMIT {{batch}} {}) AS pick)",
-            engine.claim_lock
+             ORDER BY o.seq LIMIT {{batch}} {}) AS pick){}",
+            engine.claim_lock,
+            if engine.returning {
+                format!(" RETURNING {columns}")
+            } else {
+                String::new()
+            },
         )),
+        claim_returns: engine.returning,
+        analyze: engine.analyze.map(|sql| sql.replace("{t}", table)),
         claimed: s(&format!(
             "SELECT {columns} FROM {{t}} WHERE claimed_by = {{token}} AND state = 0 ORDER BY seq"
         )),
@@ -181,6 +233,10 @@ mod tests {
             placeholders: Placeholders::Dollar,
             claim_lock: "",
             delete_limit: false,
+            returning: false,
+            analyze: None,
+            text: |_, _| {},
+            bytes: |_, _| {},
         };
         let made = statements("billing.outbox", &engine);
         assert_eq!(

@@ -218,6 +218,10 @@ CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
             placeholders: Placeholders::Dollar,
             claim_lock: "FOR UPDATE SKIP LOCKED",
             delete_limit: false,
+            returning: true,
+            analyze: Some("ANALYZE {t}"),
+            text: |sql, text| sql.push_str(&statements::text_literal(text)),
+            bytes: statements::push_bytea_literal,
         };
         statements(table, &SQL)
     }

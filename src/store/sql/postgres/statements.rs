@@ -245,12 +245,12 @@ impl TxStatements {
 }
 
 /// `s` as an escape string literal: visible ASCII keys, `\` and `'` escaped.
-fn text_literal(s: &str) -> String {
+pub(super) fn text_literal(s: &str) -> String {
     format!("E'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
 }
 
 /// Appends `bytes` as a `bytea` literal in hex, `E'\\x…'`.
-fn push_bytea_literal(out: &mut String, bytes: &[u8]) {
+pub(super) fn push_bytea_literal(out: &mut String, bytes: &[u8]) {
     out.push_str("E'\\\\x");
     push_hex(out, bytes);
     out.push('\'');

@@ -233,7 +233,7 @@ pub(super) async fn complete(
     // megabytes. On an error `end` closes the connection: everything rolled
     // back.
     let complete = seam.state.sql.complete(key.as_str(), &record, expiry);
-    tx.end(&complete).await.map_err(|e| seam.error(e))
+    tx.commit_with(&complete).await.map_err(|e| seam.error(e))
 }
 
 /// Whether a transaction holds `key` in flight: a claim in a transaction of

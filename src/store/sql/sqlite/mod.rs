@@ -166,6 +166,15 @@ CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
             placeholders: Placeholders::QuestionNumbered,
             claim_lock: "",
             delete_limit: false,
+            returning: true,
+            analyze: None,
+            // Hex, so that no byte of the text is read as SQL.
+            text: |sql, text| {
+                sql.push_str("CAST(");
+                statements::push_blob_literal(sql, text.as_bytes());
+                sql.push_str(" AS TEXT)");
+            },
+            bytes: statements::push_blob_literal,
         };
         statements(table, &SQL)
     }

@@ -118,3 +118,10 @@ pub(super) fn tx_complete_later(table: &str) -> Stmt {
         &[Key, Record, Now, Ms],
     )
 }
+
+/// Appends `bytes` as a blob literal, `X'…'`.
+pub(super) fn push_blob_literal(out: &mut String, bytes: &[u8]) {
+    out.push_str("X'");
+    crate::fingerprint::push_hex(out, bytes);
+    out.push('\'');
+}

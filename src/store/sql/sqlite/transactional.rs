@@ -224,7 +224,7 @@ pub(super) async fn complete(
     // A COMMIT that fails (a full disk) closes the connection: SQLite may
     // have rolled the transaction back on its own, and a connection that
     // believes itself inside one must never serve another request.
-    tx.end("COMMIT").await.map_err(|e| seam.error(e))
+    tx.commit_with("COMMIT").await.map_err(|e| seam.error(e))
 }
 
 /// Forgets a committed record, unless a claim of the key may be in flight:
