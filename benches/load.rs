@@ -9,7 +9,7 @@
 //!
 //! Environment: `LOAD_SECS` (per run, default 5), `LOAD_ROUNDS` (default 3),
 //! `LOAD_CONNECTIONS` (default 32), `LOAD_VARIANTS` (comma-separated names to
-//! run, default all). Every run is bounded in time; all traffic stays on
+//! run, default all; each brings its references unless `LOAD_REFERENCES=0`). Every run is bounded in time; all traffic stays on
 //! 127.0.0.1; the servers and `redis-server` stop when the benchmark ends.
 
 use std::{env, net::SocketAddr, process::Command, sync::Arc, time::Duration};
@@ -502,6 +502,32 @@ macro_rules! read_stored {
     }};
 }
 
+/// The claim-first floors' completion, one batch: the charge's event row
+/// in the outbox (`event`: its id, for the outbox variants), the response
+/// written into the claim's row (`row`: the key's condition), `COMMIT`;
+/// `bytes` writes a byte string as the engine's literal.
+fn floor_completion(
+    row: &str,
+    event: Option<&str>,
+    new: &NewCharge,
+    bytes: fn(&[u8]) -> String,
+) -> String {
+    let mut sql = String::new();
+    if let Some(id) = event {
+        sql.push_str(&format!(
+            "INSERT INTO idempotency_outbox (id, destination, ordering_key, payload, headers, created_at) \
+             VALUES ('floor-{id}', 'charges', 'acct', {}, '{{}}', {}); ",
+            bytes(&new.event()),
+            unix_ms()
+        ));
+    }
+    sql.push_str(&format!(
+        "UPDATE idempotency_records SET record = {} WHERE {row}; COMMIT",
+        bytes(FLOOR_RESPONSE)
+    ));
+    sql
+}
+
 /// `bytes` as hex digits, for the floors' literals.
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
@@ -541,19 +567,11 @@ async fn pg_claim_first(
             return Err(read_stored!(on, read));
         }
         insert_charge(&mut on, &new).await;
-        let event = event.then(|| {
-            format!(
-                "INSERT INTO idempotency_outbox (id, destination, ordering_key, payload, headers, created_at) \
-                 VALUES ('floor-{}', 'charges', 'acct', '\\x{}', '{{}}', {}); ",
-                &key[65..],
-                hex(&new.event()),
-                unix_ms()
-            )
-        });
-        let complete = format!(
-            "{}UPDATE idempotency_records SET record = '\\x{}' WHERE key = '{key}'; COMMIT",
-            event.unwrap_or_default(),
-            hex(FLOOR_RESPONSE)
+        let complete = floor_completion(
+            &format!("key = '{key}'"),
+            event.then_some(&key[65..]),
+            &new,
+            |bytes| format!("'\\x{}'", hex(bytes)),
         );
         sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
             .execute(&mut *on)
@@ -603,19 +621,11 @@ async fn mysql_claim_first(
             Err(error) => panic!("claim: {error}"),
         }
         insert_charge_mysql(&mut on, &new).await;
-        let event = event.then(|| {
-            format!(
-                "INSERT INTO idempotency_outbox (id, destination, ordering_key, payload, headers, created_at) \
-                 VALUES ('floor-{}', 'charges', 'acct', X'{}', '{{}}', {}); ",
-                &plain[65..],
-                hex(&new.event()),
-                unix_ms()
-            )
-        });
-        let complete = format!(
-            "{}UPDATE idempotency_records SET record = X'{}' WHERE `key` = X'{key}'; COMMIT",
-            event.unwrap_or_default(),
-            hex(FLOOR_RESPONSE)
+        let complete = floor_completion(
+            &format!("`key` = X'{key}'"),
+            event.then_some(&plain[65..]),
+            &new,
+            |bytes| format!("X'{}'", hex(bytes)),
         );
         sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
             .execute(&mut *on)
@@ -660,19 +670,11 @@ async fn sqlite_claim_first(
             return Err(read_stored!(on, read));
         }
         insert_charge_sqlite(&mut on, &new).await;
-        let event = event.then(|| {
-            format!(
-                "INSERT INTO idempotency_outbox (id, destination, ordering_key, payload, headers, created_at) \
-                 VALUES ('floor-{}', 'charges', 'acct', X'{}', '{{}}', {}); ",
-                &key[65..],
-                hex(&new.event()),
-                unix_ms()
-            )
-        });
-        let complete = format!(
-            "{}UPDATE idempotency_records SET record = X'{}' WHERE key = '{key}'; COMMIT",
-            event.unwrap_or_default(),
-            hex(FLOOR_RESPONSE)
+        let complete = floor_completion(
+            &format!("key = '{key}'"),
+            event.then_some(&key[65..]),
+            &new,
+            |bytes| format!("X'{}'", hex(bytes)),
         );
         sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
             .execute(&mut *on)
@@ -1102,14 +1104,18 @@ async fn start_variants(
     let wanted = |n: &str| wanted.as_ref().is_none_or(|w| w.iter().any(|x| x == n));
     // What runs: `bare`, the variants asked for, their references, and
     // those references' own (an outbox variant's reference is a variant
-    // with references of its own).
+    // with references of its own) — unless `LOAD_REFERENCES=0`, which runs
+    // only what was asked (one set of variants on two builds).
+    let with_references = env::var("LOAD_REFERENCES").map_or(true, |v| v != "0");
     let mut running: Vec<&str> = vec!["bare"];
     let mut asked: Vec<&str> = variants.iter().map(|v| v.0).filter(|n| wanted(n)).collect();
     while let Some(name) = asked.pop() {
         if !running.contains(&name) {
             running.push(name);
         }
-        if let Some((_, _, references, _)) = variants.iter().find(|v| v.0 == name) {
+        if let Some((_, _, references, _)) = variants.iter().find(|v| v.0 == name)
+            && with_references
+        {
             asked.extend(references.iter().filter(|r| !running.contains(r)));
         }
     }
@@ -1465,7 +1471,8 @@ fn main() {
         wrk(v, &format!("warm{nonce}"), 2, connections);
     }
 
-    let index = |name: &str| variants.iter().position(|v| v.name == name).unwrap();
+    // A reference that did not run (`LOAD_REFERENCES=0`) has no ratio.
+    let index = |name: &str| variants.iter().position(|v| v.name == name);
     let mut results: Vec<Vec<(Run, Costs)>> = vec![Vec::new(); variants.len()];
     for round in 1..=rounds {
         println!("\nround {round}");
@@ -1511,7 +1518,11 @@ fn main() {
             results[i].push((run, costs));
         }
         // This round's rows, in the list's order, once all have run.
-        let rps_of = |name: &str| results[index(name)].last().map_or(f64::NAN, |r| r.0.rps);
+        let rps_of = |name: &str| {
+            index(name)
+                .and_then(|i| results[i].last())
+                .map_or(f64::NAN, |r| r.0.rps)
+        };
         for (v, runs) in variants.iter().zip(&results) {
             let (run, costs) = runs.last().expect("ran this round");
             print_row(
@@ -1546,7 +1557,9 @@ fn main() {
             redis_calls: med(&|r| r.1.redis_calls),
         };
         let ratio_to = |name: &str| {
-            let reference = &results[index(name)];
+            let Some(reference) = index(name).map(|i| &results[i]) else {
+                return f64::NAN;
+            };
             median(
                 runs.iter()
                     .zip(reference)
