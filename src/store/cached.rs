@@ -162,13 +162,19 @@ impl<St> CachedStore<St> {
 
 impl<St: Store> CachedStore<St> {
     /// A completed record from the cache, or else what the inner store's
-    /// `claim` answers (remembered when it is a completed record).
-    async fn cached_or(
+    /// `claim` answers (remembered when it is a completed record). The
+    /// inner claim is made, and boxed, only on a miss: a store's claim
+    /// future can be large (a SQL transaction's), and a hit should not
+    /// carry it — every move of the request's future copies it.
+    async fn cached_or<F>(
         &self,
         key: &StorageKey,
         fingerprint: &Fingerprint,
-        claim: impl Future<Output = Result<Claim<St::Granted>, StoreError>>,
-    ) -> Result<Claim<St::Granted>, StoreError> {
+        claim: impl FnOnce() -> F,
+    ) -> Result<Claim<St::Granted>, StoreError>
+    where
+        F: Future<Output = Result<Claim<St::Granted>, StoreError>>,
+    {
         let now = Instant::now();
         if let Some(entry) = self.cache.get(key) {
             if entry.expires_at > now {
@@ -185,7 +191,7 @@ impl<St: Store> CachedStore<St> {
             self.cache.remove(key);
         }
         observe::cache_lookup("miss");
-        let claim = claim.await?;
+        let claim = Box::pin(claim()).await?;
         if let Claim::Completed { record, expires_in } = &claim {
             self.remember(key, fingerprint, record.clone(), now, *expires_in);
         }
@@ -203,8 +209,10 @@ impl<St: Store> Store for CachedStore<St> {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim<St::Granted>, StoreError> {
-        let inner = self.inner.claim(key, fingerprint, lease);
-        self.cached_or(key, fingerprint, inner).await
+        self.cached_or(key, fingerprint, || {
+            self.inner.claim(key, fingerprint, lease)
+        })
+        .await
     }
 
     async fn claim_patiently(
@@ -213,8 +221,10 @@ impl<St: Store> Store for CachedStore<St> {
         fingerprint: &Fingerprint,
         lease: Duration,
     ) -> Result<Claim<St::Granted>, StoreError> {
-        let inner = self.inner.claim_patiently(key, fingerprint, lease);
-        self.cached_or(key, fingerprint, inner).await
+        self.cached_or(key, fingerprint, || {
+            self.inner.claim_patiently(key, fingerprint, lease)
+        })
+        .await
     }
 
     async fn extend(
