@@ -766,8 +766,12 @@ async fn the_layer_over_a_faulty_store_executes_each_key_once() {
         headers: HeaderMap,
     ) -> (http::StatusCode, &'static str) {
         let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+        // Every third key outlasts two heartbeats (one each 100 ms), so the
+        // delayed extensions are exercised on every run, not by chance.
+        let slow = key.trim_start_matches("faulty-").parse::<u32>().unwrap() % 3 == 0;
         *runs.lock().unwrap().entry(key).or_default() += 1;
-        tokio::time::sleep(Duration::from_millis(fastrand::u64(0..60))).await;
+        let pause = if slow { 230 } else { fastrand::u64(0..60) };
+        tokio::time::sleep(Duration::from_millis(pause)).await;
         (http::StatusCode::CREATED, "charged")
     }
 
@@ -819,4 +823,53 @@ async fn the_layer_over_a_faulty_store_executes_each_key_once() {
         injected.errors > 10 && injected.lost > 10 && injected.delays > 0,
         "the faults were injected: {injected:?}"
     );
+}
+
+/// An extension still on its way to a slow store when the work ends is cut
+/// short; the completion's retries make it up at once, not a whole interval
+/// later, so the key stays claimed while its completion is retried and a
+/// duplicate is told to wait rather than executed.
+#[tokio::test(start_paused = true)]
+async fn an_extension_cut_short_by_the_end_of_the_work_is_made_up_at_once() {
+    use axum::{Router, extract::State, routing::post};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use support::http::{oneshot, post as request};
+    use tower_idempotency::{
+        IdempotencyLayer, MemoryStore,
+        testing::{FaultyStore, Op},
+    };
+
+    async fn charge(State(runs): State<Arc<AtomicUsize>>) -> (http::StatusCode, &'static str) {
+        runs.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(120)).await;
+        (http::StatusCode::CREATED, "charged")
+    }
+
+    // Lease 300 ms, a heartbeat every 100 ms; each extension takes 150 ms
+    // to reach the store, and the store refuses every completion, so the
+    // completion is retried for a whole lease.
+    let store = FaultyStore::new(MemoryStore::new())
+        .delays(Op::Extend, 1.0, Duration::from_millis(150))
+        .errors(Op::Complete, 1.0);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = Router::new()
+        .route("/charges", post(charge))
+        .layer(
+            IdempotencyLayer::new(store.clone())
+                .single_tenant()
+                .lease(Duration::from_millis(300)),
+        )
+        .with_state(runs.clone());
+
+    // Claimed at 0; the extension sent at 100 is dropped when the work ends
+    // at 120, before it reached the store.
+    let first = oneshot(&app, request("/charges", "slow-store", "{}")).await;
+    assert_eq!(first.status, 201);
+    // At 400 the claim's own lease (to 300) is over: only an extension
+    // sent at once (reaching the store at 270) still holds the key.
+    tokio::time::sleep(Duration::from_millis(280)).await;
+    let duplicate = oneshot(&app, request("/charges", "slow-store", "{}")).await;
+    assert_eq!(duplicate.status, 409, "{:?}", duplicate.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "executed once");
+    assert!(store.injected().delays >= 2, "{:?}", store.injected());
 }

@@ -3,7 +3,7 @@
 
 use std::{future::Future, pin::Pin, time::Duration};
 
-use tokio::time::{Instant, sleep};
+use tokio::time::{Instant, sleep_until};
 
 use crate::{
     fingerprint::Fingerprint,
@@ -26,6 +26,11 @@ pub(crate) struct Hold<St: Store> {
     pub(super) granted: Option<St::Granted>,
     /// Still to be released if dropped.
     pub(super) held: bool,
+    /// When the lease was last known to be renewed: the claim's grant, then
+    /// each confirmed extension's sending. Carried from the work's heartbeat
+    /// to the completion's retries, so an extension cut short when the work
+    /// ends is made up at once rather than a whole interval later.
+    pub(super) confirmed: Instant,
 }
 
 impl<St: Store> Hold<St> {
@@ -44,6 +49,7 @@ impl<St: Store> Hold<St> {
             token: granted.lease_token(),
             granted: Some(granted),
             held: true,
+            confirmed: Instant::now(),
         }
     }
 
@@ -75,8 +81,16 @@ impl<St: Store> Hold<St> {
     /// Runs `work` to completion while the heartbeat keeps a lease. It takes
     /// the work already pinned, so this future holds a pointer, not a second
     /// copy of it.
-    pub(crate) async fn hold_while<F: Future>(&self, work: Pin<&mut F>) -> F::Output {
-        keep(&self.store, &self.key, self.token, self.lease, work).await
+    pub(crate) async fn hold_while<F: Future>(&mut self, work: Pin<&mut F>) -> F::Output {
+        let Self {
+            store,
+            key,
+            token,
+            lease,
+            confirmed,
+            ..
+        } = self;
+        keep(store, key, *token, *lease, confirmed, work).await
     }
 
     /// Runs `work` with the granted claim (the transaction, for a store that
@@ -88,10 +102,12 @@ impl<St: Store> Hold<St> {
             token,
             lease,
             granted,
+            confirmed,
             ..
         } = self;
         let granted = granted.as_mut().expect("held until settled");
-        keep(store, key, *token, *lease, std::pin::pin!(work(granted))).await
+        let work = std::pin::pin!(work(granted));
+        keep(store, key, *token, *lease, confirmed, work).await
     }
 
     /// Gives the claim up so the key may be retried. A failure only delays
@@ -140,6 +156,7 @@ async fn keep<St: Store, F: Future>(
     key: &StorageKey,
     token: Option<LeaseToken>,
     lease: Duration,
+    confirmed: &mut Instant,
     mut work: Pin<&mut F>,
 ) -> F::Output {
     let Some(token) = token else {
@@ -148,7 +165,7 @@ async fn keep<St: Store, F: Future>(
     tokio::select! {
         biased;
         output = work.as_mut() => output,
-        () = heartbeat(store, key, token, lease) => {
+        () = heartbeat(store, key, token, lease, confirmed) => {
             tracing::error!(
                 %key,
                 "idempotency: lease lost while the work runs; its outcome will not be stored and a retry may execute again"
@@ -158,30 +175,35 @@ async fn keep<St: Store, F: Future>(
     }
 }
 
-/// Extends the lease every third of its duration; returns only once the
-/// lease is lost (re-claimed by another, or unconfirmed for a whole lease
-/// because the store is unreachable).
+/// Extends the lease a third of its duration after it was last
+/// `confirmed` (at once if that is past: an extension cut short by the end
+/// of the work is made up), then every third; returns only once the lease is
+/// lost (re-claimed by another, or unconfirmed for a whole lease because the
+/// store is unreachable).
 pub(super) async fn heartbeat<St: Store>(
     store: &St,
     key: &StorageKey,
     token: LeaseToken,
     lease: Duration,
+    confirmed: &mut Instant,
 ) {
-    let mut confirmed_at = Instant::now();
     // A timer entry is large; boxed, it keeps every request's future small.
-    let mut tick = Box::pin(sleep(lease / 3));
+    let mut tick = Box::pin(sleep_until(*confirmed + lease / 3));
     loop {
         tick.as_mut().await;
-        tick.as_mut().reset(Instant::now() + lease / 3);
+        // The store renews the lease no earlier than this, so a confirmed
+        // extension holds at least one lease from here.
+        let sent = Instant::now();
+        tick.as_mut().reset(sent + lease / 3);
         // Boxed: a store's future can be large, and this one is rare, so it
         // should not weigh on every request's future.
         let extend = store.extend(key, token, lease);
         match Box::pin(observe::store_call("extend", extend)).await {
-            Ok(true) => confirmed_at = Instant::now(),
+            Ok(true) => *confirmed = sent,
             Ok(false) => return,
             Err(error) => {
                 tracing::warn!(%key, %error, "idempotency: lease extension failed");
-                if confirmed_at.elapsed() >= lease {
+                if confirmed.elapsed() >= lease {
                     return;
                 }
             }

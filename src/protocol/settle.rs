@@ -81,6 +81,7 @@ impl<St: Store> Hold<St> {
                     lease: self.lease,
                     token,
                     granted,
+                    confirmed: self.confirmed,
                 };
                 tokio::spawn(retry.run(record, retention));
                 Finished::Pending
@@ -97,6 +98,8 @@ struct Retry<St: Store> {
     lease: Duration,
     token: LeaseToken,
     granted: St::Granted,
+    /// When the lease was last renewed (see `Hold::confirmed`).
+    confirmed: Instant,
 }
 
 impl<St: Store> Retry<St> {
@@ -113,6 +116,7 @@ impl<St: Store> Retry<St> {
             lease,
             token,
             granted,
+            confirmed,
         } = &mut self;
         let retry = async {
             let mut backoff = Duration::from_millis(50);
@@ -131,7 +135,7 @@ impl<St: Store> Retry<St> {
         let stored = tokio::select! {
             biased;
             stored = tokio::time::timeout_at(deadline, retry) => stored.ok(),
-            () = heartbeat(&*store, key, *token, *lease) => Some(false),
+            () = heartbeat(&*store, key, *token, *lease, confirmed) => Some(false),
         };
         observe::completion_retried(match stored {
             Some(true) => "stored",
