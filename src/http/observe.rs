@@ -32,7 +32,7 @@ pub(crate) fn request_span(key: &str, sensitive: bool) -> tracing::Span {
         otel.status_code = tracing::field::Empty,
     );
     if !sensitive && !key.is_empty() {
-        span.record("idempotency.key", key);
+        span.record("idempotency.key", tracing::field::display(key));
     }
     span
 }

@@ -614,7 +614,7 @@ fn delivery_span<L>(delivery: &Delivery<'_, L>, shown: &str) -> tracing::Span {
         messaging.message.id = source.message_id,
         messaging.operation.type = "process",
         messaging.operation.name = "process",
-        idempotency.key = shown,
+        idempotency.key = %shown,
         idempotency.disposition = tracing::field::Empty,
         idempotency.attempts = tracing::field::Empty,
         idempotency.dead_letter_reason = tracing::field::Empty,
