@@ -252,10 +252,23 @@ macro_rules! outbox_suite {
                 let (store, _charges, outbox) = outbox_of(&b).await;
                 enqueue_many(&store, &outbox, 1, 1).await;
                 let broker = Broker::default();
+                // A claim long enough for a loaded machine's first round (it
+                // may refresh the table's statistics) to come and go in it.
                 let dying = OutboxRelay::new(outbox.clone(), Hangs(broker.clone()))
-                    .claim_for(Duration::from_millis(300));
+                    .claim_for(Duration::from_millis(1500));
                 // Published, then the relay is gone before it marks.
-                let _ = tokio::time::timeout(Duration::from_millis(100), dying.run_once()).await;
+                {
+                    let round = dying.run_once();
+                    tokio::pin!(round);
+                    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                    while broker.count() == 0 {
+                        assert!(tokio::time::Instant::now() < deadline, "published");
+                        tokio::select! {
+                            _ = &mut round => panic!("a hung publish never ends its round"),
+                            () = tokio::time::sleep(Duration::from_millis(5)) => {}
+                        }
+                    }
+                }
                 assert_eq!(broker.count(), 1);
                 let next = OutboxRelay::new(outbox.clone(), broker.clone());
                 assert_eq!(
@@ -263,7 +276,7 @@ macro_rules! outbox_suite {
                     0,
                     "left to its claimer"
                 );
-                tokio::time::sleep(Duration::from_millis(400)).await;
+                tokio::time::sleep(Duration::from_millis(1600)).await;
                 assert_eq!(next.run_once().await.unwrap().published, 1);
                 let ids = broker.ids();
                 assert_eq!(ids.len(), 2);
