@@ -134,8 +134,20 @@ impl<St: Store> Retry<St> {
         };
         let stored = tokio::select! {
             biased;
-            stored = tokio::time::timeout_at(deadline, retry) => stored.ok(),
-            () = heartbeat(&*store, key, *token, *lease, confirmed) => Some(false),
+            stored = tokio::time::timeout_at(deadline, retry) => Some(stored.ok()),
+            () = heartbeat(&*store, key, *token, *lease, confirmed) => None,
+        };
+        // The lease is gone: another claimed the key, or a completion that
+        // timed out was applied after all. One last try tells them apart.
+        let stored = match stored {
+            Some(stored) => stored,
+            None => {
+                let complete = store.complete(key, granted, fingerprint, record.clone(), retention);
+                Some(matches!(
+                    observe::store_call("complete", complete).await,
+                    Ok(true)
+                ))
+            }
         };
         observe::completion_retried(match stored {
             Some(true) => "stored",
