@@ -753,10 +753,10 @@ async fn each_tx_rule_fails_against_a_store_with_its_bug_planted() {
 /// twice, and every key is answered once the client retries.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_layer_over_a_faulty_store_executes_each_key_once() {
-    use axum::{Router, extract::State, http::HeaderMap, routing::post};
+    use axum::{extract::State, http::HeaderMap, routing::post};
     use support::http::{oneshot, post as request};
     use tower_idempotency::{
-        IdempotencyLayer, MemoryStore,
+        MemoryStore,
         testing::{FaultyStore, Op},
     };
 
@@ -784,14 +784,7 @@ async fn the_layer_over_a_faulty_store_executes_each_key_once() {
         .delays(Op::Extend, 0.3, Duration::from_millis(150))
         .errors(Op::Release, 0.2);
     let runs = Runs::default();
-    let app = Router::new()
-        .route("/charges", post(charge))
-        .layer(
-            IdempotencyLayer::new(store.clone())
-                .single_tenant()
-                .lease(Duration::from_millis(300)),
-        )
-        .with_state(runs.clone());
+    let app = charges_over(store.clone(), post(charge)).with_state(runs.clone());
 
     let keys: Vec<String> = (0..60).map(|i| format!("faulty-{i}")).collect();
     // Each key by two clients at once, each retrying until answered.
@@ -831,11 +824,11 @@ async fn the_layer_over_a_faulty_store_executes_each_key_once() {
 /// duplicate is told to wait rather than executed.
 #[tokio::test(start_paused = true)]
 async fn an_extension_cut_short_by_the_end_of_the_work_is_made_up_at_once() {
-    use axum::{Router, extract::State, routing::post};
+    use axum::{extract::State, routing::post};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use support::http::{oneshot, post as request};
     use tower_idempotency::{
-        IdempotencyLayer, MemoryStore,
+        MemoryStore,
         testing::{FaultyStore, Op},
     };
 
@@ -852,14 +845,7 @@ async fn an_extension_cut_short_by_the_end_of_the_work_is_made_up_at_once() {
         .delays(Op::Extend, 1.0, Duration::from_millis(150))
         .errors(Op::Complete, 1.0);
     let runs = Arc::new(AtomicUsize::new(0));
-    let app = Router::new()
-        .route("/charges", post(charge))
-        .layer(
-            IdempotencyLayer::new(store.clone())
-                .single_tenant()
-                .lease(Duration::from_millis(300)),
-        )
-        .with_state(runs.clone());
+    let app = charges_over(store.clone(), post(charge)).with_state(runs.clone());
 
     // Claimed at 0; the extension sent at 100 is dropped when the work ends
     // at 120, before it reached the store.
@@ -872,4 +858,16 @@ async fn an_extension_cut_short_by_the_end_of_the_work_is_made_up_at_once() {
     assert_eq!(duplicate.status, 409, "{:?}", duplicate.body);
     assert_eq!(runs.load(Ordering::SeqCst), 1, "executed once");
     assert!(store.injected().delays >= 2, "{:?}", store.injected());
+}
+
+/// `/charges` by `route`, behind the layer over `store` with 300 ms leases.
+fn charges_over<S: Clone + Send + Sync + 'static>(
+    store: tower_idempotency::testing::FaultyStore<tower_idempotency::MemoryStore>,
+    route: axum::routing::MethodRouter<S>,
+) -> axum::Router<S> {
+    axum::Router::new().route("/charges", route).layer(
+        tower_idempotency::IdempotencyLayer::new(store)
+            .single_tenant()
+            .lease(Duration::from_millis(300)),
+    )
 }
