@@ -406,6 +406,76 @@ macro_rules! outbox_suite {
                 );
             }
 
+            /// A key that executes again — its record forgotten, or expired —
+            /// is a new execution: its `charge.created` is a new message with
+            /// an id of its own, never the id of the row the first execution
+            /// left (sent, kept for the retention; or still pending), which
+            /// would refuse every retry's commit. A retry of one execution
+            /// (a replay) emits nothing.
+            async fn a_key_executed_again_sends_new_messages_and_is_never_wedged(b: B) {
+                let (store, charges, outbox) = outbox_of(&b).await;
+                let app = App {
+                    charges: charges.clone(),
+                    outbox: outbox.clone(),
+                };
+                let short = Router::new()
+                    .route("/charges", post(charge))
+                    .layer(
+                        IdempotencyLayer::new(store.clone())
+                            .single_tenant()
+                            .retention(Duration::from_secs(1)),
+                    )
+                    .with_state(app.clone());
+                let app = router(store.clone(), app);
+                let broker = Broker::default();
+                let relay = OutboxRelay::new(outbox.clone(), broker.clone());
+                let key = |k: &str| {
+                    tower_idempotency::store::StorageKey::new(
+                        "",
+                        &tower_idempotency::IdempotencyKey::new(k).unwrap(),
+                    )
+                };
+                use tower_idempotency::store::{Forgotten, Store as _};
+
+                // Forgotten after its message was sent (the row kept as sent).
+                let first = oneshot(&app, request("/charges", "again-1", "{}")).await;
+                assert_eq!(first.status, StatusCode::CREATED, "{:?}", first.body);
+                while relay.run_once().await.unwrap().claimed > 0 {}
+                assert_eq!(
+                    store.forget(&key("again-1"), false).await.unwrap(),
+                    Forgotten::Completed
+                );
+                let again = oneshot(&app, request("/charges", "again-1", "{}")).await;
+                assert_eq!(again.status, StatusCode::CREATED, "{:?}", again.body);
+                assert!(again.headers.get("idempotent-replayed").is_none());
+                let replay = oneshot(&app, request("/charges", "again-1", "{}")).await;
+                assert!(replay.headers.contains_key("idempotent-replayed"));
+
+                // Forgotten while its message is still pending.
+                let pending = oneshot(&app, request("/charges", "again-2", "{}")).await;
+                assert_eq!(pending.status, StatusCode::CREATED);
+                store.forget(&key("again-2"), false).await.unwrap();
+                let again = oneshot(&app, request("/charges", "again-2", "{}")).await;
+                assert_eq!(again.status, StatusCode::CREATED, "{:?}", again.body);
+
+                // Expired (a retention of 1 s), its message sent.
+                let expiring = oneshot(&short, request("/charges", "again-3", "{}")).await;
+                assert_eq!(expiring.status, StatusCode::CREATED);
+                while relay.run_once().await.unwrap().claimed > 0 {}
+                tokio::time::sleep(Duration::from_millis(1100)).await;
+                let again = oneshot(&short, request("/charges", "again-3", "{}")).await;
+                assert_eq!(again.status, StatusCode::CREATED, "{:?}", again.body);
+                assert!(again.headers.get("idempotent-replayed").is_none());
+
+                while relay.run_once().await.unwrap().claimed > 0 {}
+                assert_eq!(charges.total().await, 6, "six executions");
+                let mut ids = broker.ids();
+                assert_eq!(ids.len(), 6, "one message per execution");
+                ids.sort();
+                ids.dedup();
+                assert_eq!(ids.len(), 6, "each execution's message is its own");
+            }
+
             /// `n` messages over `keys` ordering keys, one transaction per message (a
             /// claim and its completion, as a request's); their ids by key, in order.
             async fn enqueue_many(
@@ -525,6 +595,11 @@ macro_rules! outbox_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn an_id_given_twice() {
                 an_id_given_twice_fails_the_commit_and_nothing_commits(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn executed_again() {
+                a_key_executed_again_sends_new_messages_and_is_never_wedged(backend()).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

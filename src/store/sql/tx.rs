@@ -58,9 +58,11 @@ pub struct SqlTx<D: Dialect> {
     _held: D::Held,
     /// When the transaction began, to tell a commit its bound refused.
     pub(crate) began: Instant,
-    /// The storage key it claimed, which outgoing messages' ids derive
+    /// The storage key it claimed and the execution this claim began
+    /// (drawn afresh with each claim), which outgoing messages' ids derive
     /// from, and how many it enqueued.
     origin: Option<Arc<str>>,
+    execution: u128,
     messages: u32,
     /// The claim's row lives this many milliseconds from a moment no
     /// earlier than this one (the claim was sent then).
@@ -80,6 +82,7 @@ impl<D: Engine> SqlTx<D> {
             _held: held,
             began,
             origin: None,
+            execution: 0,
             messages: 0,
             row_lifetime: None,
             deferred: String::new(),
@@ -137,6 +140,10 @@ impl<D: Dialect> SqlTx<D> {
     /// `lifetime_ms` from its insert, which came after `sent`.
     pub(crate) fn claimed(&mut self, key: &str, sent: Instant, lifetime_ms: i64) {
         self.origin = Some(key.into());
+        // A later execution of the key (after a forget, or once its record
+        // expired) is another claim: its messages are new messages, never
+        // the ids of the rows the first one left in the outbox.
+        self.execution = fastrand::u128(..);
         self.row_lifetime = Some((sent, lifetime_ms));
     }
 
@@ -149,9 +156,9 @@ impl<D: Dialect> SqlTx<D> {
     }
 
     /// The storage key it claimed (empty for a transaction of the store's
-    /// own).
-    pub(crate) fn origin(&self) -> &str {
-        self.origin.as_deref().unwrap_or_default()
+    /// own), and the execution its claim began.
+    pub(crate) fn origin(&self) -> (&str, u128) {
+        (self.origin.as_deref().unwrap_or_default(), self.execution)
     }
 
     /// The position of the next message it enqueues.

@@ -14,8 +14,9 @@
 //! An [`OutboxRelay`] (one per instance; several may run at once) then
 //! claims committed messages, hands each to a [`Publisher`] — your broker's
 //! client: SQS, NATS JetStream, RabbitMQ, Kafka — and marks it sent. Each
-//! message has a deterministic id, derived from the request's scope, key
-//! and the message's position (or given by the handler), which the
+//! message has a stable id, derived from the request's scope and key, the
+//! execution (the claim) that enqueued it and its position (or given by
+//! the handler), which the
 //! publisher passes on as the broker's deduplication id (SQS FIFO's
 //! `MessageDeduplicationId`, JetStream's `Nats-Msg-Id`, AMQP's
 //! `message-id`): a relay that died between publishing and marking
@@ -166,8 +167,11 @@ impl OutgoingMessage {
     }
 
     /// The message's id, instead of the one derived from the request's
-    /// scope, key and the message's position: it must be the same on
-    /// every execution of the request, and unique in the outbox.
+    /// scope, key, execution and the message's position: unique in the
+    /// outbox (an id already there refuses the commit), so name what the
+    /// execution made — the charge's own id — rather than the request: a
+    /// key that executes again after a forget or an expiry must not give
+    /// an id its first execution used.
     ///
     /// # Examples
     ///
@@ -372,7 +376,9 @@ impl<D: Dialect> Outbox<D> {
     /// [`IdempotentTx`](crate::IdempotentTx) or, in a message's work, the
     /// [`SqlTx`] itself): it commits with the record and the effects, or
     /// rolls back with them. Its id, which it returns, is derived from the
-    /// request's scope, key and the message's position among the ones it
+    /// request's scope and key, the execution (each claim of the key is
+    /// one: a key that executes again after a forget or an expiry sends
+    /// new messages) and the message's position among the ones it
     /// enqueued, unless the message names its own.
     ///
     /// The message's row travels with the transaction's `COMMIT`, in the
@@ -588,11 +594,15 @@ impl<D: Engine> OutboxBuilder<D> {
 }
 
 /// A message's id derived from the request's storage key (its scope,
-/// hashed, and its key) and its position: the same on every execution.
-fn derived_id(origin: &str, position: u32) -> String {
+/// hashed, and its key), the execution its claim began, and its position:
+/// the same on every publication of the message, and new with each
+/// execution of the key — one that runs again after a forget or an expiry
+/// sends new messages, never the ids of the rows the first one left.
+fn derived_id((key, execution): (&str, u128), position: u32) -> String {
     let mut hash = Sha256::new();
-    hash.update(origin.as_bytes());
+    hash.update(key.as_bytes());
     hash.update([0]);
+    hash.update(execution.to_be_bytes());
     hash.update(position.to_be_bytes());
     let digest = hash.finalize();
     let mut id = String::with_capacity(32);
@@ -606,10 +616,15 @@ mod tests {
 
     #[test]
     fn derived_ids_are_stable_and_apart() {
-        let first = derived_id("scope:order-42", 0);
-        assert_eq!(first, derived_id("scope:order-42", 0));
+        let first = derived_id(("scope:order-42", 7), 0);
+        assert_eq!(first, derived_id(("scope:order-42", 7), 0));
         assert_eq!(first.len(), 32);
-        assert_ne!(first, derived_id("scope:order-42", 1));
-        assert_ne!(first, derived_id("scope:order-43", 0));
+        assert_ne!(first, derived_id(("scope:order-42", 7), 1));
+        assert_ne!(first, derived_id(("scope:order-43", 7), 0));
+        assert_ne!(
+            first,
+            derived_id(("scope:order-42", 8), 0),
+            "another execution"
+        );
     }
 }
