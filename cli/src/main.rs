@@ -98,6 +98,9 @@ struct KeyArgs {
     /// The layer is `single_tenant()`: one scope for every request.
     #[arg(long)]
     single_tenant: bool,
+    /// The layer's `namespace`, if it has one (a webhook route's, say).
+    #[arg(long)]
+    namespace: Option<String>,
     /// The idempotency key as the client sent it (a message's business
     /// key); `"k"` and `k` are one key, as in the header.
     key: String,
@@ -107,7 +110,11 @@ impl KeyArgs {
     fn storage_key(&self) -> Result<StorageKey, Failure> {
         let key = IdempotencyKey::parse(&self.key)
             .map_err(|why| Failure::Usage(format!("the key {:?} is not valid: {why}", self.key)))?;
-        Ok(StorageKey::new(self.scope.as_deref().unwrap_or(""), &key))
+        let scope = self.scope.as_deref().unwrap_or("");
+        Ok(match &self.namespace {
+            None => StorageKey::new(scope, &key),
+            Some(namespace) => StorageKey::namespaced(namespace, scope, &key),
+        })
     }
 }
 
@@ -133,10 +140,31 @@ impl From<StoreError> for Failure {
     }
 }
 
+/// How long a command runs before the CLI says it is waiting.
+const SAY_WAITING_AFTER: std::time::Duration = std::time::Duration::from_millis(500);
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(&cli).await {
+    // The store's warnings (a probe that cannot run, a busy database) on
+    // stderr, where the operator sees them.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
+    let mut run = std::pin::pin!(run(&cli));
+    let done = match tokio::time::timeout(SAY_WAITING_AFTER, run.as_mut()).await {
+        Ok(done) => done,
+        Err(_) => {
+            eprintln!("tower-idempotency: waiting for the store to answer…");
+            run.await
+        }
+    };
+    match done {
         Ok(report) => {
             report.print(cli.json);
             ExitCode::SUCCESS
@@ -171,7 +199,7 @@ async fn run(cli: &Cli) -> Result<Report, Failure> {
     match (&cli.command, key) {
         (Command::Inspect(_), Some(key)) => {
             let state = store.inspect(&key).await?;
-            let report = Report::state(&store, &key, &state);
+            let report = Report::state(store.redis_key(&key), &key, &state);
             match state {
                 tower_idempotency::store::KeyState::Absent => Err(Failure::Refused(format!(
                     "the store holds nothing for this key ({}): its next request executes",
@@ -189,8 +217,10 @@ async fn run(cli: &Cli) -> Result<Report, Failure> {
                 key.logged_as()
             ))),
             Forgotten::InFlight => Err(Failure::Refused(format!(
-                "a request with this key is in flight ({}): not forgotten. --force forgets it \
-                 anyway, and a retry then runs it a second time",
+                "a request with this key is in flight ({}; on SQLite: another process holds the \
+                 database's write lock, perhaps for this key): not forgotten. Try again once it \
+                 has ended; --force forgets a lease's claim anyway, and a retry then runs it a \
+                 second time",
                 key.logged_as()
             ))),
         },

@@ -1,25 +1,21 @@
 //! A store opened from its URL, and what the commands ask of it.
 //!
-//! A SQL table is opened with both of its stores: the transactional one
-//! reads committed records and probes for a transaction's claim in flight
-//! (an uncommitted row no query sees); the lease one forgets a lease's
-//! claim by force. Both start with the start-up check, as an application's
-//! would, so a table no store could use is refused here too.
+//! A SQL table is opened as an operator sees it (`SqlRecords`): whichever
+//! store writes it, leases or transactions, it reads committed records and
+//! probes for a transaction's claim in flight (an uncommitted row no query
+//! sees) without waiting for it, and claims nothing — so it needs no
+//! start-up check, and no write rights to look up and count.
 
 use tower_idempotency::{
-    MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore,
-    SqliteTxStore,
+    MySqlStore, PostgresStore, RedisStore, SqliteStore,
     redis::{self, AsyncCommands},
-    store::{Forgotten, KeyState, StorageKey, Store, StoreError},
+    store::{
+        Forgotten, KeyState, StorageKey, Store, StoreError, mysql::MySql, postgres::Postgres,
+        sql::SqlRecords, sqlite::Sqlite,
+    },
 };
 
 use crate::{Failure, report::Report};
-
-/// A SQL table's two stores.
-pub(crate) struct Sql<Tx, Lease> {
-    tx: Tx,
-    lease: Lease,
-}
 
 pub(crate) enum Opened {
     Redis {
@@ -27,22 +23,20 @@ pub(crate) enum Opened {
         client: redis::Client,
         prefix: String,
     },
-    Postgres(Sql<PostgresTxStore, PostgresStore>),
-    MySql(Sql<MySqlTxStore, MySqlStore>),
-    Sqlite(Sql<SqliteTxStore, SqliteStore>),
+    Postgres(SqlRecords<Postgres>),
+    MySql(SqlRecords<MySql>),
+    Sqlite(SqlRecords<Sqlite>),
 }
 
-/// Opens both stores of one engine on one pool.
+/// Opens one engine's table.
 macro_rules! sql {
-    ($store:ident, $url:expr, $table:expr) => {{
-        let lease = $store::builder().table($table).connect($url).await?;
-        let tx = $store::builder()
+    ($store:ident, $url:expr, $table:expr) => {
+        $store::builder()
             .table($table)
-            .transactional()
-            .with_pool(lease.pool().clone())
-            .await?;
-        Sql { tx, lease }
-    }};
+            .records()
+            .connect($url)
+            .await?
+    };
 }
 
 /// `$body` with `$sql` bound to the SQL variant's stores, whichever engine.
@@ -98,7 +92,7 @@ impl Opened {
     }
 
     pub(crate) async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
-        each_sql!(self, sql => sql.tx.inspect(key).await, redis Opened::Redis { store, .. } => store.inspect(key).await)
+        each_sql!(self, sql => sql.inspect(key).await, redis Opened::Redis { store, .. } => store.inspect(key).await)
     }
 
     /// Forgets `key` as the admin routes do: a completed record; a claim
@@ -108,14 +102,7 @@ impl Opened {
         key: &StorageKey,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
-        each_sql!(self, sql => {
-            // The transactional store tells a transaction's claim (refused
-            // when forced); what it does not hold may be a lease's claim.
-            match sql.tx.forget(key, force).await? {
-                Forgotten::Nothing => sql.lease.forget(key, force).await,
-                forgotten => Ok(forgotten),
-            }
-        }, redis Opened::Redis { store, .. } => store.forget(key, force).await)
+        each_sql!(self, sql => sql.forget(key, force).await, redis Opened::Redis { store, .. } => store.forget(key, force).await)
     }
 
     /// Deletes every expired record, `batch` at a time; how many.
@@ -123,7 +110,7 @@ impl Opened {
         each_sql!(self, sql => {
             let mut deleted = 0;
             loop {
-                let swept = sql.lease.delete_expired(batch).await?;
+                let swept = sql.delete_expired(batch).await?;
                 deleted += swept;
                 if swept < u64::from(batch) {
                     return Ok(deleted);
@@ -135,7 +122,7 @@ impl Opened {
     }
 
     pub(crate) async fn stats(&self) -> Result<Report, Failure> {
-        each_sql!(self, sql => Ok(Report::table(sql.lease.stats().await?)), redis Opened::Redis { client, prefix, .. } => {
+        each_sql!(self, sql => Ok(Report::table(sql.stats().await?)), redis Opened::Redis { client, prefix, .. } => {
             redis_stats(client, prefix).await.map_err(|e| Failure::Store(e.into()))
         })
     }

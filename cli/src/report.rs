@@ -9,20 +9,18 @@ use tower_idempotency::{
     store::{Forgotten, KeyState, StorageKey, sql::TableStats},
 };
 
-use crate::opened::Opened;
-
 /// The fields of an answer, in the order they are printed.
 pub(crate) struct Report(Vec<(&'static str, Value)>);
 
 impl Report {
-    /// What the store holds for `key`.
-    pub(crate) fn state(store: &Opened, key: &StorageKey, state: &KeyState) -> Self {
+    /// What the store holds for `key` (named `redis_key` in Redis).
+    pub(crate) fn state(redis_key: Option<String>, key: &StorageKey, state: &KeyState) -> Self {
         let mut fields = vec![
             ("key", json!(key.as_str())),
             // What logs written with sensitive keys show for it.
             ("logged_as", json!(key.logged_as())),
         ];
-        if let Some(name) = store.redis_key(key) {
+        if let Some(name) = redis_key {
             fields.push(("redis_key", json!(name)));
         }
         match state {

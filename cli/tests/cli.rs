@@ -106,6 +106,10 @@ fn key(scope: &str, key: &str) -> StorageKey {
     StorageKey::new(scope, &IdempotencyKey::new(key).unwrap())
 }
 
+fn key_in(namespace: &str, scope: &str, key: &str) -> StorageKey {
+    StorageKey::namespaced(namespace, scope, &IdempotencyKey::new(key).unwrap())
+}
+
 fn fingerprint() -> tower_idempotency::Fingerprint {
     let mut hasher = FingerprintHasher::new("cli-test");
     hasher.field(b"POST /v1/charges");
@@ -183,6 +187,36 @@ async fn lease_store_scenario<St: Store>(backend: &Backend, store: St) {
         .cli(&["inspect", "--single-tenant", "order-42"])
         .await;
     assert_eq!(single.code, 1, "{single:?}");
+    // A layer's namespace is part of the address.
+    let webhook = key_in("webhooks:processor", "", "evt_1");
+    seed(&store, &webhook, DAY).await;
+    let namespaced = backend
+        .cli(&[
+            "inspect",
+            "--namespace",
+            "webhooks:processor",
+            "--single-tenant",
+            "evt_1",
+        ])
+        .await;
+    assert_eq!(namespaced.code, 0, "{namespaced:?}");
+    let outside = backend
+        .cli(&["inspect", "--scope", "webhooks:processor", "evt_1"])
+        .await;
+    assert_eq!(outside.code, 1, "{outside:?}");
+    assert!(
+        backend
+            .cli(&[
+                "forget",
+                "--namespace",
+                "webhooks:processor",
+                "--single-tenant",
+                "evt_1"
+            ])
+            .await
+            .code
+            == 0
+    );
 
     // A request in flight: shown, refused, forced.
     let running = key("acct_alice", "order-43");
@@ -338,7 +372,7 @@ async fn transactional_scenario<St: Store>(backend: &Backend, store: St) {
         .cli(&["forget", "--scope", "acct_alice", "order-44"])
         .await;
     assert_eq!(refused.code, 1, "{refused:?}");
-    assert!(refused.stderr.contains("--force forgets it"), "{refused:?}");
+    assert!(refused.stderr.contains("in flight"), "{refused:?}");
     // Not even by force: only the transaction, or its timeout, ends it.
     let forced = backend
         .cli(&["forget", "--force", "--scope", "acct_alice", "order-44"])
@@ -361,6 +395,44 @@ async fn transactional_scenario<St: Store>(backend: &Backend, store: St) {
         .cli(&["forget", "--scope", "acct_alice", "order-44"])
         .await;
     assert_eq!(forgot.code, 0, "{forgot:?}");
+
+    // A request in flight when the forget is asked, which commits once the
+    // CLI has answered: refused at once — never waited for, then its fresh
+    // record forgotten (a retry of it would charge again).
+    let charging = key("acct_alice", "order-45");
+    let mut open = hold(&store, &charging).await;
+    let refused = backend
+        .cli(&["forget", "--scope", "acct_alice", "order-45"])
+        .await;
+    assert_eq!(refused.code, 1, "{refused:?}");
+    assert!(refused.stderr.contains("in flight"), "{refused:?}");
+    assert!(
+        !refused.stderr.contains("waiting"),
+        "answered at once: {refused:?}"
+    );
+    let committed = store
+        .complete(
+            &charging,
+            &mut open,
+            &fingerprint(),
+            Arc::new(tower_idempotency::CompletedRecord::Message {
+                result: None,
+                created_at: std::time::SystemTime::now(),
+            }),
+            DAY,
+        )
+        .await
+        .unwrap();
+    assert!(committed);
+    let kept = backend
+        .cli(&["--json", "inspect", "--scope", "acct_alice", "order-45"])
+        .await;
+    assert_eq!(kept.code, 0, "{kept:?}");
+    assert_eq!(
+        kept.json()["state"],
+        "completed",
+        "the charge's record is kept"
+    );
 }
 
 #[tokio::test]
@@ -385,6 +457,152 @@ async fn on_a_mysql_transactional_table() {
         .await
         .unwrap();
     transactional_scenario(&backend, store).await;
+}
+
+#[tokio::test]
+async fn on_a_sqlite_transactional_table() {
+    // The CLI is another process: the claim this test holds is another
+    // process's write lock on the file, as an application's would be.
+    let backend = Backend::sqlite();
+    let store = SqliteStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(&backend.url)
+        .await
+        .unwrap();
+    transactional_scenario(&backend, store).await;
+}
+
+/// `inspect` and `stats` only read: they run with a user that may only
+/// read the table (and say that a transaction in flight cannot be seen
+/// then), and `forget` is refused there as a permission, not an outage.
+async fn read_only_scenario(backend: &Backend, reader_url: &str) {
+    let order = key("acct_alice", "order-46");
+    let reader = async |args: &[&str]| cli(&[&["--store", reader_url], args].concat()).await;
+    let found = reader(&["--json", "inspect", "--scope", "acct_alice", "order-46"]).await;
+    assert_eq!(found.code, 0, "{found:?}");
+    assert_eq!(found.json()["state"], "completed");
+    let stats = reader(&["--json", "stats"]).await;
+    assert_eq!(stats.code, 0, "{stats:?}");
+    assert_eq!(stats.json()["completed"], 1);
+    let absent = reader(&["inspect", "--scope", "acct_alice", "order-47"]).await;
+    assert_eq!(absent.code, 1, "{absent:?}");
+    assert!(absent.stderr.contains("cannot be seen"), "{absent:?}");
+    let forget = reader(&["forget", "--scope", "acct_alice", "order-46"]).await;
+    assert_ne!(forget.code, 0, "{forget:?}");
+    let still = backend
+        .cli(&["inspect", "--scope", "acct_alice", "order-46"])
+        .await;
+    assert_eq!(still.code, 0, "{still:?}");
+    let _ = order;
+}
+
+#[tokio::test]
+async fn a_postgres_user_who_may_only_read_inspects_and_counts() {
+    use tower_idempotency::sqlx::{Connection, Executor};
+    let backend = Backend::postgres();
+    let store = PostgresStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(&backend.url)
+        .await
+        .unwrap();
+    seed(&store, &key("acct_alice", "order-46"), DAY).await;
+    let role = format!("reader_{}", fastrand::u32(..));
+    let mut admin = tower_idempotency::sqlx::PgConnection::connect(&backend.url)
+        .await
+        .unwrap();
+    admin
+        .execute(tower_idempotency::sqlx::AssertSqlSafe(format!(
+            "CREATE ROLE {role} LOGIN PASSWORD 'reader'; GRANT SELECT ON idempotency_records TO {role}"
+        )))
+        .await
+        .unwrap();
+    let reader_url = backend
+        .url
+        .replacen("postgres@", &format!("{role}:reader@"), 1);
+    read_only_scenario(&backend, &reader_url).await;
+    admin
+        .execute(tower_idempotency::sqlx::AssertSqlSafe(format!(
+            "REVOKE ALL ON idempotency_records FROM {role}; DROP ROLE {role}"
+        )))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_mysql_user_who_may_only_read_inspects_and_counts() {
+    use tower_idempotency::sqlx::{Connection, Executor};
+    let db = MySqlDatabase::create();
+    let backend = Backend {
+        url: db.url().to_owned(),
+        sql: true,
+        _keep: Box::new(()),
+    };
+    let store = MySqlStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(&backend.url)
+        .await
+        .unwrap();
+    seed(&store, &key("acct_alice", "order-46"), DAY).await;
+    let user = format!("reader_{}", fastrand::u32(..));
+    let mut admin = tower_idempotency::sqlx::MySqlConnection::connect(&backend.url)
+        .await
+        .unwrap();
+    admin
+        .execute(tower_idempotency::sqlx::AssertSqlSafe(format!(
+            "CREATE USER '{user}'@'%' IDENTIFIED BY 'reader'; \
+             GRANT SELECT ON {}.* TO '{user}'@'%'",
+            db.name()
+        )))
+        .await
+        .unwrap();
+    let reader_url = backend.url.replacen("root@", &format!("{user}:reader@"), 1);
+    read_only_scenario(&backend, &reader_url).await;
+    admin
+        .execute(tower_idempotency::sqlx::AssertSqlSafe(format!(
+            "DROP USER '{user}'@'%'"
+        )))
+        .await
+        .unwrap();
+    drop(db);
+}
+
+/// Wrong credentials and a database that does not exist are configuration
+/// mistakes (exit 2) that say what to fix, not outages (exit 3).
+#[tokio::test]
+async fn wrong_credentials_and_unknown_databases_are_mistakes() {
+    let pg = tower_idempotency_harness::postgres::server_url();
+    let cases = [
+        (pg.replacen("postgres@", "no_such_role@", 1), "credentials"),
+        (
+            format!("{}/no_such_database", pg.rsplit_once('/').unwrap().0),
+            "does not exist",
+        ),
+        (
+            format!(
+                "{}/no_such_database",
+                tower_idempotency_harness::mysql::server_url().trim_end_matches('/')
+            ),
+            "does not exist",
+        ),
+        (
+            tower_idempotency_harness::mysql::server_url().replacen("root@", "root:wrong@", 1)
+                + "/mysql",
+            "credentials",
+        ),
+    ];
+    for (url, says) in cases {
+        let run = cli(&["--store", &url, "stats"]).await;
+        assert_eq!(run.code, 2, "{url}: {run:?}");
+        assert!(run.stderr.contains(says), "{url}: {run:?}");
+    }
+    let redis = RedisServer::start();
+    let wrong = redis.url().replacen("redis://", "redis://:wrong@", 1);
+    let run = cli(&["--store", &wrong, "stats"]).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.stderr.contains("credentials"), "{run:?}");
 }
 
 /// Mistakes are told apart from outages, each with its own status.

@@ -423,6 +423,42 @@ impl StorageKey {
     pub fn new(scope: &str, key: &IdempotencyKey) -> Self {
         let mut hasher = FingerprintHasher::new("tower-idempotency/scope/v1");
         hasher.field(scope.as_bytes());
+        Self::encode(hasher, key)
+    }
+
+    /// Encodes a scope within a namespace, and a key: a layer's
+    /// [`namespace`](crate::IdempotencyLayer::namespace), which keeps the
+    /// records of one kind of scope (a webhook provider's, say) apart from
+    /// another's (the accounts'), whatever the scopes are called. The
+    /// namespace and the scope are hashed together, in a domain of their
+    /// own: no scope in one namespace — nor any without one — shares an
+    /// address with a scope in another.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyKey, store::StorageKey};
+    ///
+    /// let key = IdempotencyKey::new("evt_1").unwrap();
+    /// // An account that calls itself after the webhooks' scope is another record.
+    /// assert_ne!(
+    ///     StorageKey::namespaced("webhooks", "processor", &key),
+    ///     StorageKey::new("webhooks:processor", &key),
+    /// );
+    /// assert_ne!(
+    ///     StorageKey::namespaced("webhooks", "", &key),
+    ///     StorageKey::new("", &key),
+    /// );
+    /// ```
+    pub fn namespaced(namespace: &str, scope: &str, key: &IdempotencyKey) -> Self {
+        let mut hasher = FingerprintHasher::new("tower-idempotency/namespaced-scope/v1");
+        hasher.field(namespace.as_bytes());
+        hasher.field(scope.as_bytes());
+        Self::encode(hasher, key)
+    }
+
+    /// `{hex of the scope's hash}:{key}`.
+    fn encode(hasher: FingerprintHasher, key: &IdempotencyKey) -> Self {
         // Assembled on the stack, so the key costs one allocation: its `Arc`.
         let mut encoded = [0; 64 + 1 + IdempotencyKey::MAX_LEN];
         let (hex, rest) = encoded.split_at_mut(64);

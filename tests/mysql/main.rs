@@ -513,3 +513,51 @@ async fn a_missing_table_and_a_user_without_grants_say_what_they_are() {
     connect(&url).await.unwrap();
     admin(&mut root, format!("DROP USER '{user}'@'%'")).await;
 }
+
+/// A database that does not exist, or wrong credentials, are mistakes in
+/// the URL, not outages; a user who may not create tables, asked to create
+/// the table, is told to grant CREATE or migrate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_database_bad_credentials_and_a_missing_create_right_say_what_they_are() {
+    use tower_idempotency::store::StoreError;
+
+    let db = TestDatabase::create();
+    let open = async |url: &str, create: bool| {
+        let builder = MySqlStore::builder().transactional();
+        let builder = if create {
+            builder.create_table_if_missing()
+        } else {
+            builder
+        };
+        builder.connect(url).await.map(drop)
+    };
+    let unknown = db.url().replace(db.name(), "tiu_no_such_database");
+    let error = open(&unknown, false).await.unwrap_err();
+    assert!(matches!(error, StoreError::Misconfigured(_)), "{error}");
+    assert!(error.to_string().contains("does not exist"), "{error}");
+    let wrong = db.url().replacen("root@", "root:wrong@", 1);
+    let error = open(&wrong, false).await.unwrap_err();
+    assert!(matches!(error, StoreError::Misconfigured(_)), "{error}");
+    assert!(error.to_string().contains("credentials"), "{error}");
+
+    let user = format!("tic_{}", db.name());
+    let user = &user[..user.len().min(32)];
+    let mut root = db.connect().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP USER IF EXISTS '{user}'@'%'; CREATE USER '{user}'@'%' IDENTIFIED BY 'secret'; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {}.* TO '{user}'@'%'",
+        db.name()
+    )))
+    .execute(&mut root)
+    .await
+    .unwrap();
+    let url = db.url().replacen("root@", &format!("{user}:secret@"), 1);
+    let error = open(&url, true).await.unwrap_err();
+    let said = error.to_string();
+    assert!(matches!(error, StoreError::Misconfigured(_)), "{said}");
+    assert!(said.contains("may not create the table"), "{said}");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP USER '{user}'@'%'")))
+        .execute(&mut root)
+        .await
+        .unwrap();
+}

@@ -144,6 +144,46 @@ async fn an_unreachable_server_and_a_bad_url_say_what_they_are() {
     assert!(matches!(error, StoreError::Misconfigured(_)), "{error}");
 }
 
+/// A database or a role that does not exist is a mistake in the URL, not
+/// an outage; a user who may not create tables, asked to create the table,
+/// is told to grant CREATE or migrate — not to grant on a table that is not
+/// there yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_database_or_role_and_a_missing_create_right_say_what_they_are() {
+    let db = TestDatabase::create();
+    let (server, _) = db.url().rsplit_once('/').unwrap();
+    let error = connect(&format!("{server}/tiu_no_such_database"))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, StoreError::Misconfigured(_)), "{error}");
+    let said = error.to_string();
+    assert!(said.contains("does not exist"), "{said}");
+    assert!(said.contains("CREATE DATABASE"), "{said}");
+    let error = connect(&db.url().replacen("postgres@", "tiu_no_such_role:x@", 1))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, StoreError::Misconfigured(_)), "{error}");
+    assert!(error.to_string().contains("credentials"), "{error}");
+
+    let role = Role::create(&db).await;
+    Role::admin(
+        &db,
+        &format!("REVOKE CREATE ON SCHEMA public FROM PUBLIC, {}", role.name),
+    )
+    .await;
+    let error = PostgresStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(&role.db_url)
+        .await
+        .unwrap_err();
+    let said = error.to_string();
+    assert!(matches!(error, StoreError::Misconfigured(_)), "{said}");
+    assert!(said.contains("may not create the table"), "{said}");
+    assert!(said.contains("GRANT CREATE ON SCHEMA"), "{said}");
+    role.drop_in(&db).await;
+}
+
 /// The table, created by its owner.
 async fn connect_created(db: &TestDatabase) {
     PostgresStore::builder()

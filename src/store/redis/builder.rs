@@ -205,7 +205,8 @@ impl RedisStoreBuilder {
         let open = || async {
             let manager =
                 redis::aio::ConnectionManager::new_with_config(client.clone(), config.clone())
-                    .await?;
+                    .await
+                    .map_err(refused)?;
             Ok::<_, StoreError>(Connection::Single(manager))
         };
         let connection = open().await?;
@@ -246,9 +247,11 @@ impl RedisStoreBuilder {
             .retries(2)
             .build()
             .map_err(misconfigured)?;
-        let connection = Connection::Cluster(client.get_async_connection().await?);
+        let connection = Connection::Cluster(client.get_async_connection().await.map_err(refused)?);
         let durable = match self.replicas {
-            Some(_) => Some(Connection::Cluster(client.get_async_connection().await?)),
+            Some(_) => Some(Connection::Cluster(
+                client.get_async_connection().await.map_err(refused)?,
+            )),
             None => None,
         };
         self.finish(connection, durable).await
@@ -447,6 +450,27 @@ fn collect_strings(value: &Value, out: &mut Vec<String>) {
         Value::Map(pairs) => pairs.iter().for_each(|(_, v)| collect_strings(v, out)),
         _ => {}
     }
+}
+
+/// A server that refuses the credentials in the URL (a wrong password, no
+/// such user, none given where one is required) or lets the user run too
+/// little is a configuration mistake, told with its fix — not an outage.
+fn refused(error: redis::RedisError) -> StoreError {
+    let credentials = error.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(error.code(), Some("WRONGPASS" | "NOAUTH"));
+    if credentials {
+        return StoreError::Misconfigured(format!(
+            "Redis refuses the credentials ({error}): give the user and password in the URL \
+             (redis://USER:PASSWORD@HOST:PORT, or redis://:PASSWORD@HOST:PORT for the default user)"
+        ));
+    }
+    if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) {
+        return StoreError::Misconfigured(format!(
+            "the Redis user may not run a command the store needs ({error}): allow it SET, GET, \
+             EVALSHA/EVAL and CONFIG GET (or opt out of the eviction-policy check)"
+        ));
+    }
+    StoreError::from(error)
 }
 
 /// A client that cannot even be built (a URL that does not parse, an

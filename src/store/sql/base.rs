@@ -160,26 +160,35 @@ impl<D: Engine> Base<D> {
         }
     }
 
-    /// Deletes a live completed record (or, `force`, a lease's claim in
-    /// flight); what it deleted, if anything.
+    /// Forgets what the key holds when asked: a live completed record is
+    /// deleted; a lease's claim in flight only with `force`. The row is read
+    /// first, and only what was read is deleted: a record committed after
+    /// the question (a request in flight when it was asked) is never.
     pub(crate) async fn forget_row(
         &self,
         key: &StorageKey,
         force: bool,
-    ) -> Result<Option<Forgotten>, StoreError> {
+    ) -> Result<Forgotten, StoreError> {
+        let Some(row) = self.live_row(key).await? else {
+            return Ok(Forgotten::Nothing);
+        };
         let args = Args {
             key: key.as_str(),
             now: now_ms(),
             ..Args::default()
         };
+        let (stmt, forgotten) = match row.record {
+            Some(_) => (&self.sql.forget_completed, Forgotten::Completed),
+            None if force => (&self.sql.forget_in_flight, Forgotten::ForcedInFlight),
+            None => return Ok(Forgotten::InFlight),
+        };
         let _turn = self.engine.turn(Some(self.timeout)).await?;
-        if self.execute(&self.sql.forget_completed, &args).await? > 0 {
-            return Ok(Some(Forgotten::Completed));
-        }
-        if force && self.execute(&self.sql.forget_in_flight, &args).await? > 0 {
-            return Ok(Some(Forgotten::ForcedInFlight));
-        }
-        Ok(None)
+        Ok(if self.execute(stmt, &args).await? > 0 {
+            forgotten
+        } else {
+            // Gone since it was read: expired, or forgotten by another.
+            Forgotten::Nothing
+        })
     }
 
     /// Deletes up to `batch` expired rows; how many.
@@ -237,7 +246,13 @@ impl<D: Engine> Base<D> {
                     tracing::debug!(%error, "idempotency: another instance created the schema at the same moment; again");
                     tokio::time::sleep(Duration::from_millis(20 * attempt)).await;
                 }
-                Err(error) => return Err(self.error(error)),
+                Err(error) => {
+                    return Err(super::decide::create_error(
+                        &self.engine,
+                        &self.sql.table,
+                        error,
+                    ));
+                }
             }
         }
         Ok(())

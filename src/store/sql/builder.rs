@@ -6,8 +6,8 @@ use std::{marker::PhantomData, sync::Arc, time::Duration};
 use sqlx::Pool;
 
 use super::{
-    Base, EngineCheck, Plain, SqlStore, SqlTxStore, Transactional, dialect::Engine,
-    tx_engine::TxEngine,
+    Base, EngineCheck, Plain, Records, SqlRecords, SqlStore, SqlTxStore, Transactional,
+    dialect::Engine, tx_engine::TxEngine,
 };
 use crate::{
     record::codec::Compression,
@@ -221,23 +221,28 @@ impl<D: Engine, M> SqlStoreBuilder<D, M> {
         self
     }
 
-    /// The base both modes share, on `pool`, checked.
+    /// The base both stores share, on `pool`, checked.
     async fn base(&self, pool: Pool<D::Db>) -> Result<Arc<Base<D>>, StoreError> {
+        let base = self.unchecked_base(pool).await?;
+        if self.settings.create_table {
+            base.create_table().await?;
+        }
+        super::check::run(&base).await?;
+        Ok(base)
+    }
+
+    /// The base on `pool`, before the start-up check.
+    async fn unchecked_base(&self, pool: Pool<D::Db>) -> Result<Arc<Base<D>>, StoreError> {
         checked_table(&self.settings.table, D::STORE)?;
         let engine = D::new(&pool).await?;
-        let base = Arc::new(Base {
+        Ok(Arc::new(Base {
             sql: engine.statements(&self.settings.table),
             engine,
             pool,
             timeout: self.settings.timeout,
             engine_check: self.settings.engine_check,
             compression: self.settings.compression.clone(),
-        });
-        if self.settings.create_table {
-            base.create_table().await?;
-        }
-        super::check::run(&base).await?;
-        Ok(base)
+        }))
     }
 
     async fn open(&self, url: &str) -> Result<Pool<D::Db>, StoreError> {
@@ -259,6 +264,30 @@ impl<D: Engine> SqlStoreBuilder<D, Plain> {
     /// # let _ = builder; }
     /// ```
     pub fn transactional(self) -> SqlStoreBuilder<D, Transactional> {
+        SqlStoreBuilder {
+            settings: self.settings,
+            mode: PhantomData,
+        }
+    }
+
+    /// The table as an operator sees it: the builder then connects
+    /// [`SqlRecords`], which looks keys up, forgets them, counts and sweeps
+    /// the table, and claims nothing (so it runs no start-up check, and
+    /// needs no write rights to look up).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "postgres")]
+    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+    /// let records = tower_idempotency::PostgresStore::builder()
+    ///     .records()
+    ///     .connect("postgres://readonly@127.0.0.1:5432/payments")
+    ///     .await?;
+    /// println!("{:?}", records.stats().await?);
+    /// # Ok(()) }
+    /// ```
+    pub fn records(self) -> SqlStoreBuilder<D, Records> {
         SqlStoreBuilder {
             settings: self.settings,
             mode: PhantomData,
@@ -395,5 +424,36 @@ impl<D: TxEngine> SqlStoreBuilder<D, Transactional> {
             claim_wait: self.settings.claim_wait,
             retention: Arc::default(),
         })
+    }
+}
+
+#[allow(private_bounds)]
+impl<D: TxEngine> SqlStoreBuilder<D, Records> {
+    /// Opens a pool to `url` (a SQLite file must exist) and the table in
+    /// it, which must exist and be readable.
+    ///
+    /// # Examples
+    ///
+    /// See [`records`](SqlStoreBuilder::records).
+    pub async fn connect(self, url: &str) -> Result<SqlRecords<D>, StoreError> {
+        let pool = self.open(url).await?;
+        self.with_pool(pool).await
+    }
+
+    /// The table on a pool you configured yourself.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "postgres")]
+    /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+    /// use tower_idempotency::{PostgresStore, sqlx::postgres::PgPoolOptions};
+    ///
+    /// let pool = PgPoolOptions::new().connect("postgres://postgres@127.0.0.1/app").await?;
+    /// let records = PostgresStore::builder().records().with_pool(pool).await?;
+    /// # let _ = records; Ok(()) }
+    /// ```
+    pub async fn with_pool(self, pool: Pool<D::Db>) -> Result<SqlRecords<D>, StoreError> {
+        SqlRecords::open(self.unchecked_base(pool).await?).await
     }
 }

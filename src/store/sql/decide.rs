@@ -70,6 +70,13 @@ pub(crate) fn store_error<D: Engine>(engine: &D, table: &str, error: sqlx::Error
         ErrorClass::PermissionDenied => said(format!(
             "the database user may not use the idempotency table {table} (grant it SELECT, INSERT, UPDATE and DELETE)"
         )),
+        ErrorClass::BadCredentials => said(
+            "the database server refuses the credentials (check the user and its password)"
+                .to_owned(),
+        ),
+        ErrorClass::NoDatabase => said(
+            "the database does not exist on the server (was it dropped?)".to_owned(),
+        ),
         ErrorClass::Busy => said("the database is busy: another connection holds its write lock".to_owned()),
         ErrorClass::Conflict => said(
             "the database ended the transaction to resolve a conflict with another (a deadlock, or a failed certification on a cluster); nothing committed".to_owned(),
@@ -80,5 +87,24 @@ pub(crate) fn store_error<D: Engine>(engine: &D, table: &str, error: sqlx::Error
                 None => StoreError::Unavailable(Box::new(error)),
             }
         }
+    }
+}
+
+/// `error` from creating `table` (the records' or the outbox's): a user
+/// without the right to create tables is told so, with both ways out —
+/// never the table grants, which a missing table cannot take yet.
+pub(crate) fn create_error<D: Engine>(engine: &D, table: &str, error: sqlx::Error) -> StoreError {
+    match D::classify(&error) {
+        ErrorClass::PermissionDenied => StoreError::Misconfigured(format!(
+            "the database user may not create the table {table} ({error}): grant it the right to \
+             create tables in the schema (PostgreSQL: GRANT CREATE ON SCHEMA <schema> TO <user>; \
+             MySQL/MariaDB: GRANT CREATE, INDEX ON <database>.* TO <user>), or create the table \
+             with your migrations (the engine's SCHEMA) and connect without \
+             create_table_if_missing()"
+        )),
+        ErrorClass::ReadOnly => StoreError::Misconfigured(format!(
+            "the table {table} cannot be created: the database is read-only ({error})"
+        )),
+        _ => store_error(engine, table, error),
     }
 }

@@ -218,6 +218,11 @@ pub(crate) enum ErrorClass {
     /// The database user may not do this (no grant on the table, the
     /// database or the server).
     PermissionDenied,
+    /// The server refuses the credentials: no such user (role), or a wrong
+    /// password.
+    BadCredentials,
+    /// The database the URL names does not exist on the server.
+    NoDatabase,
     /// Anything else: the database failing or out of reach.
     Other,
 }

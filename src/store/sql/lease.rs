@@ -242,13 +242,6 @@ impl<D: Engine> Store for SqlStore<D> {
     }
 
     async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
-        if let Some(forgotten) = self.base.forget_row(key, force).await? {
-            return Ok(forgotten);
-        }
-        // Nothing deleted: in flight (not forced), or nothing at all.
-        Ok(match self.base.inspect_row(key).await? {
-            Some(KeyState::InFlight { .. }) => Forgotten::InFlight,
-            _ => Forgotten::Nothing,
-        })
+        self.base.forget_row(key, force).await
     }
 }

@@ -43,6 +43,7 @@ mod decide;
 pub(crate) mod dialect;
 mod lease;
 pub mod outbox;
+mod records;
 mod transactional;
 mod tx;
 mod tx_engine;
@@ -65,6 +66,7 @@ pub use base::{EngineCheck, TableStats};
 pub use builder::SqlStoreBuilder;
 pub use dialect::Dialect;
 pub use lease::SqlStore;
+pub use records::SqlRecords;
 pub use transactional::SqlTxStore;
 pub use tx::SqlTx;
 pub use upkeep::DeleteExpired;
@@ -83,6 +85,11 @@ pub struct Plain;
 /// record commits in the handler's transaction.
 #[derive(Clone, Copy, Debug)]
 pub struct Transactional;
+
+/// The mode of a [`SqlStoreBuilder`] that connects [`SqlRecords`]: the
+/// table as an operator sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Records;
 
 /// `table`, if it is a plain lowercase identifier, optionally
 /// schema-qualified: it is written into SQL text.
@@ -142,9 +149,17 @@ pub(crate) async fn connect_pool<D: dialect::Engine>(
         Err(error) => error,
     };
     Err(match D::classify(&error) {
+        dialect::ErrorClass::BadCredentials => StoreError::Misconfigured(format!(
+            "the database server refuses the credentials in the URL ({error}): check that the \
+             user (role) exists and that its password is right"
+        )),
+        dialect::ErrorClass::NoDatabase => StoreError::Misconfigured(format!(
+            "the database the URL names does not exist on the server ({error}): create it \
+             (CREATE DATABASE), or fix its name in the URL"
+        )),
         dialect::ErrorClass::PermissionDenied => StoreError::Misconfigured(format!(
-            "the database refuses this user ({error}): check the credentials in the URL, and grant \
-             the user access to the database and SELECT, INSERT, UPDATE and DELETE on the idempotency table"
+            "the database refuses this user ({error}): grant the user access to the database, \
+             and SELECT, INSERT, UPDATE and DELETE on the idempotency table"
         )),
         _ if matches!(error, sqlx::Error::Configuration(_)) => StoreError::from(error),
         _ => StoreError::Unavailable(format!("cannot connect to the database: {error}").into()),

@@ -17,7 +17,7 @@ use super::{
     dialect::{Args, Dialect, Engine},
     millis,
     tx::SqlTx,
-    tx_engine::{ClaimRequest, End, Expiry, Seam, TxClaim, TxEngine},
+    tx_engine::{ClaimRequest, End, Expiry, Probe, Seam, TxClaim, TxEngine},
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -312,12 +312,15 @@ impl<D: TxEngine> Store for SqlTxStore<D> {
         if let Some(found) = self.base.inspect_row(key).await? {
             return Ok(found);
         }
-        Ok(if D::tx_in_flight(&self.seam(), key).await? {
-            KeyState::InFlight {
+        Ok(match D::tx_in_flight(&self.seam(), key).await? {
+            Probe::InFlight => KeyState::InFlight {
                 retry_after: IN_FLIGHT_RETRY_AFTER,
+            },
+            Probe::Free => KeyState::Absent,
+            Probe::Unseen(why) => {
+                tracing::warn!(%key, %why, "idempotency: whether a transaction holds the key in flight cannot be told; only committed records are seen");
+                KeyState::Absent
             }
-        } else {
-            KeyState::Absent
         })
     }
 

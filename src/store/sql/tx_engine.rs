@@ -15,7 +15,7 @@ use sqlx::{Pool, pool::PoolConnection};
 
 use super::{
     base::Base,
-    dialect::{Dialect, Engine, KeyRow},
+    dialect::{Dialect, Engine, ErrorClass, KeyRow},
     tx::SqlTx,
 };
 use crate::{
@@ -138,6 +138,39 @@ pub(crate) enum Expiry {
     Retention(i64),
 }
 
+/// What a probe for a transaction's claim in flight found: its row is
+/// uncommitted, so no read sees it; a write that would meet it does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Probe {
+    /// A transaction (in any process) holds the key: its write waited, or
+    /// (SQLite) another process holds the file's write lock.
+    InFlight,
+    /// None does.
+    Free,
+    /// It cannot be told with this connection's rights: the database is
+    /// read-only, or the user may only read; why.
+    Unseen(String),
+}
+
+impl Probe {
+    /// What a probe's error tells: a database this user cannot write (or
+    /// read-only) cannot be probed — anything else is the store's error.
+    pub(crate) fn failed<D: TxEngine>(
+        seam: &Seam<D>,
+        error: sqlx::Error,
+    ) -> Result<Self, StoreError> {
+        match D::classify(&error) {
+            ErrorClass::ReadOnly => {
+                Ok(Self::Unseen(format!("the database is read-only ({error})")))
+            }
+            ErrorClass::PermissionDenied => Ok(Self::Unseen(format!(
+                "the database user may only read the table ({error})"
+            ))),
+            _ => Err(seam.error(error)),
+        }
+    }
+}
+
 /// How a transaction ends without a record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum End {
@@ -202,29 +235,43 @@ pub(crate) trait TxEngine: Engine {
     }
 
     /// Whether a transaction (in any process) holds `key` in flight: an
-    /// uncommitted row other sessions cannot read.
+    /// uncommitted row other sessions cannot read. Never waits for the
+    /// holder: what it says is what holds when it is asked.
     fn tx_in_flight(
         seam: &Seam<Self>,
         key: &StorageKey,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Probe, StoreError>> + Send;
 
-    /// Forgets a committed record; a claim in flight is an uncommitted row
-    /// no other session can delete, so it is left alone and reported —
-    /// probed first, so that the delete never waits on it (InnoDB's
-    /// deletes lock the rows they meet, uncommitted ones included).
+    /// Forgets the record `key` holds when asked: a committed one is
+    /// deleted; none is looked for in flight, whose uncommitted row no
+    /// other session can delete — so it is left alone and reported. What
+    /// commits after the question is never deleted by it: the row is read
+    /// first, and the delete acts only on what was read.
     fn tx_forget(
         seam: &Seam<Self>,
         key: &StorageKey,
     ) -> impl Future<Output = Result<Forgotten, StoreError>> + Send {
-        async move {
-            if Self::tx_in_flight(seam, key).await? {
-                return Ok(Forgotten::InFlight);
-            }
-            Ok(seam
-                .base
-                .forget_row(key, false)
-                .await?
-                .unwrap_or(Forgotten::Nothing))
-        }
+        forget(seam, key)
     }
+}
+
+/// [`TxEngine::tx_forget`] as every engine does it: the committed record
+/// read and deleted; none, a probe for a claim in flight.
+pub(crate) async fn forget<D: TxEngine>(
+    seam: &Seam<D>,
+    key: &StorageKey,
+) -> Result<Forgotten, StoreError> {
+    match seam.base.forget_row(key, false).await? {
+        Forgotten::Nothing => {}
+        forgotten => return Ok(forgotten),
+    }
+    Ok(match D::tx_in_flight(seam, key).await? {
+        Probe::InFlight => Forgotten::InFlight,
+        Probe::Free => Forgotten::Nothing,
+        Probe::Unseen(why) => {
+            return Err(StoreError::Unavailable(
+                format!("whether a request holds the key cannot be told: {why}").into(),
+            ));
+        }
+    })
 }

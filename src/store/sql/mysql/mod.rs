@@ -93,11 +93,11 @@ use std::time::Duration;
 
 use sqlx::{MySqlConnection, MySqlPool, mysql::MySqlPoolOptions};
 
-pub use super::{EngineCheck, Plain, Transactional};
+pub use super::{EngineCheck, Plain, Records, Transactional};
 use super::{
     SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
     dialect::{Dialect, Engine, ErrorClass, LeaseClaim, Statements, glue, sealed},
-    tx_engine::{ClaimRequest, End, Expiry, Seam, TxClaim, TxEngine},
+    tx_engine::{ClaimRequest, End, Expiry, Probe, Seam, TxClaim, TxEngine},
 };
 use crate::store::{StorageKey, StoreError};
 
@@ -259,9 +259,12 @@ KEY {i}_sent (state, sent_at)) ENGINE = InnoDB",
             // ER_NO_SUCH_TABLE
             Some(1146) => ErrorClass::MissingTable,
             // ER_TABLEACCESS_DENIED_ERROR, ER_COLUMNACCESS_DENIED_ERROR,
-            // ER_DBACCESS_DENIED_ERROR, ER_ACCESS_DENIED_ERROR,
-            // ER_SPECIFIC_ACCESS_DENIED_ERROR
-            Some(1142 | 1143 | 1044 | 1045 | 1227) => ErrorClass::PermissionDenied,
+            // ER_DBACCESS_DENIED_ERROR, ER_SPECIFIC_ACCESS_DENIED_ERROR
+            Some(1142 | 1143 | 1044 | 1227) => ErrorClass::PermissionDenied,
+            // ER_ACCESS_DENIED_ERROR: no such user, or a wrong password
+            Some(1045) => ErrorClass::BadCredentials,
+            // ER_BAD_DB_ERROR
+            Some(1049) => ErrorClass::NoDatabase,
             // --read-only, a read-only transaction, innodb_read_only.
             Some(1290 | 1792 | 1836 | 1015) => ErrorClass::ReadOnly,
             Some(_) => {
@@ -371,7 +374,7 @@ impl TxEngine for MySql {
     fn tx_in_flight(
         seam: &Seam<Self>,
         key: &StorageKey,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
         transactional::in_flight(seam, key)
     }
 }

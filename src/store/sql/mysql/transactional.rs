@@ -14,7 +14,7 @@ use crate::store::{
     StorageKey, StoreError,
     sql::{
         dialect::{Engine, ErrorClass},
-        tx_engine::{ClaimRequest, End, Expiry, Seam, TxClaim},
+        tx_engine::{ClaimRequest, End, Expiry, Probe, Seam, TxClaim},
     },
 };
 
@@ -191,18 +191,18 @@ pub(super) async fn end(seam: &Seam<MySql>, mut tx: MySqlTx, end: End) -> Result
 /// transaction of its own, rolled back in the same round trip, meets the
 /// uncommitted row and fails without waiting (a request claiming the key at
 /// that very moment may be told `409`).
-pub(super) async fn in_flight(seam: &Seam<MySql>, key: &StorageKey) -> Result<bool, StoreError> {
+pub(super) async fn in_flight(seam: &Seam<MySql>, key: &StorageKey) -> Result<Probe, StoreError> {
     let sql = &seam.state.sql;
     let connection = seam.bounded(seam.connection()).await?;
     let mut tx = MySqlTx::begun(connection, (), Instant::now());
     let probe = format!("{}; {}", sql.probe(key.as_str()), sql.end("ROLLBACK"));
     // A probe that fails closes its connection, which rolls it back.
     match seam.bounded(async { Ok(tx.end(&probe).await) }).await? {
-        Ok(()) => Ok(false),
+        Ok(()) => Ok(Probe::Free),
         Err(error) => match MySql::classify(&error) {
-            ErrorClass::LockTimeout => Ok(true),
-            ErrorClass::Duplicate => Ok(false),
-            _ => Err(seam.error(error)),
+            ErrorClass::LockTimeout => Ok(Probe::InFlight),
+            ErrorClass::Duplicate => Ok(Probe::Free),
+            _ => Probe::failed(seam, error),
         },
     }
 }

@@ -568,7 +568,13 @@ impl<D: Engine> OutboxBuilder<D> {
                     Err(error) if attempt < 10 && D::lost_schema_race(&error) => {
                         tokio::time::sleep(Duration::from_millis(20 * attempt)).await;
                     }
-                    Err(error) => return Err(base.error(error)),
+                    Err(error) => {
+                        return Err(crate::store::sql::decide::create_error(
+                            &base.engine,
+                            &self.table,
+                            error,
+                        ));
+                    }
                 }
             }
         }

@@ -129,11 +129,11 @@ use std::time::Duration;
 
 use sqlx::{PgConnection, PgPool, postgres::PgPoolOptions};
 
-pub use super::{EngineCheck, Plain, Transactional};
+pub use super::{EngineCheck, Plain, Records, Transactional};
 use super::{
     SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
     dialect::{Args, Dialect, Engine, ErrorClass, LeaseClaim, Statements, glue, sealed},
-    tx_engine::{ClaimRequest, Expiry, Seam, TxClaim, TxEngine},
+    tx_engine::{ClaimRequest, Expiry, Probe, Seam, TxClaim, TxEngine},
 };
 use crate::store::{StorageKey, StoreError};
 
@@ -271,6 +271,11 @@ CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
             "42P01" => ErrorClass::MissingTable,
             // insufficient_privilege
             "42501" => ErrorClass::PermissionDenied,
+            // invalid_password; invalid_authorization_specification (no
+            // such role, or pg_hba refuses it)
+            "28P01" | "28000" => ErrorClass::BadCredentials,
+            // invalid_catalog_name: no such database
+            "3D000" => ErrorClass::NoDatabase,
             // Data exceptions and integrity constraints (the completion's own
             // guard is a division by zero).
             code if code.starts_with("22") || code.starts_with("23") => ErrorClass::Refused,
@@ -344,7 +349,7 @@ impl TxEngine for Postgres {
     fn tx_in_flight(
         seam: &Seam<Self>,
         key: &StorageKey,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
         transactional::in_flight(seam, key)
     }
 }

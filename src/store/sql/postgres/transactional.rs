@@ -13,7 +13,7 @@ use crate::store::{
     StorageKey, StoreError,
     sql::{
         dialect::{Engine, ErrorClass, KeyRow},
-        tx_engine::{ClaimRequest, Expiry, Seam, TxClaim},
+        tx_engine::{ClaimRequest, Expiry, Probe, Seam, TxClaim},
     },
 };
 
@@ -238,15 +238,18 @@ pub(super) async fn complete(
 
 /// Whether a transaction holds `key` in flight: a claim in a transaction of
 /// its own, rolled back at once, that meets it waits 50 ms and fails.
-pub(super) async fn in_flight(seam: &Seam<Postgres>, key: &StorageKey) -> Result<bool, StoreError> {
+pub(super) async fn in_flight(
+    seam: &Seam<Postgres>,
+    key: &StorageKey,
+) -> Result<Probe, StoreError> {
     let probe = seam.state.sql.probe(key.as_str());
     let connection = seam.bounded(seam.connection()).await?;
     // Closed if the probe fails halfway: never back in the pool inside its
     // transaction.
     let mut tx = PostgresTx::begun(connection, (), Instant::now());
     match seam.bounded(async { Ok(tx.end(&probe).await) }).await? {
-        Ok(()) => Ok(false),
-        Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => Ok(true),
-        Err(error) => Err(seam.error(error)),
+        Ok(()) => Ok(Probe::Free),
+        Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => Ok(Probe::InFlight),
+        Err(error) => Probe::failed(seam, error),
     }
 }

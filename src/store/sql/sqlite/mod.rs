@@ -68,11 +68,11 @@ use sqlx::{
 };
 use tokio::sync::OwnedMutexGuard;
 
-pub use super::{EngineCheck, Plain, Transactional};
+pub use super::{EngineCheck, Plain, Records, Transactional};
 use super::{
     SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
     dialect::{Dialect, Engine, ErrorClass, LeaseClaim, Statements, glue, sealed},
-    tx_engine::{ClaimRequest, Expiry, Seam, TxClaim, TxEngine},
+    tx_engine::{ClaimRequest, Expiry, Probe, Seam, TxClaim, TxEngine},
 };
 use crate::store::{Forgotten, StorageKey, StoreError};
 
@@ -319,7 +319,7 @@ impl TxEngine for Sqlite {
     fn tx_in_flight(
         seam: &Seam<Self>,
         key: &StorageKey,
-    ) -> impl Future<Output = Result<bool, StoreError>> + Send {
+    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
         transactional::in_flight(seam, key)
     }
 

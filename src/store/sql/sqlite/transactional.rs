@@ -21,14 +21,10 @@ use crate::{
             base::now_ms,
             dialect::{Args, Engine, Stmt},
             tx::SqlTx,
-            tx_engine::{ClaimRequest, Expiry, Seam, TxClaim},
+            tx_engine::{self, ClaimRequest, Expiry, Probe, Seam, TxClaim},
         },
     },
 };
-
-/// How long a forget (or an inspect) waits for the write lock before it
-/// takes another process's writer for the key's claim in flight.
-const FORGET_WAIT: Duration = Duration::from_millis(100);
 
 /// What the transactional store keeps: its statements, and the keys this
 /// process has claimed and not yet settled.
@@ -37,7 +33,6 @@ const FORGET_WAIT: Duration = Duration::from_millis(100);
 pub struct TxState {
     complete: Stmt,
     complete_later: Stmt,
-    forget_completed: Stmt,
     in_flight: Arc<Mutex<HashSet<StorageKey>>>,
 }
 
@@ -52,7 +47,6 @@ impl TxState {
         Self {
             complete: statements::tx_complete(table),
             complete_later: statements::tx_complete_later(table),
-            forget_completed: statements::statements(table).forget_completed,
             in_flight: Arc::default(),
         }
     }
@@ -227,97 +221,52 @@ pub(super) async fn complete(
     tx.commit_with("COMMIT").await.map_err(|e| seam.error(e))
 }
 
-/// Forgets a committed record, unless a claim of the key may be in flight:
-/// in this process (the registry), or in another one — a writer holds the
-/// file's write lock, and its uncommitted row is invisible. The lock is
-/// taken before the delete and held through it, so no claim can begin in
-/// between and have its fresh record deleted.
+/// Forgets a committed record, unless a claim of the key is in flight in
+/// this process (the registry, answered at once) — then as every engine
+/// does (see `TxEngine::tx_forget`): the record read first, and only what
+/// was read deleted.
 pub(super) async fn forget(seam: &Seam<Sqlite>, key: &StorageKey) -> Result<Forgotten, StoreError> {
     if seam.state.in_flight(key) {
         return Ok(Forgotten::InFlight);
     }
-    // On a task of its own, as a claim: a caller that stops waiting must
-    // not leave the connection inside the transaction.
-    let (seam, key) = (seam.clone(), key.clone());
-    tokio::spawn(async move { forget_committed(&seam, &key).await })
+    tx_engine::forget(seam, key).await
+}
+
+/// Whether a claim is in flight for `key`: in this process (the registry),
+/// or in another one — a writer there holds the file's write lock, and its
+/// uncommitted row is invisible, so that is all that can be known of it.
+/// The lock is tried without waiting: a writer that holds it now may be
+/// this key's, whatever it commits a moment later.
+pub(super) async fn in_flight(seam: &Seam<Sqlite>, key: &StorageKey) -> Result<Probe, StoreError> {
+    if seam.state.in_flight(key) {
+        return Ok(Probe::InFlight);
+    }
+    // On a task of its own: a caller that stops waiting must not leave the
+    // connection inside the transaction.
+    let seam = seam.clone();
+    tokio::spawn(async move { try_the_write_lock(&seam).await })
         .await
         .map_err(|e| StoreError::Unavailable(e.into()))?
 }
 
-async fn forget_committed(seam: &Seam<Sqlite>, key: &StorageKey) -> Result<Forgotten, StoreError> {
-    let args = Args {
-        key: key.as_str(),
-        now: now_ms(),
-        ..Args::default()
-    };
-    let forget = &seam.state.forget_completed;
-    let deleted = holding_the_write_lock(seam, async |connection| {
-        let deleted = Sqlite::execute(connection, forget, &args).await?;
-        Ok((deleted, true))
-    })
-    .await?;
-    Ok(match deleted {
-        None => Forgotten::InFlight,
-        Some(0) => Forgotten::Nothing,
-        Some(_) => Forgotten::Completed,
-    })
-}
-
-/// Whether a claim may be in flight for `key`: in this process (the
-/// registry), or in another one — a writer there holds the file's write
-/// lock, and its uncommitted row is invisible, so that is all that can be
-/// known of it.
-pub(super) async fn in_flight(seam: &Seam<Sqlite>, key: &StorageKey) -> Result<bool, StoreError> {
-    if seam.state.in_flight(key) {
-        return Ok(true);
-    }
-    let seam = seam.clone();
-    let probed =
-        tokio::spawn(async move { holding_the_write_lock(&seam, async |_| Ok(((), false))).await });
-    let free = probed
-        .await
-        .map_err(|e| StoreError::Unavailable(e.into()))??;
-    Ok(free.is_none())
-}
-
-/// Runs `work` inside an `IMMEDIATE` transaction — the file's write lock,
-/// waited for briefly ([`FORGET_WAIT`]) — which commits if `work` says so
-/// and rolls back otherwise: `None` when another process holds the lock.
-/// Run it on a task of its own: a caller that stops waiting must not leave
-/// the connection inside the transaction.
-async fn holding_the_write_lock<T>(
-    seam: &Seam<Sqlite>,
-    work: impl AsyncFnOnce(&mut sqlx::SqliteConnection) -> Result<(T, bool), sqlx::Error>,
-) -> Result<Option<T>, StoreError> {
+/// Takes the file's write lock (`BEGIN IMMEDIATE`) without waiting, and
+/// gives it back at once: whether another process holds it.
+async fn try_the_write_lock(seam: &Seam<Sqlite>) -> Result<Probe, StoreError> {
     let timeout = seam.timeout();
     let _turn = seam.engine().turn(Some(timeout)).await?;
     let mut connection = seam.connection().await?;
-    let begin = format!(
-        "PRAGMA busy_timeout = {}; BEGIN IMMEDIATE",
-        FORGET_WAIT.as_millis()
-    );
-    let began = Sqlite::raw(&mut connection, &begin).await;
+    let began = Sqlite::raw(&mut connection, "PRAGMA busy_timeout = 0; BEGIN IMMEDIATE").await;
     let restore = format!("PRAGMA busy_timeout = {}", timeout.as_millis());
-    if let Err(error) = began {
-        if Sqlite::raw(&mut connection, &restore).await.is_err() {
-            connection.close_on_drop();
-        }
-        return match Sqlite::classify(&error) {
-            super::ErrorClass::Busy => Ok(None),
-            _ => Err(seam.error(error)),
-        };
-    }
-    let done = work(&mut connection).await;
-    let end = match done {
-        Ok((_, true)) => "COMMIT",
-        _ => "ROLLBACK",
+    let end = match &began {
+        Ok(()) => format!("ROLLBACK; {restore}"),
+        Err(_) => restore,
     };
-    if Sqlite::raw(&mut connection, &format!("{end}; {restore}"))
-        .await
-        .is_err()
-    {
+    if Sqlite::raw(&mut connection, &end).await.is_err() {
         connection.close_on_drop();
     }
-    done.map(|(value, _)| Some(value))
-        .map_err(|error| seam.error(error))
+    match began {
+        Ok(()) => Ok(Probe::Free),
+        Err(error) if Sqlite::classify(&error) == super::ErrorClass::Busy => Ok(Probe::InFlight),
+        Err(error) => Probe::failed(seam, error),
+    }
 }
