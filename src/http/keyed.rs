@@ -98,7 +98,10 @@ where
         },
     };
     let fingerprint = shared.fingerprint.fingerprint(&parts, &messages);
-    let storage_key = StorageKey::new(&scope, &key);
+    let storage_key = match &config.namespace {
+        None => StorageKey::new(&scope, &key),
+        Some(namespace) => StorageKey::namespaced(namespace, &scope, &key),
+    };
     let storage_key = if config.sensitive_keys {
         storage_key.sensitive()
     } else {

@@ -103,6 +103,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 retention: protocol::DEFAULT_RETENTION,
                 retention_header: false,
                 sensitive_keys: false,
+                namespace: None,
                 lease: protocol::DEFAULT_LEASE,
                 max_request_body: 1024 * 1024,
                 max_stored_body: 1024 * 1024,
@@ -320,6 +321,33 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     /// ```
     pub fn retention_header(mut self, on: bool) -> Self {
         self.config().retention_header = on;
+        self
+    }
+
+    /// Keeps this layer's records apart from every other scope's in the
+    /// store: its scopes live in `namespace`, so no scope any other layer
+    /// (or processor) gives — an account that names itself after this
+    /// layer's scope, say — can address one of its records. For a route
+    /// whose scope is of another kind than the accounts': a webhook
+    /// provider's events, keyed by the provider's event id.
+    ///
+    /// Changing a layer's namespace (adding one included) addresses its
+    /// records anew: keys completed before are not found after the change.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// // The card processor's webhooks, beside the accounts' charges in one store.
+    /// let webhooks = IdempotencyLayer::new(MemoryStore::new())
+    ///     .namespace("webhooks:processor")
+    ///     .single_tenant()
+    ///     .key_from_body("/id");
+    /// # let _ = webhooks;
+    /// ```
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.config().namespace = Some(namespace.into().into());
         self
     }
 

@@ -1,16 +1,22 @@
 //! The layer's contract in an OpenAPI description, for
-//! [`utoipa`](https://docs.rs/utoipa): the `Idempotency-Key` request header,
-//! the `Idempotent-Replayed` (and, when told, `Idempotency-Replayable-For`)
-//! response headers, and the layer's own `problem+json` answers — `400` for
-//! a missing or malformed key, `409` for a duplicate in flight and `503` for
-//! an unreachable store (both with `Retry-After`), `422` for a key reused
-//! with other parameters.
+//! [`utoipa`](https://docs.rs/utoipa): the `Idempotency-Key` request header
+//! (or, for a route whose key is in the body, where), the
+//! `Idempotent-Replayed` (and, when told, `Idempotency-Replayable-For`)
+//! response headers, and every answer the layer gives of its own, as
+//! `problem+json`: `400` for a missing or malformed key, `409` for a
+//! duplicate in flight and `503` for an unreachable store (both with
+//! `Retry-After`), `413` for a body over the limit, `422` for a key reused
+//! with other parameters, `500` for a server-side fault that ran nothing
+//! or committed nothing, and the rare `406` and `502`.
 //!
 //! [`IdempotencyDocs`] is a [`Modify`]: add it to the `OpenApi` derive's
 //! `modifiers`, or apply it to a built document, and it describes the
 //! operations the layer guards (`POST` and `PATCH` by default, on every
 //! path or on the ones named). What the application already says about a
-//! status is kept.
+//! status is kept. The document it leaves is valid OpenAPI (every
+//! parameter and header has a schema, every reference resolves), so
+//! validators and schema-driven testers (`openapi-spec-validator`,
+//! schemathesis) take it as it is.
 //!
 //! # Examples
 //!
@@ -66,6 +72,9 @@ pub struct IdempotencyDocs {
     paths: Option<Vec<String>>,
     require_key: bool,
     retention_header: bool,
+    /// The JSON Pointer of the key in the body, for a layer with
+    /// `key_from_body`; `None`: the header.
+    body_key: Option<String>,
 }
 
 impl std::fmt::Debug for IdempotencyDocs {
@@ -74,6 +83,7 @@ impl std::fmt::Debug for IdempotencyDocs {
             .field("paths", &self.paths)
             .field("require_key", &self.require_key)
             .field("retention_header", &self.retention_header)
+            .field("body_key", &self.body_key)
             .finish_non_exhaustive()
     }
 }
@@ -97,6 +107,7 @@ impl IdempotencyDocs {
             paths: None,
             require_key: false,
             retention_header: false,
+            body_key: None,
         }
     }
 
@@ -159,10 +170,34 @@ impl IdempotencyDocs {
         self
     }
 
-    /// Describes one operation: its key header, the headers of its
-    /// successful answers, and the layer's refusals it does not describe
-    /// already. [`modify`](Modify::modify) calls it on each guarded
-    /// operation; call it yourself on an operation built apart.
+    /// The key is read from the request body, at the JSON Pointer
+    /// `pointer`, as with
+    /// [`IdempotencyLayer::key_from_body`](crate::IdempotencyLayer::key_from_body)
+    /// (a webhook's event id): the operation then has no key header, and
+    /// says where the key is.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::openapi::IdempotencyDocs;
+    /// use utoipa::openapi::path::Operation;
+    ///
+    /// let mut webhook = Operation::new();
+    /// IdempotencyDocs::new().key_from_body("/id").describe(&mut webhook);
+    /// assert!(webhook.parameters.is_none_or(|p| p.is_empty()));
+    /// assert!(webhook.description.unwrap().contains("`/id`"));
+    /// ```
+    pub fn key_from_body(mut self, pointer: impl Into<String>) -> Self {
+        self.body_key = Some(pointer.into());
+        self
+    }
+
+    /// Describes one operation: its key, the headers of its successful
+    /// answers, and the layer's refusals it does not describe already.
+    /// [`modify`](Modify::modify) calls it on each guarded operation; call
+    /// it yourself on an operation built apart, and add the problem schema
+    /// the refusals refer to ([`PROBLEM_SCHEMA`]) with `modify`, or the
+    /// document's references dangle.
     ///
     /// # Examples
     ///
@@ -175,10 +210,30 @@ impl IdempotencyDocs {
     /// assert!(operation.responses.responses.contains_key("422"));
     /// ```
     pub fn describe(&self, operation: &mut Operation) {
-        let parameters = operation.parameters.get_or_insert_with(Vec::new);
-        let named = |p: &RefOr<_>| matches!(p, RefOr::T(p) if is_key_parameter(p));
-        if !parameters.iter().any(named) {
-            parameters.push(RefOr::T(self.key_parameter()));
+        match &self.body_key {
+            None => {
+                let parameters = operation.parameters.get_or_insert_with(Vec::new);
+                let named = |p: &RefOr<_>| matches!(p, RefOr::T(p) if is_key_parameter(p));
+                if !parameters.iter().any(named) {
+                    parameters.push(RefOr::T(self.key_parameter()));
+                }
+            }
+            Some(pointer) => {
+                let said = format!(
+                    "Idempotent: the request body's `{pointer}` (a string of 1 to 255 visible \
+                     ASCII characters) is its idempotency key. The first request with a key \
+                     executes; a retry with the same body gets the stored answer, marked \
+                     `Idempotent-Replayed: true`; the same key with another body is refused \
+                     with 422."
+                );
+                let description = operation.description.get_or_insert_with(String::new);
+                if !description.contains(&said) {
+                    if !description.is_empty() {
+                        description.push_str("\n\n");
+                    }
+                    description.push_str(&said);
+                }
+            }
         }
         let responses = &mut operation.responses.responses;
         for (status, response) in responses.iter_mut() {
@@ -199,10 +254,13 @@ impl IdempotencyDocs {
         } else {
             Required::False
         };
+        // Visible ASCII, not starting with `"` (that is the quoted form,
+        // `"order-42"`, which names the same key).
         let schema = ObjectBuilder::new()
             .schema_type(Type::String)
             .min_length(Some(1))
             .max_length(Some(IdempotencyKey::MAX_LEN))
+            .pattern(Some("^[!#-~][!-~]*$"))
             .examples(["7c4a8d09-ca95-4c28-a8e5-1c8b9a2f9f6e"])
             .build();
         ParameterBuilder::new()
@@ -301,12 +359,19 @@ fn operation_mut<'a>(item: &'a mut PathItem, method: &HttpMethod) -> Option<&'a 
     }
 }
 
-/// The layer's own refusals: status, what it means, whether it says when
+/// The layer's own answers: status, what it means, whether it says when
 /// to come back.
 const REFUSALS: &[(&str, &str, bool)] = &[
     (
         "400",
-        "The `Idempotency-Key` header is missing (where required) or malformed. Nothing ran.",
+        "The idempotency key is missing (where required) or malformed, or the body could not \
+         be read. Nothing ran.",
+        false,
+    ),
+    (
+        "406",
+        "The stored answer is in a content coding this request does not accept. Nothing ran \
+         again.",
         false,
     ),
     (
@@ -316,9 +381,26 @@ const REFUSALS: &[(&str, &str, bool)] = &[
         true,
     ),
     (
+        "413",
+        "The request body is larger than the idempotency layer buffers. Nothing ran.",
+        false,
+    ),
+    (
         "422",
         "This key was used with other parameters. Nothing ran; use a new key for a new \
          operation.",
+        false,
+    ),
+    (
+        "500",
+        "A server-side fault: the handler panicked, or the database refused the transaction \
+         that carried its effects. Nothing committed; the key was released, so a retry with it \
+         executes.",
+        false,
+    ),
+    (
+        "502",
+        "The handler's answer failed while it was being read. The key was released.",
         false,
     ),
     (

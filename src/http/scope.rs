@@ -40,15 +40,18 @@ use http::request::Parts;
 /// # let _ = layer;
 /// ```
 #[diagnostic::on_unimplemented(
-    message = "`{Self}` does not say whose idempotency keys these are",
-    label = "the layer's scope is not chosen",
-    note = "an IdempotencyLayer must be told whose keys it guards: `.scope_with(|parts| …)` for an API with more than one tenant (the authenticated account), or `.single_tenant()` when every caller is the same party"
+    message = "the IdempotencyLayer's scope is not chosen: call `.scope_with(…)` or `.single_tenant()` on it",
+    label = "this layer does not say whose idempotency keys these are",
+    note = "`.scope_with(|parts: &Parts| parts.extensions.get::<AccountId>().map(|a| a.0.clone()))` for an API with more than one tenant (the authenticated account, set by authentication placed outside the layer), or `.single_tenant()` when every caller is the same party"
 )]
 pub trait ScopeExtractor: Clone + Send + Sync + 'static {
     /// The scope of this request, or `None` if it has none.
     fn scope(&self, parts: &Parts) -> Option<String>;
 }
 
+// Not named in a diagnostic: a layer whose scope is not chosen is told to
+// choose one, rather than that `ScopeNotChosen` is no closure.
+#[diagnostic::do_not_recommend]
 impl<F> ScopeExtractor for F
 where
     F: Fn(&Parts) -> Option<String> + Clone + Send + Sync + 'static,

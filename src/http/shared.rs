@@ -30,6 +30,8 @@ pub(crate) struct Config {
     pub(crate) retention_header: bool,
     /// Whether keys appear in spans and logs only hashed.
     pub(crate) sensitive_keys: bool,
+    /// The namespace the layer's scopes live in, if it has one of its own.
+    pub(crate) namespace: Option<Arc<str>>,
     pub(crate) lease: Duration,
     pub(crate) max_request_body: usize,
     pub(crate) max_stored_body: usize,

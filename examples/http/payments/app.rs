@@ -133,12 +133,17 @@ where
         .admin_token
         .clone()
         .map(|token| super::admin::routes(store.clone(), token));
-    // The processor's webhooks: keyed by the event's id in the body, one
-    // scope of their own, no bearer token (the provider calls them).
+    // The processor's webhooks: keyed by the event's id in the body, in a
+    // namespace of their own — no account's name can reach their records —
+    // and no bearer token (the provider calls them).
+    // Only the methods the routes take are guarded: any other is the
+    // router's `405`, never a claim.
     let webhooks = IdempotencyLayer::new(store.clone())
+        .methods([http::Method::POST])
+        .namespace("webhooks:processor")
+        .single_tenant()
         .key_from_body("/id")
         .require_key(true)
-        .scope_with(|_: &Parts| Some("webhooks:processor".to_owned()))
         .lease(settings.lease)
         .retention(settings.retention);
     let webhooks = Router::new()
@@ -148,6 +153,7 @@ where
         )
         .route_layer(webhooks);
     let mut idempotency = IdempotencyLayer::new(store)
+        .methods([http::Method::POST])
         .require_key(true)
         .scope_with(|parts: &Parts| parts.extensions.get::<Account>().map(|a| a.0.clone()))
         .lease(settings.lease)
@@ -185,12 +191,41 @@ where
                         .on_response(log_response),
                 )
                 .layer(CompressionLayer::new())
+                .layer(middleware::map_response(empty_refusal_as_problem))
                 .layer(TimeoutLayer::with_status_code(
                     StatusCode::REQUEST_TIMEOUT,
                     settings.request_timeout,
                 )),
         )
         .with_state(state)
+}
+
+/// A refusal made below the handlers with an empty body — no such route
+/// (`404`), a method the route does not take (`405`), the request timeout
+/// (`408`) — as `problem+json`, like every other refusal.
+async fn empty_refusal_as_problem(response: Response) -> Response {
+    if response.headers().contains_key(header::CONTENT_TYPE) {
+        return response;
+    }
+    let (title, detail) = match response.status() {
+        StatusCode::NOT_FOUND => ("Not found", "There is no such route."),
+        StatusCode::METHOD_NOT_ALLOWED => (
+            "Method not allowed",
+            "The route does not take this method: see the `Allow` header.",
+        ),
+        StatusCode::REQUEST_TIMEOUT => (
+            "Request timeout",
+            "The request outlived the server's timeout. A charge still completes, detached from \
+             the connection: retry it with the same idempotency key to get its answer.",
+        ),
+        _ => return response,
+    };
+    let allow = response.headers().get(header::ALLOW).cloned();
+    let mut problem = problem(response.status(), title, detail);
+    if let Some(allow) = allow {
+        problem.headers_mut().insert(header::ALLOW, allow);
+    }
+    problem
 }
 
 /// The span of a request: its method and path, an operators' route's
@@ -276,9 +311,47 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 
 #[derive(Deserialize)]
 struct NewCharge {
-    amount: i64,
+    /// Any spelling of a JSON integer (`1999`, `1999.0`, `1.999e3`), read
+    /// exactly — never through a float.
+    amount: Box<serde_json::value::RawValue>,
     currency: String,
     description: Option<String>,
+}
+
+/// The integer a JSON number spells, exactly, if it is one within `i64`:
+/// its digits scaled by its exponent, a fraction only of zeros.
+fn exact_integer(number: &str) -> Option<i64> {
+    let (negative, rest) = match number.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, number),
+    };
+    let (mantissa, exponent) = match rest.split_once(['e', 'E']) {
+        Some((mantissa, exponent)) => (mantissa, exponent.parse::<i32>().ok()?),
+        None => (rest, 0),
+    };
+    let (whole, fraction) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    let digits = format!("{whole}{fraction}");
+    if whole.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let scale = exponent.checked_sub(i32::try_from(fraction.len()).ok()?)?;
+    let digits = digits.trim_start_matches('0');
+    let kept = if scale >= 0 {
+        format!("{digits}{}", "0".repeat(usize::try_from(scale).ok()?))
+    } else {
+        let cut = usize::try_from(-scale).ok()?;
+        let (kept, dropped) = digits.split_at(digits.len().saturating_sub(cut));
+        if !dropped.bytes().all(|b| b == b'0') {
+            return None;
+        }
+        kept.to_owned()
+    };
+    let magnitude: i128 = if kept.is_empty() {
+        0
+    } else {
+        kept.parse().ok()?
+    };
+    i64::try_from(if negative { -magnitude } else { magnitude }).ok()
 }
 
 /// Charges on its own: the charge commits, then the processor is called,
@@ -377,8 +450,8 @@ fn charge_created(charge: &Charge, destination: &str) -> OutgoingMessage {
         .header("type", "charge.created")
 }
 
-/// The card processor once the charge is recorded, then `201`; or `500` if
-/// it could not be recorded.
+/// The card processor once the charge is recorded, then `201`; or why it
+/// could not be recorded.
 async fn after_recording(
     state: &AppState,
     charge: Charge,
@@ -386,14 +459,52 @@ async fn after_recording(
 ) -> Response {
     if let Err(e) = recorded {
         tracing::error!(error = %e, "cannot record the charge");
-        return problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "Charge failed",
-            "The charge could not be recorded.",
-        );
+        return not_recorded(&e);
     }
     tokio::time::sleep(state.processor_latency).await;
     created(charge)
+}
+
+/// A charge that could not be recorded: `503` with `Retry-After` when the
+/// database could not be reached (the connection lost mid-statement, the
+/// pool exhausted — the key is released, a retry executes), `500` when the
+/// database refused the handler's own statement.
+fn not_recorded(error: &sqlx::Error) -> Response {
+    if !database_unreachable(error) {
+        return problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Charge failed",
+            "The charge could not be recorded; nothing was charged.",
+        );
+    }
+    let mut response = problem(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Database unavailable",
+        "The database could not be reached; nothing was charged. Retry with the same key.",
+    );
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, http::HeaderValue::from_static("1"));
+    response
+}
+
+/// Whether `error` says the database was out of reach — the connection
+/// lost or refused, the pool closed or exhausted; SQLSTATE class `08`
+/// (connection exception) or `57P` (the server shutting down) — rather
+/// than refusing the statement.
+fn database_unreachable(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(error) => error
+            .code()
+            .is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
+        _ => false,
+    }
 }
 
 /// A valid charge for this account, or the `400` that says what is wrong.
@@ -408,16 +519,17 @@ fn new_charge(
         Ok(Json(new)) => new,
         Err(rejection) => return Err(invalid(&rejection.body_text())),
     };
-    if new.amount <= 0 {
-        return Err(invalid("`amount` must be a positive integer."));
-    }
+    let amount = match exact_integer(new.amount.get().trim()) {
+        Some(amount) if amount > 0 => amount,
+        _ => return Err(invalid("`amount` must be a positive integer.")),
+    };
     if new.currency.len() != 3 || !new.currency.bytes().all(|b| b.is_ascii_alphabetic()) {
         return Err(invalid("`currency` must be 3 letters."));
     }
     Ok(Charge {
         id: format!("ch_{}", fastrand_id()),
         account,
-        amount: new.amount,
+        amount,
         currency: new.currency.to_ascii_lowercase(),
         description: new.description,
     })
@@ -582,6 +694,67 @@ mod tests {
         to_bytes(response.into_body(), usize::MAX).await.unwrap()
     }
 
+    /// A connection lost under the handler's own statement is an outage
+    /// (`503`, retry with the key), not the charge's failure (`500`).
+    #[tokio::test]
+    async fn a_database_lost_mid_statement_is_a_503_and_a_refused_statement_a_500() {
+        let lost = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        let lost = not_recorded(&lost);
+        assert_eq!(lost.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(lost.headers().contains_key(header::RETRY_AFTER));
+        assert_eq!(
+            lost.headers()[header::CONTENT_TYPE],
+            "application/problem+json"
+        );
+        let exhausted = not_recorded(&sqlx::Error::PoolTimedOut);
+        assert_eq!(exhausted.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let refused = not_recorded(&sqlx::Error::RowNotFound);
+        assert_eq!(refused.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        // Through a store whose database is gone: the charge's own
+        // statement fails on a closed pool.
+        let file = std::env::temp_dir().join(format!("payments-lost-{}.db", std::process::id()));
+        let url = format!("sqlite://{}", file.display());
+        let store = tower_idempotency::SqliteStore::builder()
+            .transactional()
+            .create_table_if_missing()
+            .connect(&url)
+            .await
+            .unwrap();
+        crate::ledger::create_tables(store.pool()).await.unwrap();
+        let pool = store.pool().clone();
+        let charges = Charges::Sqlite(pool.clone());
+        let charges_closed = Charges::Sqlite(pool.clone());
+        let app = app(MemoryStore::new(), charges_closed, &settings());
+        pool.close().await;
+        let reply = app
+            .oneshot(charge("order-lost", r#"{"amount":100,"currency":"eur"}"#))
+            .await
+            .unwrap();
+        assert_eq!(reply.status(), StatusCode::SERVICE_UNAVAILABLE);
+        drop((charges, store));
+        let _ = std::fs::remove_file(&file);
+    }
+
+    #[test]
+    fn amounts_are_read_exactly_in_any_spelling_of_an_integer() {
+        for (text, amount) in [
+            ("1999", Some(1999)),
+            ("1999.0", Some(1999)),
+            ("1.999e3", Some(1999)),
+            ("19990E-1", Some(1999)),
+            ("0.0", Some(0)),
+            ("-5", Some(-5)),
+            ("9223372036854775807", Some(i64::MAX)),
+            ("9223372036854775808", None),
+            ("9007199254740993.0", Some(9_007_199_254_740_993)),
+            ("19.99", None),
+            ("1e-3", None),
+            ("\"1999\"", None),
+        ] {
+            assert_eq!(exact_integer(text), amount, "{text}");
+        }
+    }
+
     #[tokio::test]
     async fn a_retry_replays_the_charge_and_changed_parameters_are_refused() {
         let app = app(MemoryStore::new(), memory(), &settings());
@@ -744,6 +917,42 @@ mod tests {
         );
     }
 
+    /// No route, a method a route does not take, the request timeout: each
+    /// a `problem+json` like every other refusal, not an empty body.
+    #[tokio::test]
+    async fn refusals_below_the_handlers_are_problems_too() {
+        let settings = Settings {
+            processor_latency: Duration::from_millis(300),
+            request_timeout: Duration::from_millis(50),
+            ..settings()
+        };
+        let app = app(MemoryStore::new(), memory(), &settings);
+        let nowhere = Request::get("/v1/nowhere").body(Body::empty()).unwrap();
+        let put = Request::put("/v1/charges")
+            .header("authorization", "Bearer acct_test")
+            .body(Body::empty())
+            .unwrap();
+        let slow = charge("order-slow", r#"{"amount":100,"currency":"eur"}"#);
+        for (request, status) in [
+            (nowhere, StatusCode::NOT_FOUND),
+            (put, StatusCode::METHOD_NOT_ALLOWED),
+            (slow, StatusCode::REQUEST_TIMEOUT),
+        ] {
+            let response = app.clone().oneshot(request).await.unwrap();
+            assert_eq!(response.status(), status);
+            assert_eq!(
+                response.headers()[header::CONTENT_TYPE],
+                "application/problem+json",
+                "{status}"
+            );
+            if status == StatusCode::METHOD_NOT_ALLOWED {
+                assert!(response.headers().contains_key(header::ALLOW));
+            }
+            let problem: serde_json::Value = serde_json::from_slice(&body(response).await).unwrap();
+            assert_eq!(problem["status"], status.as_u16());
+        }
+    }
+
     #[tokio::test]
     async fn requests_without_credentials_are_refused_before_the_layer() {
         let mut request = charge("order-3", r#"{"amount":100,"currency":"eur"}"#);
@@ -774,6 +983,30 @@ mod tests {
         let response = app.clone().oneshot(list).await.unwrap();
         assert_eq!(response.status(), StatusCode::OK);
         serde_json::from_slice(&body(response).await).unwrap()
+    }
+
+    /// An account that names itself after the webhooks' scope cannot reach
+    /// their records: its charge under the event's id, then the provider's
+    /// genuine event, each execute once.
+    #[tokio::test]
+    async fn no_account_can_take_the_webhooks_records() {
+        let app = app(MemoryStore::new(), memory(), &settings());
+        for token in ["webhooks:processor", ""] {
+            let mut squat = charge("evt_1", r#"{"amount":100,"currency":"eur"}"#);
+            squat.headers_mut().insert(
+                header::AUTHORIZATION,
+                format!("Bearer {token}").parse().unwrap(),
+            );
+            let _ = app.clone().oneshot(squat).await.unwrap();
+        }
+        let genuine = app
+            .clone()
+            .oneshot(event(r#"{"id":"evt_1","type":"charge.succeeded"}"#, "s"))
+            .await
+            .unwrap();
+        assert_eq!(genuine.status(), StatusCode::OK);
+        assert!(!genuine.headers().contains_key("idempotent-replayed"));
+        assert_eq!(events(&app).await.as_array().unwrap().len(), 1);
     }
 
     /// A processor redelivers one event many times, concurrently and after a

@@ -7,6 +7,7 @@
 mod support;
 
 mod mysql;
+mod openapi;
 mod postgres;
 mod redis;
 mod safety;
