@@ -158,7 +158,7 @@ mod observe;
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
 )]
-pub use store::sql::outbox;
+pub mod outbox;
 mod protocol;
 mod record;
 pub mod store;

@@ -35,7 +35,21 @@ pub(crate) mod names {
     pub(crate) const CLIENT_CALLS: &str = "idempotency_client_calls_total";
     /// Counter, label `result` (`published`, `retried`, `refused`):
     /// outbox messages the relay handled.
+    #[cfg(feature = "_sql")]
     pub(crate) const OUTBOX_MESSAGES: &str = "idempotency_outbox_messages_total";
+    /// Gauge: outbox messages committed and not yet published.
+    #[cfg(feature = "_sql")]
+    pub(crate) const OUTBOX_PENDING: &str = "idempotency_outbox_pending";
+    /// Gauge: how long the oldest of them has waited, in seconds (0: none
+    /// waits).
+    #[cfg(feature = "_sql")]
+    pub(crate) const OUTBOX_OLDEST_PENDING: &str = "idempotency_outbox_oldest_pending_seconds";
+    /// Gauge: outbox messages refused by the broker for good, kept.
+    #[cfg(feature = "_sql")]
+    pub(crate) const OUTBOX_REFUSED: &str = "idempotency_outbox_refused";
+    /// Gauge: sent outbox messages past the retention, for the next sweep.
+    #[cfg(feature = "_sql")]
+    pub(crate) const OUTBOX_AWAITING_SWEEP: &str = "idempotency_outbox_awaiting_sweep";
 }
 
 /// A metric whose one label takes its value from a known set. `metrics`
@@ -90,7 +104,7 @@ pub(crate) fn message_settled(disposition: &'static str, reason: &'static str) {
 }
 
 /// A relay round: messages published, retried later, refused for good.
-#[cfg_attr(not(feature = "_sql"), allow(dead_code))]
+#[cfg(feature = "_sql")]
 pub(crate) fn outbox(published: usize, retried: usize, refused: usize) {
     #[cfg(feature = "metrics")]
     {
@@ -102,6 +116,45 @@ pub(crate) fn outbox(published: usize, retried: usize, refused: usize) {
     }
     #[cfg(not(feature = "metrics"))]
     let _ = (published, retried, refused);
+}
+
+/// What waits in an outbox, as a relay last read it.
+#[cfg(feature = "_sql")]
+pub(crate) fn outbox_backlog(backlog: &crate::outbox::OutboxBacklog) {
+    #[cfg(feature = "metrics")]
+    {
+        metrics::gauge!(names::OUTBOX_PENDING).set(backlog.pending as f64);
+        metrics::gauge!(names::OUTBOX_OLDEST_PENDING)
+            .set(backlog.oldest_pending.map_or(0.0, |age| age.as_secs_f64()));
+        metrics::gauge!(names::OUTBOX_REFUSED).set(backlog.refused as f64);
+        metrics::gauge!(names::OUTBOX_AWAITING_SWEEP).set(backlog.awaiting_sweep as f64);
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = backlog;
+}
+
+/// The current span's trace context (W3C `traceparent`, `tracestate`), as
+/// headers of a message it sends: what the consumer continues. Through the
+/// application's global propagator, with the `opentelemetry` feature;
+/// nothing without it.
+#[cfg(feature = "_sql")]
+pub(crate) fn trace_context_into(headers: &mut Vec<(String, String)>) {
+    #[cfg(feature = "opentelemetry")]
+    {
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let context = tracing::Span::current().context();
+        let mut injected = std::collections::HashMap::new();
+        opentelemetry::global::get_text_map_propagator(|propagator| {
+            propagator.inject_context(&context, &mut injected)
+        });
+        for (name, value) in injected {
+            if !headers.iter().any(|(n, _)| n.eq_ignore_ascii_case(&name)) {
+                headers.push((name, value));
+            }
+        }
+    }
+    #[cfg(not(feature = "opentelemetry"))]
+    let _ = headers;
 }
 
 /// Times one store operation.

@@ -40,6 +40,22 @@ impl Publisher for Hangs {
     }
 }
 
+/// Fails the message `at` once (the broker unavailable), then passes on.
+struct FailsOnce {
+    broker: Broker,
+    at: String,
+    failed: Arc<AtomicBool>,
+}
+
+impl Publisher for FailsOnce {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        if message.id == self.at && !self.failed.swap(true, Ordering::SeqCst) {
+            return Err(PublishError::Unavailable("a blip".into()));
+        }
+        self.broker.publish(message).await
+    }
+}
+
 /// What the broker got, in order; down while `down`, refusing
 /// destinations named `refused`.
 #[derive(Clone, Default)]
@@ -476,6 +492,136 @@ macro_rules! outbox_suite {
                 assert_eq!(ids.len(), 6, "each execution's message is its own");
             }
 
+            /// One account's burst drains at the relay's full batch, in order: a
+            /// round takes the key's head and its run behind it, not one message.
+            async fn a_hot_keys_backlog_drains_a_batch_a_round_in_order(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let enqueued = enqueue_many(&store, &outbox, 600, 1).await;
+                let broker = Broker::default();
+                let relay = OutboxRelay::new(outbox.clone(), broker.clone()).batch(256);
+                let first = relay.run_once().await.unwrap();
+                assert_eq!((first.claimed, first.published), (256, 256), "{first:?}");
+                let mut rounds = 1;
+                while relay.run_once().await.unwrap().claimed > 0 {
+                    rounds += 1;
+                }
+                assert_eq!(rounds, 3, "600 messages of one key in three rounds");
+                assert_published_once_in_order(&broker, &enqueued);
+            }
+
+            /// A message of a run the broker cannot take stops the run there:
+            /// the rest is given back behind it, and goes out after it, in order.
+            async fn a_failure_mid_run_stops_the_run_and_keeps_the_order(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let enqueued = enqueue_many(&store, &outbox, 20, 2).await;
+                let broker = Broker::default();
+                let fifth = FailsOnce {
+                    broker: broker.clone(),
+                    at: enqueued["acct_0"][4].clone(),
+                    failed: Arc::default(),
+                };
+                let relay = OutboxRelay::new(outbox.clone(), fifth)
+                    .backoff(Duration::from_millis(50), Duration::from_millis(50));
+                let round = relay.run_once().await.unwrap();
+                assert_eq!(round.claimed, 20, "{round:?}");
+                assert_eq!(
+                    (round.published, round.retried, round.released),
+                    (14, 1, 5),
+                    "acct_1's ten and acct_0's first four; its fifth backs off, the five behind it wait"
+                );
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+                while outbox.stats().await.unwrap().pending > 0 {
+                    assert!(tokio::time::Instant::now() < deadline, "published after the back-off");
+                    relay.run_once().await.unwrap();
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                assert_published_once_in_order(&broker, &enqueued);
+            }
+
+            /// Three relays on one hot key never hold it together: each message
+            /// once, in order.
+            async fn relays_side_by_side_on_one_hot_key_publish_once_in_order(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let enqueued = enqueue_many(&store, &outbox, 300, 1).await;
+                let broker = Broker::default();
+                let relays: Vec<_> = (0..3)
+                    .map(|_| {
+                        let relay = OutboxRelay::new(outbox.clone(), broker.clone()).batch(16);
+                        tokio::spawn(async move {
+                            let mut idle = 0;
+                            while idle < 20 {
+                                if relay.run_once().await.unwrap().claimed == 0 {
+                                    idle += 1;
+                                    tokio::time::sleep(Duration::from_millis(5)).await;
+                                }
+                            }
+                        })
+                    })
+                    .collect();
+                for relay in relays {
+                    relay.await.unwrap();
+                }
+                let last = OutboxRelay::new(outbox.clone(), broker.clone());
+                while last.run_once().await.unwrap().claimed > 0 {}
+                assert_published_once_in_order(&broker, &enqueued);
+            }
+
+            /// An idle relay polls rarely but wakes at once at a commit: one of
+            /// its own process, and on PostgreSQL one of another (a store on
+            /// a pool of its own, as another instance's would be).
+            pub(super) async fn an_idle_relay_wakes_at_a_commit(b: B, other_process: bool) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let broker = Broker::default();
+                let relay = OutboxRelay::new(outbox.clone(), broker.clone())
+                    .poll_interval(Duration::from_secs(3600))
+                    .spawn();
+                // The relay's first round has run and found nothing.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let (store, outbox) = if other_process {
+                    let (other, _) = b.store_and_charges().await;
+                    let table = format!("{outbox:?}");
+                    let table = table.split('"').nth(1).unwrap().to_owned();
+                    let other_outbox = Outbox::on(&other).table(table).build().await.unwrap();
+                    (other, other_outbox)
+                } else {
+                    (store, outbox)
+                };
+                enqueue_many(&store, &outbox, 1, 1).await;
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+                while broker.count() == 0 {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "woken by the commit, not by its hourly poll"
+                    );
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                relay.abort();
+            }
+
+            /// The sweep keeps up with the relay: whatever is past the retention
+            /// goes in one sweep, in batches; the backlog says how many wait.
+            async fn the_sweep_deletes_everything_past_the_retention_at_once(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let key = storage_key("sweep");
+                let mut tx = claim(&store, &key).await;
+                for i in 0..12_000 {
+                    outbox
+                        .enqueue(&mut tx, OutgoingMessage::new("charges", format!("{i}")))
+                        .await
+                        .unwrap();
+                }
+                commit(&store, &key, tx).await;
+                let relay = OutboxRelay::new(outbox.clone(), Broker::default())
+                    .batch(4096)
+                    .retention(Duration::from_millis(1));
+                while relay.run_once().await.unwrap().claimed > 0 {}
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let backlog = relay.backlog().await.unwrap();
+                assert_eq!((backlog.pending, backlog.awaiting_sweep), (0, 12_000), "{backlog:?}");
+                assert_eq!(relay.sweep().await.unwrap(), 12_000);
+                assert_eq!(outbox.stats().await.unwrap(), Default::default());
+            }
+
             /// `n` messages over `keys` ordering keys, one transaction per message (a
             /// claim and its completion, as a request's); their ids by key, in order.
             async fn enqueue_many(
@@ -598,6 +744,31 @@ macro_rules! outbox_suite {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn hot_key() {
+                a_hot_keys_backlog_drains_a_batch_a_round_in_order(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn failure_mid_run() {
+                a_failure_mid_run_stops_the_run_and_keeps_the_order(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn relays_on_one_hot_key() {
+                relays_side_by_side_on_one_hot_key_publish_once_in_order(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn woken_by_its_own_commit() {
+                an_idle_relay_wakes_at_a_commit(backend(), false).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn swept_at_once() {
+                the_sweep_deletes_everything_past_the_retention_at_once(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn executed_again() {
                 a_key_executed_again_sends_new_messages_and_is_never_wedged(backend()).await;
             }
@@ -617,6 +788,12 @@ outbox_suite!(
     tower_idempotency::PostgresTxStore,
     support::backend::Charges<tower_idempotency::sqlx::Postgres>
 );
+/// On PostgreSQL a commit anywhere wakes a relay (`LISTEN`/`NOTIFY`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_postgres_relay_wakes_at_another_processes_commit() {
+    postgres::an_idle_relay_wakes_at_a_commit(PostgresTx::start(), true).await;
+}
+
 outbox_suite!(
     sqlite,
     SqliteTx,

@@ -32,7 +32,9 @@
 //!   does not deduplicate: a repeat is the consumer's to absorb, by its own
 //!   idempotency.
 //!
-//! `RELAY_BATCH` (default 64), `RELAY_POLL_MS` (default 50),
+//! `RELAY_BATCH` (default 256), `RELAY_POLL_MS` (default 1000: how often
+//! an idle relay looks; it wakes at once at a commit it hears of — every
+//! commit on PostgreSQL, through `LISTEN`),
 //! `RELAY_CLAIM_MS` (default 30000: how long a message another relay
 //! claimed is left to it); `PUBLISHED_PAUSE_MS` (default 0: a pause after
 //! each publication, before it is marked sent — the window a crash
@@ -53,8 +55,7 @@ use lapin::{
 use tokio::signal::unix::{SignalKind, signal};
 use tower_idempotency::{
     MySqlStore, PostgresStore, SqliteStore,
-    outbox::{Outbox, OutboxMessage, OutboxRelay, PublishError, Publisher},
-    store::sql::Dialect,
+    outbox::{Outbox, OutboxMessage, OutboxRelay, OutboxTable, PublishError, Publisher},
 };
 
 #[tokio::main]
@@ -136,10 +137,10 @@ fn failed(error: tower_idempotency::store::StoreError) -> ! {
 }
 
 /// Relays until SIGTERM.
-async fn relay<D: Dialect>(outbox: Outbox<D>, publisher: Announced) {
+async fn relay(outbox: impl OutboxTable, publisher: Announced) {
     let relay = OutboxRelay::new(outbox, publisher)
-        .batch(number("RELAY_BATCH", 64) as u32)
-        .poll_interval(Duration::from_millis(number("RELAY_POLL_MS", 50)))
+        .batch(number("RELAY_BATCH", 256) as u32)
+        .poll_interval(Duration::from_millis(number("RELAY_POLL_MS", 1000)))
         .claim_for(Duration::from_millis(number("RELAY_CLAIM_MS", 30_000)));
     let mut term = signal(SignalKind::terminate())
         .unwrap_or_else(|e| exit_with(&format!("listening for SIGTERM: {e}")));

@@ -110,13 +110,6 @@ pub(crate) trait Engine: Dialect {
     /// A key's row, as a statement answered it (see [`KeyRow`]).
     fn key_row(row: &<Self::Db as Database>::Row) -> Result<KeyRow, sqlx::Error>;
 
-    /// Runs a statement that answers with outgoing messages' rows.
-    fn fetch_messages(
-        on: &mut Connection<Self>,
-        stmt: &Stmt,
-        args: &Args<'_>,
-    ) -> impl Future<Output = Result<Vec<MessageRow>, sqlx::Error>> + Send;
-
     /// Runs a statement that answers with pairs of numbers.
     fn fetch_pairs(
         on: &mut Connection<Self>,
@@ -124,15 +117,18 @@ pub(crate) trait Engine: Dialect {
         args: &Args<'_>,
     ) -> impl Future<Output = Result<Vec<(i64, i64)>, sqlx::Error>> + Send;
 
-    /// The outbox's statements, for `table` (already checked).
-    fn outbox_statements(table: &str) -> OutboxStatements;
-
     /// Runs SQL text whose values are literals (simple protocol), which may
     /// hold several statements.
     fn raw(
         on: &mut Connection<Self>,
         sql: &str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// [`raw`](Self::raw), answering how many rows its statements changed.
+    fn raw_counted(
+        on: &mut Connection<Self>,
+        sql: &str,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     /// What an error means to the family.
     fn classify(error: &sqlx::Error) -> ErrorClass;
@@ -238,16 +234,9 @@ pub(crate) enum Param {
     Ms,
     /// Now, in Unix milliseconds, by this process's clock (SQLite's, which
     /// is embedded: every writer of the file shares the host's clock).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Now,
     Batch,
-    /// An outgoing message's id, destination, ordering key, payload,
-    /// headers (JSON), and a publisher's error.
-    Id,
-    Destination,
-    OrderingKey,
-    Payload,
-    Headers,
-    Error,
 }
 
 /// A statement: its text, with the table name in place, and the values it
@@ -269,14 +258,6 @@ impl Stmt {
         }
     }
 
-    /// `sql`, complete, binding `params`.
-    pub(crate) fn with_params(sql: String, params: Vec<Param>) -> Self {
-        Self {
-            sql: sql.into(),
-            params: params.into(),
-        }
-    }
-
     /// The statement as sqlx runs it (shared, not copied).
     pub(crate) fn text(&self) -> AssertSqlSafe<Arc<str>> {
         AssertSqlSafe(self.sql.clone())
@@ -293,12 +274,6 @@ pub(crate) struct Args<'a> {
     pub(crate) ms: i64,
     pub(crate) now: i64,
     pub(crate) batch: i64,
-    pub(crate) id: &'a str,
-    pub(crate) destination: &'a str,
-    pub(crate) ordering_key: Option<&'a str>,
-    pub(crate) payload: &'a [u8],
-    pub(crate) headers: &'a str,
-    pub(crate) error: &'a str,
 }
 
 /// A key's row, as every statement that reads one answers it, in this
@@ -311,58 +286,6 @@ pub(crate) struct KeyRow {
     pub(crate) token: Option<Vec<u8>>,
     pub(crate) record: Option<Vec<u8>>,
     pub(crate) ms_left: i64,
-}
-
-/// An outgoing message's row, as every statement that reads one answers
-/// it, in this order.
-#[derive(Debug)]
-pub(crate) struct MessageRow {
-    pub(crate) id: String,
-    pub(crate) destination: String,
-    pub(crate) ordering_key: Option<String>,
-    pub(crate) payload: Vec<u8>,
-    pub(crate) headers: String,
-    pub(crate) created_at: i64,
-    pub(crate) attempts: i64,
-}
-
-/// The outbox's statements, for one table. Times are Unix milliseconds by
-/// the caller's clock (`Now`).
-pub(crate) struct OutboxStatements {
-    /// The table, checked.
-    pub(crate) table: String,
-    /// How the engine writes a text value (valid UTF-8) and a byte string
-    /// as literals: an enqueued message's row travels as SQL text, with the
-    /// transaction's `COMMIT`.
-    pub(crate) text: fn(&mut String, &str),
-    pub(crate) bytes: fn(&mut String, &[u8]),
-    /// Creates the table and its indexes if missing.
-    pub(crate) schema: String,
-    /// Fails unless the table exists, with the columns the statements use.
-    pub(crate) exists: Stmt,
-    /// Up to Batch pending messages due by Now, each the oldest pending of
-    /// its ordering key, claimed for Token until Now + Ms; answering with
-    /// them when `claim_returns`.
-    pub(crate) claim: Stmt,
-    pub(crate) claim_returns: bool,
-    /// Refreshes the table's statistics, where the engine needs it done.
-    pub(crate) analyze: Option<String>,
-    /// The messages Token claimed, oldest first.
-    pub(crate) claimed: Stmt,
-    /// Every message Token still claims marked sent at Now.
-    pub(crate) sent: Stmt,
-    /// Id, if Token claims it, due again at Now + Ms, with Error.
-    pub(crate) retry: Stmt,
-    /// Id, if Token claims it, refused with Error: kept, never published.
-    pub(crate) refuse: Stmt,
-    /// Up to Batch messages sent before Now deleted.
-    pub(crate) sweep: Stmt,
-    /// (state, count) for each state: 0 pending, 1 sent, 2 refused.
-    pub(crate) counts: Stmt,
-    /// The refused messages, oldest first, up to Batch.
-    pub(crate) refused: Stmt,
-    /// Id, refused, made pending again.
-    pub(crate) requeue: Stmt,
 }
 
 /// The statements every engine has, for one table.
@@ -405,7 +328,6 @@ pub(crate) fn bind<'q, 'a, DB: Database>(
 ) -> Query<'q, DB, <DB as Database>::Arguments>
 where
     &'a str: Encode<'a, DB> + Type<DB>,
-    Option<&'a str>: Encode<'a, DB> + Type<DB>,
     &'a [u8]: Encode<'a, DB> + Type<DB>,
     i64: Encode<'a, DB> + Type<DB>,
 {
@@ -418,12 +340,6 @@ where
             Param::Ms => query.bind(args.ms),
             Param::Now => query.bind(args.now),
             Param::Batch => query.bind(args.batch),
-            Param::Id => query.bind(args.id),
-            Param::Destination => query.bind(args.destination),
-            Param::OrderingKey => query.bind(args.ordering_key),
-            Param::Payload => query.bind(args.payload),
-            Param::Headers => query.bind(args.headers),
-            Param::Error => query.bind(args.error),
         };
     }
     query
@@ -467,31 +383,6 @@ macro_rules! glue {
             })
         }
 
-        async fn fetch_messages(
-            on: &mut <$db as sqlx::Database>::Connection,
-            stmt: &$crate::store::sql::dialect::Stmt,
-            args: &$crate::store::sql::dialect::Args<'_>,
-        ) -> Result<Vec<$crate::store::sql::dialect::MessageRow>, sqlx::Error> {
-            use sqlx::Row as _;
-            let query = $crate::store::sql::dialect::bind(sqlx::query(stmt.text()), stmt, args);
-            query
-                .fetch_all(on)
-                .await?
-                .iter()
-                .map(|row| {
-                    Ok($crate::store::sql::dialect::MessageRow {
-                        id: row.try_get(0)?,
-                        destination: row.try_get(1)?,
-                        ordering_key: row.try_get(2)?,
-                        payload: row.try_get(3)?,
-                        headers: row.try_get(4)?,
-                        created_at: row.try_get(5)?,
-                        attempts: row.try_get(6)?,
-                    })
-                })
-                .collect()
-        }
-
         async fn fetch_pairs(
             on: &mut <$db as sqlx::Database>::Connection,
             stmt: &$crate::store::sql::dialect::Stmt,
@@ -513,6 +404,14 @@ macro_rules! glue {
         ) -> Result<(), sqlx::Error> {
             sqlx::Executor::execute(on, sqlx::raw_sql(sqlx::AssertSqlSafe(sql))).await?;
             Ok(())
+        }
+
+        async fn raw_counted(
+            on: &mut <$db as sqlx::Database>::Connection,
+            sql: &str,
+        ) -> Result<u64, sqlx::Error> {
+            let done = sqlx::Executor::execute(on, sqlx::raw_sql(sqlx::AssertSqlSafe(sql))).await?;
+            Ok(done.rows_affected())
         }
     };
 }

@@ -42,7 +42,7 @@ mod check;
 mod decide;
 pub(crate) mod dialect;
 mod lease;
-pub mod outbox;
+pub(crate) mod outbox;
 mod records;
 mod transactional;
 mod tx;
@@ -61,9 +61,10 @@ pub mod sqlite;
 
 use std::time::Duration;
 
-pub(crate) use base::Base;
+pub(crate) use base::{Base, now_ms};
 pub use base::{EngineCheck, TableStats};
 pub use builder::SqlStoreBuilder;
+pub(crate) use decide::create_error;
 pub use dialect::Dialect;
 pub use lease::SqlStore;
 pub use records::SqlRecords;

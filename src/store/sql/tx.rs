@@ -10,6 +10,7 @@ use std::{
 };
 
 use sqlx::{Database, pool::PoolConnection};
+use tokio::sync::Notify;
 
 use super::dialect::{Dialect, Engine};
 use crate::store::{Granted, LeaseToken};
@@ -70,6 +71,9 @@ pub struct SqlTx<D: Dialect> {
     /// Statements sent with the commit, as SQL text: the rows of the
     /// outgoing messages it enqueued (one round trip fewer each).
     deferred: String,
+    /// Woken once the transaction commits: a relay of this process that
+    /// waits for the messages the transaction enqueued.
+    wake: Option<Arc<Notify>>,
 }
 
 // See `SqlStore::builder`: the engines are this crate's own.
@@ -86,6 +90,7 @@ impl<D: Engine> SqlTx<D> {
             messages: 0,
             row_lifetime: None,
             deferred: String::new(),
+            wake: None,
         }
     }
 
@@ -115,7 +120,11 @@ impl<D: Engine> SqlTx<D> {
         }
         let mut sql = std::mem::take(&mut self.deferred);
         sql.push_str(end);
-        self.end(&sql).await
+        self.end(&sql).await?;
+        if let Some(wake) = self.wake.take() {
+            wake.notify_one();
+        }
+        Ok(())
     }
 
     /// The connection of a transaction one of its own statements ended (a
@@ -172,6 +181,15 @@ impl<D: Dialect> SqlTx<D> {
     /// each ending with `; `.
     pub(crate) fn deferred(&mut self) -> &mut String {
         &mut self.deferred
+    }
+
+    /// Wakes `wake` once the transaction commits (with its deferred
+    /// statements); whether this is the first such wish.
+    #[cfg_attr(not(feature = "_sql"), allow(dead_code))]
+    pub(crate) fn wake_on_commit(&mut self, wake: &Arc<Notify>) -> bool {
+        let first = self.wake.is_none();
+        self.wake = Some(wake.clone());
+        first
     }
 }
 

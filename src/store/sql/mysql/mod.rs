@@ -86,6 +86,7 @@
 //! column that does not compare bytes (a `_ci` collation), and a table
 //! without its primary key; [`EngineCheck::Warn`] opts out.
 
+mod outbox;
 mod statements;
 mod transactional;
 
@@ -103,6 +104,7 @@ use crate::store::{StorageKey, StoreError};
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
+pub use outbox::OUTBOX_SCHEMA;
 
 /// A [`Store`](crate::store::Store) on MySQL or MariaDB whose claims are
 /// leases; see [`SqlStore`].
@@ -162,45 +164,6 @@ impl Engine for MySql {
 
     fn statements(&self, table: &str) -> Statements {
         statements::statements(table, self.flavor)
-    }
-
-    /// InnoDB; a claim that waited on a row another relay claimed finds it claimed and leaves it.
-    fn outbox_statements(table: &str) -> crate::store::sql::dialect::OutboxStatements {
-        use crate::store::sql::outbox::statements::{OutboxSql, Placeholders, statements};
-        const SQL: OutboxSql = OutboxSql {
-            schema: "CREATE TABLE IF NOT EXISTS {t} (\
-seq BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY, \
-id VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
-destination VARCHAR(1024) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
-ordering_key VARCHAR(255) CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL, \
-payload LONGBLOB NOT NULL, \
-headers TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NOT NULL, \
-created_at BIGINT NOT NULL, \
-state BIGINT NOT NULL DEFAULT 0, \
-attempts BIGINT NOT NULL DEFAULT 0, \
-next_at BIGINT NOT NULL DEFAULT 0, \
-claimed_by VARBINARY(16) NULL, \
-last_error TEXT CHARACTER SET utf8mb4 COLLATE utf8mb4_bin NULL, \
-sent_at BIGINT NULL, \
-UNIQUE KEY {i}_id (id), \
-KEY {i}_pending (state, seq), \
-KEY {i}_ordering (ordering_key, state, seq), \
-KEY {i}_claimed (claimed_by), \
-KEY {i}_sent (state, sent_at)) ENGINE = InnoDB",
-            placeholders: Placeholders::Question,
-            claim_lock: "",
-            delete_limit: true,
-            returning: false,
-            analyze: None,
-            // Hex, whatever the `sql_mode` says of backslashes; text with
-            // its character set named.
-            text: |sql, text| {
-                sql.push_str("_utf8mb4 ");
-                statements::push_hex_literal(sql, text.as_bytes());
-            },
-            bytes: statements::push_hex_literal,
-        };
-        statements(table, &SQL)
     }
 
     async fn open(url: &str, connections: u32, timeout: Duration) -> Result<MySqlPool, StoreError> {

@@ -122,6 +122,7 @@
 //!
 
 mod idle;
+mod outbox;
 mod statements;
 mod transactional;
 
@@ -139,6 +140,7 @@ use crate::store::{StorageKey, StoreError};
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
+pub use outbox::OUTBOX_SCHEMA;
 
 /// A [`Store`](crate::store::Store) on PostgreSQL whose claims are leases;
 /// see [`SqlStore`].
@@ -191,39 +193,6 @@ impl Engine for Postgres {
 
     fn statements(&self, table: &str) -> Statements {
         statements::statements(table)
-    }
-
-    /// Partial indexes on the pending and sent rows; a claim skips the rows another relay is claiming.
-    fn outbox_statements(table: &str) -> crate::store::sql::dialect::OutboxStatements {
-        use crate::store::sql::outbox::statements::{OutboxSql, Placeholders, statements};
-        const SQL: OutboxSql = OutboxSql {
-            schema: "CREATE TABLE IF NOT EXISTS {t} (\
-seq bigserial PRIMARY KEY, \
-id text NOT NULL UNIQUE, \
-destination text NOT NULL, \
-ordering_key text, \
-payload bytea NOT NULL, \
-headers text NOT NULL, \
-created_at bigint NOT NULL, \
-state bigint NOT NULL DEFAULT 0, \
-attempts bigint NOT NULL DEFAULT 0, \
-next_at bigint NOT NULL DEFAULT 0, \
-claimed_by bytea, \
-last_error text, \
-sent_at bigint); \
-CREATE INDEX IF NOT EXISTS {i}_pending ON {t} (seq) WHERE state = 0; \
-CREATE INDEX IF NOT EXISTS {i}_ordering ON {t} (ordering_key, seq) WHERE state = 0; \
-CREATE INDEX IF NOT EXISTS {i}_claimed ON {t} (claimed_by) WHERE claimed_by IS NOT NULL; \
-CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
-            placeholders: Placeholders::Dollar,
-            claim_lock: "FOR UPDATE SKIP LOCKED",
-            delete_limit: false,
-            returning: true,
-            analyze: Some("ANALYZE {t}"),
-            text: |sql, text| sql.push_str(&statements::text_literal(text)),
-            bytes: statements::push_bytea_literal,
-        };
-        statements(table, &SQL)
     }
 
     async fn open(url: &str, connections: u32, timeout: Duration) -> Result<PgPool, StoreError> {

@@ -57,6 +57,7 @@
 //! [`spawn_cleaner`](SqliteTxStore::spawn_cleaner) reclaim the space.
 
 mod file;
+mod outbox;
 mod statements;
 mod transactional;
 
@@ -78,6 +79,7 @@ use crate::store::{Forgotten, StorageKey, StoreError};
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
+pub use outbox::OUTBOX_SCHEMA;
 
 /// A [`Store`](crate::store::Store) on SQLite whose claims are leases; see
 /// [`SqlStore`].
@@ -139,44 +141,6 @@ impl Engine for Sqlite {
 
     fn statements(&self, table: &str) -> Statements {
         statements::statements(table)
-    }
-
-    /// Partial indexes; one writer at a time, so claims never overlap.
-    fn outbox_statements(table: &str) -> crate::store::sql::dialect::OutboxStatements {
-        use crate::store::sql::outbox::statements::{OutboxSql, Placeholders, statements};
-        const SQL: OutboxSql = OutboxSql {
-            schema: "CREATE TABLE IF NOT EXISTS {t} (\
-seq INTEGER PRIMARY KEY AUTOINCREMENT, \
-id TEXT NOT NULL UNIQUE, \
-destination TEXT NOT NULL, \
-ordering_key TEXT, \
-payload BLOB NOT NULL, \
-headers TEXT NOT NULL, \
-created_at INTEGER NOT NULL, \
-state INTEGER NOT NULL DEFAULT 0, \
-attempts INTEGER NOT NULL DEFAULT 0, \
-next_at INTEGER NOT NULL DEFAULT 0, \
-claimed_by BLOB, \
-last_error TEXT, \
-sent_at INTEGER); \
-CREATE INDEX IF NOT EXISTS {i}_pending ON {t} (seq) WHERE state = 0; \
-CREATE INDEX IF NOT EXISTS {i}_ordering ON {t} (ordering_key, seq) WHERE state = 0; \
-CREATE INDEX IF NOT EXISTS {i}_claimed ON {t} (claimed_by) WHERE claimed_by IS NOT NULL; \
-CREATE INDEX IF NOT EXISTS {i}_sent ON {t} (sent_at) WHERE state = 1",
-            placeholders: Placeholders::QuestionNumbered,
-            claim_lock: "",
-            delete_limit: false,
-            returning: true,
-            analyze: None,
-            // Hex, so that no byte of the text is read as SQL.
-            text: |sql, text| {
-                sql.push_str("CAST(");
-                statements::push_blob_literal(sql, text.as_bytes());
-                sql.push_str(" AS TEXT)");
-            },
-            bytes: statements::push_blob_literal,
-        };
-        statements(table, &SQL)
     }
 
     /// A pool on the file `url` names (`sqlite://payments.db`, created if
