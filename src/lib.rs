@@ -153,11 +153,6 @@ mod key;
 mod lock;
 pub mod message;
 mod observe;
-#[cfg(feature = "_sql")]
-#[cfg_attr(
-    docsrs,
-    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
-)]
 pub mod outbox;
 mod protocol;
 mod record;

@@ -35,20 +35,15 @@ pub(crate) mod names {
     pub(crate) const CLIENT_CALLS: &str = "idempotency_client_calls_total";
     /// Counter, label `result` (`published`, `retried`, `refused`):
     /// outbox messages the relay handled.
-    #[cfg(feature = "_sql")]
     pub(crate) const OUTBOX_MESSAGES: &str = "idempotency_outbox_messages_total";
     /// Gauge: outbox messages committed and not yet published.
-    #[cfg(feature = "_sql")]
     pub(crate) const OUTBOX_PENDING: &str = "idempotency_outbox_pending";
     /// Gauge: how long the oldest of them has waited, in seconds (0: none
     /// waits).
-    #[cfg(feature = "_sql")]
     pub(crate) const OUTBOX_OLDEST_PENDING: &str = "idempotency_outbox_oldest_pending_seconds";
     /// Gauge: outbox messages refused by the broker for good, kept.
-    #[cfg(feature = "_sql")]
     pub(crate) const OUTBOX_REFUSED: &str = "idempotency_outbox_refused";
     /// Gauge: sent outbox messages past the retention, for the next sweep.
-    #[cfg(feature = "_sql")]
     pub(crate) const OUTBOX_AWAITING_SWEEP: &str = "idempotency_outbox_awaiting_sweep";
 }
 
@@ -104,7 +99,6 @@ pub(crate) fn message_settled(disposition: &'static str, reason: &'static str) {
 }
 
 /// A relay round: messages published, retried later, refused for good.
-#[cfg(feature = "_sql")]
 pub(crate) fn outbox(published: usize, retried: usize, refused: usize) {
     #[cfg(feature = "metrics")]
     {
@@ -119,7 +113,6 @@ pub(crate) fn outbox(published: usize, retried: usize, refused: usize) {
 }
 
 /// What waits in an outbox, as a relay last read it.
-#[cfg(feature = "_sql")]
 pub(crate) fn outbox_backlog(backlog: &crate::outbox::OutboxBacklog) {
     #[cfg(feature = "metrics")]
     {
@@ -155,6 +148,28 @@ pub(crate) fn trace_context_into(headers: &mut Vec<(String, String)>) {
     }
     #[cfg(not(feature = "opentelemetry"))]
     let _ = headers;
+}
+
+/// Makes `span` continue the trace a message carried (`traceparent`,
+/// `tracestate`), through the application's global propagator, with the
+/// `opentelemetry` feature.
+pub(crate) fn continue_trace(span: &tracing::Span, (parent, state): (Option<&str>, Option<&str>)) {
+    #[cfg(feature = "opentelemetry")]
+    {
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let Some(parent) = parent else { return };
+        let mut carried = std::collections::HashMap::new();
+        carried.insert("traceparent".to_owned(), parent.to_owned());
+        if let Some(state) = state {
+            carried.insert("tracestate".to_owned(), state.to_owned());
+        }
+        let context = opentelemetry::global::get_text_map_propagator(|propagator| {
+            propagator.extract(&carried)
+        });
+        let _ = span.set_parent(context);
+    }
+    #[cfg(not(feature = "opentelemetry"))]
+    let _ = (span, parent, state);
 }
 
 /// Times one store operation.

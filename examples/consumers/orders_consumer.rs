@@ -16,7 +16,11 @@
 //! commit — the payment processor); `ACK_DELAY_MS` (default 0: a pause
 //! between the commit and the acknowledgement, to widen that crash window);
 //! `IDEMPOTENCY_LEASE_MS` (default 30000); `IDEMPOTENCY_TX_TIMEOUT_MS`
-//! (default 30000: the bound on the work's transaction).
+//! (default 30000: the bound on the work's transaction); `QUEUE_TYPE`
+//! (`classic` or `quorum`: how missing queues are declared; an existing
+//! queue is used as it is, whatever its type); `DELIVERY_LIMIT` (a quorum
+//! queue's `delivery-limit`: its last delivery, undecided, is
+//! dead-lettered as `undecided <order_id>` rather than dropped).
 //!
 //! A message is JSON `{"order_id": string, "amount": integer > 0, "currency":
 //! string}`; the order id is the business key. Each execution inserts one row
@@ -27,6 +31,11 @@
 //! outlived its transaction on three attempts), `refused <order_id>` (the
 //! database refused the order's data), `invalid <delivery tag>` (not such
 //! JSON, or an order id that is not a valid key).
+//!
+//! The loop is the library's (`message::Consumer`, over the
+//! `tower-idempotency-rabbitmq` adapter), up to 10 deliveries in hand
+//! (`basic.qos` 10); deliveries with one `ordering-key` header (the outbox
+//! relay writes the account) are charged one after the other.
 //!
 //! Rejected, refused and invalid messages are published to the dead-letter
 //! queue (with publisher confirms, the reason in the `x-dead-letter-reason`
@@ -60,27 +69,13 @@
 //! sqlite3 orders.db 'SELECT * FROM order_charges'   # one row
 //! ```
 
-use std::time::Duration;
-
-use futures_util::StreamExt;
-use lapin::{
-    BasicProperties, Channel, Connection, ConnectionProperties,
-    message::Delivery,
-    options::{
-        BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
-        BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
-    },
-    types::{AMQPValue, FieldTable, LongString, ShortString},
-};
-use tokio::signal::unix::{SignalKind, signal};
-use tower_idempotency::message::{
-    DeadLetterReason, DeliveryBudget, Disposition, IdempotencyProcessor, NoHold,
-};
+use lapin::{Connection, ConnectionProperties};
+use tower_idempotency_rabbitmq::RabbitMq;
 
 #[path = "orders/mod.rs"]
 mod orders;
 
-use orders::{Ledger, Settings, exit_with, say};
+use orders::{Example, Settings, exit_with};
 
 #[tokio::main]
 async fn main() {
@@ -91,206 +86,34 @@ async fn main() {
     let queue = std::env::var("QUEUE").unwrap_or_else(|_| "orders".into());
     let dead_letters =
         std::env::var("DEAD_LETTER_QUEUE").unwrap_or_else(|_| format!("{queue}.dead"));
-    let rabbit = Rabbit {
-        amqp_url,
-        queue,
-        dead_letters,
-    };
-    orders::run(rabbit, "orders_consumer", settings).await
-}
-
-struct Rabbit {
-    amqp_url: String,
-    queue: String,
-    dead_letters: String,
-}
-
-impl orders::Consumer for Rabbit {
-    /// Given back well before `consumer_timeout` (30 minutes by default)
-    /// would close the channel.
-    fn budget(&self) -> DeliveryBudget {
-        DeliveryBudget::new().give_back_after(Duration::from_secs(25 * 60))
-    }
-
-    /// Consumes the queue until the broker ends it, or SIGTERM.
-    async fn run<St: Ledger>(self, orders: IdempotencyProcessor<St>, settings: Settings) {
-        let connection = Connection::connect(&self.amqp_url, ConnectionProperties::default())
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("AMQP_URL: {e}")));
-        let channel = connection
-            .create_channel()
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("opening a channel: {e}")));
-        // One unacknowledged delivery at a time.
-        channel
-            .basic_qos(1, BasicQosOptions::default())
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("basic_qos: {e}")));
-        for queue in [&self.queue, &self.dead_letters] {
-            channel
-                .queue_declare(
-                    queue.as_str().into(),
-                    QueueDeclareOptions::durable(),
-                    FieldTable::default(),
-                )
-                .await
-                .unwrap_or_else(|e| exit_with(&format!("declaring queue {queue}: {e}")));
-        }
-        // Dead letters are published with confirms, on a channel of their own.
-        let dead_letters = connection
-            .create_channel()
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("opening a channel: {e}")));
-        dead_letters
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("confirm_select: {e}")));
-        let mut deliveries = channel
-            .basic_consume(
-                self.queue.as_str().into(),
-                "orders_consumer".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("consuming {}: {e}", self.queue)));
-        println!("consuming {}", self.queue);
-
-        let mut term = signal(SignalKind::terminate())
-            .unwrap_or_else(|e| exit_with(&format!("listening for SIGTERM: {e}")));
-        tokio::spawn({
-            let orders = orders.clone();
-            async move {
-                term.recv().await;
-                orders.drain();
-            }
-        });
-        let mut draining = std::pin::pin!(async {
-            while !orders.is_draining() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        });
-        loop {
-            let delivery = tokio::select! {
-                delivery = deliveries.next() => delivery,
-                () = &mut draining => break,
-            };
-            match delivery {
-                Some(Ok(delivery)) => {
-                    let handled = handle(&orders, &settings, &dead_letters, &self, delivery).await;
-                    if let Err(e) = handled {
-                        tracing::error!(error = %e, "the broker failed an acknowledgement");
-                    }
-                }
-                Some(Err(e)) => exit_with(&format!("the broker connection failed: {e}")),
-                // The broker cancelled the consumer: a supervisor must see a failure.
-                None => exit_with(&format!(
-                    "the broker ended the consumer of {} (queue deleted or consumer cancelled)",
-                    self.queue
-                )),
-            }
-        }
-        // Unacknowledged deliveries go back to the queue with the channel.
-        let _ = channel.close(200, "SIGTERM".into()).await;
-        eprintln!("orders_consumer: SIGTERM: stopped consuming, the delivery in hand done");
-    }
-}
-
-/// Settles one delivery and answers the broker: ack, requeue, or dead-letter
-/// then ack.
-async fn handle<St: Ledger>(
-    orders: &IdempotencyProcessor<St>,
-    settings: &Settings,
-    dead_letters: &Channel,
-    rabbit: &Rabbit,
-    delivery: Delivery,
-) -> Result<(), lapin::Error> {
-    // RabbitMQ cannot extend a delivery: no hold to keep. Classic queues
-    // have no delivery limit; nothing here spends a quorum queue's.
-    let origin = orders::Origin {
-        system: "rabbitmq",
-        destination: &rabbit.queue,
-        message_id: delivery
-            .properties
-            .message_id()
-            .as_ref()
-            .map(|id| id.as_str()),
-    };
-    let handled = orders::handle(orders, settings, &origin, &delivery.data, &NoHold, false).await;
-    match &handled.disposition {
-        Disposition::Ack => {
-            delivery.ack(BasicAckOptions::default()).await?;
-        }
-        Disposition::Retry { after } => {
-            tokio::time::sleep(*after).await;
-            let requeue = BasicNackOptions {
-                requeue: true,
-                multiple: false,
-            };
-            delivery.nack(requeue).await?;
-        }
-        Disposition::DeadLetter(reason) => {
-            match dead_letter(dead_letters, &rabbit.dead_letters, &delivery, reason).await {
-                Ok(()) => {
-                    delivery.ack(BasicAckOptions::default()).await?;
-                }
-                Err(error) => {
-                    // Not acknowledged: it comes back and is moved then.
-                    tracing::error!(%error, queue = %rabbit.dead_letters, "the dead-letter publish failed; requeued");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    let requeue = BasicNackOptions {
-                        requeue: true,
-                        multiple: false,
-                    };
-                    delivery.nack(requeue).await?;
-                }
-            }
-        }
-    }
-    if handled.invalid {
-        say(&format!("invalid {}", delivery.delivery_tag));
-    } else if let Some(line) = handled.line {
-        say(&line);
-    }
-    Ok(())
-}
-
-/// Publishes the message to the dead-letter queue, persistent, with its
-/// reason, and waits for the broker's confirm.
-async fn dead_letter(
-    channel: &Channel,
-    queue: &str,
-    delivery: &Delivery,
-    reason: &DeadLetterReason,
-) -> Result<(), String> {
-    let mut headers = FieldTable::default();
-    let text = |s: String| AMQPValue::LongString(LongString::from(s));
-    headers.insert(
-        ShortString::from("x-dead-letter-reason"),
-        text(reason.to_string()),
-    );
-    headers.insert(
-        ShortString::from("x-dead-letter-kind"),
-        text(reason.kind().to_owned()),
-    );
-    let properties = BasicProperties::default()
-        .with_delivery_mode(2)
-        .with_headers(headers);
-    let confirm = channel
-        .basic_publish(
-            "".into(),
-            queue.into(),
-            BasicPublishOptions::default(),
-            &delivery.data,
-            properties,
-        )
+    let connection = Connection::connect(&amqp_url, ConnectionProperties::default())
         .await
-        .map_err(|e| e.to_string())?
-        .await
-        .map_err(|e| e.to_string())?;
-    if confirm.is_ack() {
-        Ok(())
-    } else {
-        Err("the broker refused the dead letter".into())
+        .unwrap_or_else(|e| exit_with(&format!("AMQP_URL: {e}")));
+    let mut broker = RabbitMq::builder(&connection, queue.clone(), dead_letters)
+        .consumer_tag("orders_consumer")
+        .ordered_by_header("ordering-key");
+    if let Ok(queue_type) = std::env::var("QUEUE_TYPE") {
+        broker = broker.queue_type(queue_type);
     }
+    if let Ok(limit) = std::env::var("DELIVERY_LIMIT") {
+        let limit = limit
+            .parse()
+            .unwrap_or_else(|_| exit_with("DELIVERY_LIMIT must be a whole number"));
+        broker = broker.delivery_limit(limit);
+    }
+    let broker = broker
+        .build()
+        .await
+        .unwrap_or_else(|e| exit_with(&e.to_string()));
+    let example = Example {
+        broker,
+        scope: "orders_consumer",
+        budget: RabbitMq::budget(),
+        invalid: |delivery| delivery.delivery().delivery_tag.to_string(),
+        ready: format!("consuming {queue}"),
+    };
+    orders::consume(example, settings).await;
+    // Unacknowledged deliveries go back to the queue with the connection.
+    let _ = connection.close(200, "SIGTERM".into()).await;
+    eprintln!("orders_consumer: SIGTERM: stopped consuming, the delivery in hand done");
 }

@@ -30,7 +30,12 @@
 //!   id the `message-id` property, published persistent and mandatory with
 //!   publisher confirms: a queue that does not exist refuses it. RabbitMQ
 //!   does not deduplicate: a repeat is the consumer's to absorb, by its own
-//!   idempotency.
+//!   idempotency. The publisher reconnects by itself after a broker
+//!   restart.
+//!
+//! The publishers are the broker crates' (`tower-idempotency-sqs`,
+//! `-nats`, `-rabbitmq`); a broker that is down is retried with back-off,
+//! and the relay says so when an outage starts and when it ends.
 //!
 //! `RELAY_BATCH` (default 256), `RELAY_POLL_MS` (default 1000: how often
 //! an idle relay looks; it wakes at once at a commit it hears of — every
@@ -46,17 +51,14 @@
 
 use std::{env, time::Duration};
 
-use aws_sdk_sqs::{error::ProvideErrorMetadata, types::MessageAttributeValue};
-use lapin::{
-    BasicProperties, Channel, Connection, ConnectionProperties,
-    options::{BasicPublishOptions, ConfirmSelectOptions},
-    types::{AMQPValue, FieldTable, ShortString},
-};
 use tokio::signal::unix::{SignalKind, signal};
 use tower_idempotency::{
     MySqlStore, PostgresStore, SqliteStore,
     outbox::{Outbox, OutboxMessage, OutboxRelay, OutboxTable, PublishError, Publisher},
 };
+use tower_idempotency_nats::JetStreamPublisher;
+use tower_idempotency_rabbitmq::RabbitMqPublisher;
+use tower_idempotency_sqs::SqsPublisher;
 
 #[tokio::main]
 async fn main() {
@@ -69,31 +71,25 @@ async fn main() {
         .init();
     let url = env::var("DATABASE_URL").unwrap_or_else(|_| exit_with("DATABASE_URL is required"));
     let broker = match env::var("OUTBOX_BROKER").as_deref() {
-        Ok("sqs") => Broker::Sqs(aws_sdk_sqs::Client::new(&aws_config::load_from_env().await)),
+        Ok("sqs") => Broker::Sqs(SqsPublisher::new(aws_sdk_sqs::Client::new(
+            &aws_config::load_from_env().await,
+        ))),
         Ok("nats") => {
             let nats_url = env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
             let client = async_nats::connect(&nats_url)
                 .await
                 .unwrap_or_else(|e| exit_with(&format!("NATS_URL: {e}")));
-            Broker::Nats(async_nats::jetstream::new(client))
+            Broker::Nats(JetStreamPublisher::new(async_nats::jetstream::new(client)))
         }
         Ok("rabbitmq") => {
             let amqp_url = env::var("AMQP_URL")
                 .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into());
-            let connection = Connection::connect(&amqp_url, ConnectionProperties::default())
+            let publisher = RabbitMqPublisher::new(amqp_url);
+            publisher
+                .connect()
                 .await
                 .unwrap_or_else(|e| exit_with(&format!("AMQP_URL: {e}")));
-            let channel = connection
-                .create_channel()
-                .await
-                .unwrap_or_else(|e| exit_with(&format!("opening a channel: {e}")));
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await
-                .unwrap_or_else(|e| exit_with(&format!("confirm_select: {e}")));
-            // The connection lives as long as the process.
-            std::mem::forget(connection);
-            Broker::Rabbit(channel)
+            Broker::Rabbit(publisher)
         }
         Ok(other) => exit_with(&format!(
             "OUTBOX_BROKER must be sqs, nats or rabbitmq, got {other:?}"
@@ -160,7 +156,12 @@ struct Announced {
 
 impl Publisher for Announced {
     async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
-        match self.broker.publish(message).await {
+        let published = match &self.broker {
+            Broker::Sqs(sqs) => sqs.publish(message).await,
+            Broker::Nats(nats) => nats.publish(message).await,
+            Broker::Rabbit(rabbit) => rabbit.publish(message).await,
+        };
+        match published {
             Ok(()) => {
                 println!("published {} {}", message.id, message.destination);
                 tokio::time::sleep(self.pause).await;
@@ -176,128 +177,9 @@ impl Publisher for Announced {
 }
 
 enum Broker {
-    Sqs(aws_sdk_sqs::Client),
-    Nats(async_nats::jetstream::Context),
-    Rabbit(Channel),
-}
-
-impl Broker {
-    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
-        let unavailable = |e: String| PublishError::Unavailable(e.into());
-        match self {
-            Self::Sqs(client) => {
-                let text = |value: &str| {
-                    MessageAttributeValue::builder()
-                        .data_type("String")
-                        .string_value(value)
-                        .build()
-                        .expect("a string attribute")
-                };
-                let mut send = client
-                    .send_message()
-                    .queue_url(&message.destination)
-                    .message_body(String::from_utf8_lossy(&message.payload))
-                    .message_attributes("message-id", text(&message.id));
-                for (name, value) in &message.headers {
-                    send = send.message_attributes(name, text(value));
-                }
-                if message.destination.ends_with(".fifo") {
-                    let group = message.ordering_key.as_deref().unwrap_or(&message.id);
-                    send = send
-                        .message_deduplication_id(&message.id)
-                        .message_group_id(group);
-                }
-                match send.send().await {
-                    Ok(_) => Ok(()),
-                    Err(error) => {
-                        let code = error.code().unwrap_or_default().to_owned();
-                        if [
-                            "NonExistentQueue",
-                            "QueueDoesNotExist",
-                            "InvalidMessageContents",
-                            "InvalidParameterValue",
-                        ]
-                        .iter()
-                        .any(|refused| code.contains(refused))
-                        {
-                            Err(PublishError::Refused(format!(
-                                "{code}: {}",
-                                error.message().unwrap_or_default()
-                            )))
-                        } else {
-                            Err(unavailable(format!("{error:?}")))
-                        }
-                    }
-                }
-            }
-            Self::Nats(js) => {
-                use async_nats::jetstream::context::PublishErrorKind;
-                let mut headers = async_nats::HeaderMap::new();
-                headers.insert("Nats-Msg-Id", message.id.as_str());
-                for (name, value) in &message.headers {
-                    headers.insert(name.as_str(), value.as_str());
-                }
-                let acked = async {
-                    js.publish_with_headers(
-                        message.destination.clone(),
-                        headers,
-                        message.payload.clone().into(),
-                    )
-                    .await?
-                    .await
-                }
-                .await;
-                match acked {
-                    Ok(_) => Ok(()),
-                    Err(error) if error.kind() == PublishErrorKind::StreamNotFound => {
-                        Err(PublishError::Refused(format!(
-                            "no stream captures {}",
-                            message.destination
-                        )))
-                    }
-                    Err(error) => Err(unavailable(error.to_string())),
-                }
-            }
-            Self::Rabbit(channel) => {
-                let mut headers = FieldTable::default();
-                for (name, value) in &message.headers {
-                    headers.insert(
-                        name.as_str().into(),
-                        AMQPValue::LongString(value.as_str().into()),
-                    );
-                }
-                let properties = BasicProperties::default()
-                    .with_delivery_mode(2)
-                    .with_message_id(ShortString::from(message.id.as_str()))
-                    .with_headers(headers);
-                let confirm = channel
-                    .basic_publish(
-                        "".into(),
-                        message.destination.as_str().into(),
-                        BasicPublishOptions {
-                            mandatory: true,
-                            ..BasicPublishOptions::default()
-                        },
-                        &message.payload,
-                        properties,
-                    )
-                    .await
-                    .map_err(|e| unavailable(e.to_string()))?
-                    .await
-                    .map_err(|e| unavailable(e.to_string()))?;
-                match confirm {
-                    lapin::Confirmation::Ack(None) => Ok(()),
-                    lapin::Confirmation::Ack(Some(_)) => Err(PublishError::Refused(format!(
-                        "no queue {} (returned unroutable)",
-                        message.destination
-                    ))),
-                    other => Err(unavailable(format!(
-                        "the broker did not confirm: {other:?}"
-                    ))),
-                }
-            }
-        }
-    }
+    Sqs(SqsPublisher),
+    Nats(JetStreamPublisher),
+    Rabbit(RabbitMqPublisher),
 }
 
 fn number(name: &str, default: u64) -> u64 {

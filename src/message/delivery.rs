@@ -177,6 +177,9 @@ pub(super) struct Source<'a> {
     pub(super) system: Option<&'a str>,
     pub(super) destination: Option<&'a str>,
     pub(super) message_id: Option<&'a str>,
+    /// The W3C trace context the message carried (`traceparent`,
+    /// `tracestate`).
+    pub(super) trace: (Option<&'a str>, Option<&'a str>),
 }
 
 impl<'a> Delivery<'a> {
@@ -264,6 +267,30 @@ impl<'a, L: DeliveryLease> Delivery<'a, L> {
     /// See [`Delivery`].
     pub fn message_id(mut self, id: &'a str) -> Self {
         self.source.message_id = Some(id);
+        self
+    }
+
+    /// The W3C trace context the message carries (its `traceparent` and
+    /// `tracestate` headers, as the outbox writes them): the delivery's
+    /// span continues that trace, through the application's global
+    /// propagator, with the `opentelemetry` feature (without it, this is
+    /// kept and unused).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::message::Delivery;
+    ///
+    /// let delivery = Delivery::new("order-42", b"{}")
+    ///     .trace_context(Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"), None);
+    /// # let _ = delivery;
+    /// ```
+    pub fn trace_context(
+        mut self,
+        traceparent: Option<&'a str>,
+        tracestate: Option<&'a str>,
+    ) -> Self {
+        self.source.trace = (traceparent, tracestate);
         self
     }
 }

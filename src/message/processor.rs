@@ -577,18 +577,35 @@ fn give_back<T, E: fmt::Display, L>(
     delivery: &Delivery<'_, L>,
     shown: &str,
 ) -> Settled<T, E> {
-    if !delivery.last {
-        return Settled::new(Disposition::Retry { after }, outcome, attempts);
-    }
     let why = match &outcome {
         Ok(ProcessOutcome::InFlight { .. }) => "still in flight elsewhere".to_owned(),
         Err(error) => error.to_string(),
         Ok(_) => "undecided".to_owned(),
     };
-    tracing::error!(key = %shown, %why, attempts, "idempotency: a message undecided on the broker's last delivery was dead-lettered, not dropped: redrive it");
-    let reason =
-        DeadLetterReason::Undecided(format!("{why} (given back after {attempts} attempts)"));
-    Settled::new(Disposition::DeadLetter(reason), outcome, attempts)
+    let disposition = handed_back(delivery.last, &why, attempts);
+    if let Disposition::DeadLetter(_) = disposition {
+        tracing::error!(key = %shown, %why, attempts, "idempotency: a message undecided on the broker's last delivery was dead-lettered, not dropped: redrive it");
+    }
+    let disposition = match disposition {
+        Disposition::Retry { .. } => Disposition::Retry { after },
+        other => other,
+    };
+    Settled::new(disposition, outcome, attempts)
+}
+
+/// What an undecided delivery going back comes to — the one rule, for a
+/// delivery given back after attempts and for one never started: back to
+/// the broker at once, or, on the broker's `last` delivery of it,
+/// dead-lettered as undecided (`why`), never left for the broker to drop.
+pub(super) fn handed_back(last: bool, why: &str, attempts: u32) -> Disposition {
+    if !last {
+        return Disposition::Retry {
+            after: Duration::ZERO,
+        };
+    }
+    Disposition::DeadLetter(DeadLetterReason::Undecided(format!(
+        "{why} (given back after {attempts} attempts)"
+    )))
 }
 
 /// The span of one delivery, as OpenTelemetry's messaging conventions name
@@ -604,7 +621,7 @@ fn delivery_span<L>(delivery: &Delivery<'_, L>, shown: &str) -> tracing::Span {
         Some(destination) => format!("process {destination}"),
         None => "process".to_owned(),
     };
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "idempotency.delivery",
         otel.name = name,
         otel.kind = "consumer",
@@ -618,7 +635,9 @@ fn delivery_span<L>(delivery: &Delivery<'_, L>, shown: &str) -> tracing::Span {
         idempotency.disposition = tracing::field::Empty,
         idempotency.attempts = tracing::field::Empty,
         idempotency.dead_letter_reason = tracing::field::Empty,
-    )
+    );
+    crate::observe::continue_trace(&span, source.trace);
+    span
 }
 
 /// What became of one attempt, as its span's `idempotency.outcome`.

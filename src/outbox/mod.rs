@@ -128,6 +128,10 @@
 
 mod relay;
 #[cfg(feature = "_sql")]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
 mod sql;
 mod table;
 
@@ -137,6 +141,10 @@ use sha2::{Digest, Sha256};
 
 pub use relay::{OutboxRelay, PublishError, Publisher, RelayRound};
 #[cfg(feature = "_sql")]
+#[cfg_attr(
+    docsrs,
+    doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
+)]
 pub use sql::{Outbox, OutboxBuilder};
 pub use table::{OutboxTable, Settlement};
 
@@ -154,6 +162,8 @@ pub use table::{OutboxTable, Settlement};
 /// # let _ = event;
 /// ```
 #[derive(Clone, Debug)]
+// Read by the stores that enqueue: a build without one reads none.
+#[cfg_attr(not(feature = "_sql"), allow(dead_code))]
 pub struct OutgoingMessage {
     pub(crate) destination: String,
     pub(crate) payload: Vec<u8>,

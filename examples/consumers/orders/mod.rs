@@ -1,18 +1,20 @@
 //! What the orders consumers share, whatever their broker (`orders_consumer`
-//! on RabbitMQ, `sqs_orders`, `nats_orders`): the order message, the ledger
-//! it is charged in (SQLite or PostgreSQL, the idempotency record in the
-//! charge's transaction), and how one delivery is processed and answered.
+//! on RabbitMQ, `sqs_orders`, `nats_orders`, `kafka_orders`): the order
+//! message, the ledger it is charged in (SQLite, PostgreSQL or MySQL, the
+//! idempotency record in the charge's transaction), the work, and the line
+//! each delivery gets on stdout. The loop is the library's
+//! (`message::Consumer`); each broker's adapter is its crate's.
 #![allow(dead_code)]
 
-use std::{env, io::Write, time::Duration};
+use std::{borrow::Cow, env, io::Write, time::Duration};
 
 use serde::{Deserialize, Serialize};
 use tower_idempotency::{
     IdempotencyKey, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, SqliteStore,
     SqliteTxStore,
     message::{
-        DeadLetterReason, Delivery, DeliveryBudget, DeliveryLease, Disposition,
-        IdempotencyProcessor, ProcessOutcome,
+        Broker, BrokerError, Consumer, DeadLetterReason, DeadLettered, DeliveryBudget, Disposition,
+        ExtendError, IdempotencyProcessor, Parsed, ProcessOutcome, Report,
     },
     sqlx::{self, error::ErrorKind},
     store::{Store, StoreError},
@@ -30,7 +32,7 @@ pub struct Order {
 /// An order as the work needs it: JSON of the right shape, a positive
 /// amount, text without NUL (PostgreSQL refuses it, SQLite would store it:
 /// the order is invalid either way), and an order id that is a valid key.
-pub fn parse(data: &[u8]) -> Result<Order, String> {
+pub fn order(data: &[u8]) -> Result<Order, String> {
     let order: Order = serde_json::from_slice(data).map_err(|e| e.to_string())?;
     if order.amount <= 0 {
         return Err("amount must be positive".into());
@@ -121,63 +123,203 @@ pub fn millis(name: &str, default: u64) -> Result<Duration, String> {
     }
 }
 
-/// A broker's consumer loop, run over whichever ledger `DATABASE_URL` names.
-pub trait Consumer {
-    /// How a delivery is spent on this broker (its hold's hard end, if any).
-    fn budget(&self) -> DeliveryBudget {
-        DeliveryBudget::new()
-    }
-
-    fn run<St: Ledger>(
-        self,
-        orders: IdempotencyProcessor<St>,
-        settings: Settings,
-    ) -> impl Future<Output = ()>;
+/// What a broker's example says of its consumer: how a delivery is spent
+/// (its hold's hard end, if any), and how an invalid message is named on
+/// its `invalid …` line.
+pub struct Example<B: Broker> {
+    pub broker: B,
+    pub scope: &'static str,
+    pub budget: DeliveryBudget,
+    pub invalid: fn(&B::Received) -> String,
+    /// The first line on stdout, once the ledger is open and the loop
+    /// about to receive (`receiving from …`).
+    pub ready: String,
 }
 
 /// Opens the ledger `DATABASE_URL` names (its tables created if missing)
-/// and runs `consumer` over it, with the processor scoped to `scope`.
-pub async fn run<C: Consumer>(consumer: C, scope: &str, settings: Settings) {
+/// and runs the library's consumer loop over `example.broker` until
+/// SIGTERM: one line per delivery on stdout. The broker ending the
+/// subscription is exit 2, saying why.
+pub async fn consume<B: Broker>(example: Example<B>, settings: Settings) {
     // The URLs may carry passwords: they are never logged.
     let url = settings.database_url.clone();
     let bound = settings.tx_timeout;
-    match Database::of(&url).unwrap_or_else(|why| exit_with(&why)) {
+    let ended = match Database::of(&url).unwrap_or_else(|why| exit_with(&why)) {
         Database::Sqlite => {
             let store = SqliteStore::builder()
                 .transactional()
                 .create_table_if_missing()
                 .transaction_timeout(bound);
-            start(store.connect(&url).await, consumer, scope, settings).await
+            start(store.connect(&url).await, example, settings).await
         }
         Database::MySql => {
             let store = MySqlStore::builder()
                 .transactional()
                 .create_table_if_missing()
                 .transaction_timeout(bound);
-            start(store.connect(&url).await, consumer, scope, settings).await
+            start(store.connect(&url).await, example, settings).await
         }
         Database::Postgres => {
             let store = PostgresStore::builder()
                 .transactional()
                 .create_table_if_missing()
                 .transaction_timeout(bound);
-            start(store.connect(&url).await, consumer, scope, settings).await
+            start(store.connect(&url).await, example, settings).await
+        }
+    };
+    if let Err(error) = ended {
+        exit_with(&error.to_string());
+    }
+}
+
+/// Runs the loop over the ledger `store` connected to.
+async fn start<St: Ledger, B: Broker>(
+    store: Result<St, StoreError>,
+    example: Example<B>,
+    settings: Settings,
+) -> Result<(), BrokerError> {
+    let orders = IdempotencyProcessor::new(open(store).await)
+        .scope(example.scope)
+        .lease(settings.lease)
+        .budget(example.budget);
+    say(&example.ready);
+    let invalid = example.invalid;
+    let work_delay = settings.work_delay;
+    let broker = AckDelay {
+        broker: example.broker,
+        delay: settings.ack_delay,
+    };
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .unwrap_or_else(|e| exit_with(&format!("listening for SIGTERM: {e}")));
+    Consumer::new(broker, orders)
+        // Data the database refuses is refused on every attempt.
+        .passing_when(|error: &sqlx::Error| !refuses_the_data(error))
+        .on_settled(move |report| {
+            if let Some(line) = line(report, invalid) {
+                say(&line);
+            }
+        })
+        .run(
+            parse,
+            async move |tx: &mut St::Granted, order: &Order| {
+                St::charge(tx, order).await?;
+                // The payment processor, before the commit.
+                tokio::time::sleep(work_delay).await;
+                Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
+            },
+            async move {
+                term.recv().await;
+            },
+        )
+        .await
+}
+
+/// A delivery's line: `executed|duplicate|rejected|refused|undecided
+/// <order_id>`, or `invalid <the broker's name for it>`; none for a
+/// delivery given back undecided (delivered again).
+fn line<R>(
+    report: &Report<'_, R, Order, String, sqlx::Error>,
+    invalid: fn(&R) -> String,
+) -> Option<String> {
+    let Some(parsed) = report.parsed else {
+        return Some(format!("invalid {}", invalid(report.received)));
+    };
+    let word = match (report.disposition, report.outcome) {
+        (Disposition::Ack, Some(Ok(ProcessOutcome::Executed(_)))) => "executed",
+        (Disposition::Ack, _) => "duplicate",
+        (Disposition::DeadLetter(reason), _) => {
+            tracing::error!(order = %parsed.key, %reason, "the order can never be processed: dead-lettered");
+            match reason {
+                DeadLetterReason::Mismatch | DeadLetterReason::TimedOut { .. } => "rejected",
+                DeadLetterReason::Undecided(_) => "undecided",
+                _ => "refused",
+            }
+        }
+        (Disposition::Retry { .. }, _) => return None,
+    };
+    Some(format!("{word} {}", parsed.key))
+}
+
+/// An order as the loop reads it: its key is its order id.
+pub fn parse(data: &[u8]) -> Result<Parsed<Order>, DeadLetterReason> {
+    match order(data) {
+        Ok(order) => Ok(Parsed {
+            key: order.order_id.clone(),
+            message: order,
+        }),
+        Err(why) => {
+            tracing::warn!(%why, "invalid order message");
+            Err(DeadLetterReason::invalid(why))
         }
     }
 }
 
-/// Runs `consumer` over the ledger `store` connected to.
-async fn start<St: Ledger, C: Consumer>(
-    store: Result<St, StoreError>,
-    consumer: C,
-    scope: &str,
-    settings: Settings,
-) {
-    let orders = IdempotencyProcessor::new(open(store).await)
-        .scope(scope)
-        .lease(settings.lease)
-        .budget(consumer.budget());
-    consumer.run(orders, settings).await
+/// The broker, with `ACK_DELAY_MS` between a delivery's settling (its
+/// commit) and its acknowledgement: the crash window a redelivery finds
+/// the record in, widened for the tests.
+struct AckDelay<B> {
+    broker: B,
+    delay: Duration,
+}
+
+impl<B: Broker> Broker for AckDelay<B> {
+    type Received = B::Received;
+
+    fn system(&self) -> &'static str {
+        self.broker.system()
+    }
+
+    fn destination(&self) -> &str {
+        self.broker.destination()
+    }
+
+    fn receive(
+        &self,
+        room: usize,
+        within: Duration,
+    ) -> impl Future<Output = Result<Vec<B::Received>, BrokerError>> + Send {
+        self.broker.receive(room, within)
+    }
+
+    fn hold_interval(&self) -> Option<Duration> {
+        self.broker.hold_interval()
+    }
+
+    fn extend(
+        &self,
+        received: &B::Received,
+    ) -> impl Future<Output = Result<(), ExtendError>> + Send {
+        self.broker.extend(received)
+    }
+
+    fn ordering_key<'a>(&self, received: &'a B::Received) -> Option<Cow<'a, str>> {
+        self.broker.ordering_key(received)
+    }
+
+    async fn ack(&self, received: &B::Received) -> Result<(), BrokerError> {
+        tokio::time::sleep(self.delay).await;
+        self.broker.ack(received).await
+    }
+
+    fn give_back(
+        &self,
+        received: &B::Received,
+        after: Duration,
+    ) -> impl Future<Output = Result<(), BrokerError>> + Send {
+        self.broker.give_back(received, after)
+    }
+
+    fn dead_letter(
+        &self,
+        received: &B::Received,
+        reason: &DeadLetterReason,
+    ) -> impl Future<Output = Result<DeadLettered, BrokerError>> + Send {
+        self.broker.dead_letter(received, reason)
+    }
+
+    fn close(&self) -> impl Future<Output = ()> + Send {
+        self.broker.close()
+    }
 }
 
 /// The idempotency table and `order_charges`, created if missing.
@@ -247,102 +389,6 @@ impl Ledger for SqliteTxStore {
             .execute(&mut **tx)
             .await?;
         Ok(())
-    }
-}
-
-/// What became of one delivery, and what to tell the broker.
-pub struct Handled {
-    /// The stdout line (`executed order-42`), if the delivery gets one: a
-    /// delivery given back undecided does not. An invalid message's line
-    /// names the broker's message: the caller writes it.
-    pub line: Option<String>,
-    /// Whether the message was invalid (its line is the caller's).
-    pub invalid: bool,
-    pub disposition: Disposition,
-}
-
-/// Where a delivery came from, for its span (OpenTelemetry's messaging
-/// attributes).
-pub struct Origin<'a> {
-    /// `messaging.system`: `aws_sqs`, `rabbitmq`, `nats`.
-    pub system: &'static str,
-    /// The queue or stream.
-    pub destination: &'a str,
-    /// The broker's id of the message, if it has one.
-    pub message_id: Option<&'a str>,
-}
-
-/// Settles one delivery of `data` from `origin`, keeping the broker's
-/// `hold` on it while it is in hand; `last` when the broker will not
-/// deliver it again.
-pub async fn handle<St: Ledger, L: DeliveryLease>(
-    orders: &IdempotencyProcessor<St>,
-    settings: &Settings,
-    origin: &Origin<'_>,
-    data: &[u8],
-    hold: &L,
-    last: bool,
-) -> Handled {
-    // What can be checked up front is: a message that fails it can never
-    // succeed, so it is dead-lettered, not retried.
-    let order = match parse(data) {
-        Ok(order) => order,
-        Err(why) => {
-            tracing::warn!(%why, "invalid order message");
-            return Handled {
-                line: None,
-                invalid: true,
-                disposition: Disposition::DeadLetter(DeadLetterReason::invalid(why)),
-            };
-        }
-    };
-    let work_delay = settings.work_delay;
-    let id = order.order_id.as_str();
-    let delivery = Delivery::new(id, data)
-        .held_by(hold)
-        .last(last)
-        .messaging_system(origin.system)
-        .destination(origin.destination);
-    let delivery = match origin.message_id {
-        Some(message_id) => delivery.message_id(message_id),
-        None => delivery,
-    };
-    let settled = orders
-        .settle(
-            delivery,
-            async |tx: &mut St::Granted| {
-                St::charge(tx, &order).await?;
-                // The payment processor, before the commit.
-                tokio::time::sleep(work_delay).await;
-                Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
-            },
-            // Data the database refuses is refused on every attempt.
-            |error| !refuses_the_data(error),
-        )
-        .await;
-    let word = match (&settled.disposition, &settled.outcome) {
-        // Committed: a crash from here to the acknowledgement is a
-        // redelivery that finds the record.
-        (Disposition::Ack, Ok(ProcessOutcome::Executed(_))) => {
-            tokio::time::sleep(settings.ack_delay).await;
-            Some("executed")
-        }
-        (Disposition::Ack, _) => Some("duplicate"),
-        (Disposition::DeadLetter(reason), _) => {
-            tracing::error!(order = %id, %reason, "the order can never be processed: dead-lettered");
-            Some(match reason {
-                DeadLetterReason::Mismatch | DeadLetterReason::TimedOut { .. } => "rejected",
-                DeadLetterReason::Undecided(_) => "undecided",
-                _ => "refused",
-            })
-        }
-        // Given back undecided (draining): delivered again.
-        (Disposition::Retry { .. }, _) => None,
-    };
-    Handled {
-        line: word.map(|word| format!("{word} {id}")),
-        invalid: false,
-        disposition: settled.disposition,
     }
 }
 
