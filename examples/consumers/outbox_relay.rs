@@ -1,6 +1,6 @@
 //! The outbox relay: publishes what the payments example enqueued in its
 //! outbox (`charge.created`, with `OUTBOX_DESTINATION` set) to SQS, NATS
-//! JetStream or RabbitMQ, each message with its deterministic id as the
+//! JetStream, RabbitMQ or Kafka, each message with its deterministic id as the
 //! broker's deduplication id. Run one beside each payments instance, on
 //! the same database; several share the work.
 //!
@@ -33,9 +33,16 @@
 //!   idempotency. The publisher reconnects by itself after a broker
 //!   restart.
 //!
+//! - `kafka` — `KAFKA_BROKERS` (default `127.0.0.1:9092`); a message's
+//!   destination is a topic, its ordering key the record key (one
+//!   account's events in order on one partition), its id the `message-id`
+//!   header, through the idempotent producer; an unknown topic refuses the
+//!   message. Kafka does not deduplicate a resend after a relay crash: the
+//!   consumer's record absorbs it.
+//!
 //! The publishers are the broker crates' (`tower-idempotency-sqs`,
-//! `-nats`, `-rabbitmq`); a broker that is down is retried with back-off,
-//! and the relay says so when an outage starts and when it ends.
+//! `-nats`, `-rabbitmq`, `-kafka`); a broker that is down is retried with
+//! back-off, and the relay says so when an outage starts and when it ends.
 //!
 //! `RELAY_BATCH` (default 256), `RELAY_POLL_MS` (default 1000: how often
 //! an idle relay looks; it wakes at once at a commit it hears of — every
@@ -56,6 +63,7 @@ use tower_idempotency::{
     MySqlStore, PostgresStore, SqliteStore,
     outbox::{Outbox, OutboxMessage, OutboxRelay, OutboxTable, PublishError, Publisher},
 };
+use tower_idempotency_kafka::{KafkaPublisher, rdkafka::ClientConfig};
 use tower_idempotency_nats::JetStreamPublisher;
 use tower_idempotency_rabbitmq::RabbitMqPublisher;
 use tower_idempotency_sqs::SqsPublisher;
@@ -91,10 +99,17 @@ async fn main() {
                 .unwrap_or_else(|e| exit_with(&format!("AMQP_URL: {e}")));
             Broker::Rabbit(publisher)
         }
+        Ok("kafka") => {
+            let brokers = env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into());
+            let publisher =
+                KafkaPublisher::new(ClientConfig::new().set("bootstrap.servers", brokers))
+                    .unwrap_or_else(|e| exit_with(&format!("KAFKA_BROKERS: {e}")));
+            Broker::Kafka(publisher)
+        }
         Ok(other) => exit_with(&format!(
-            "OUTBOX_BROKER must be sqs, nats or rabbitmq, got {other:?}"
+            "OUTBOX_BROKER must be sqs, nats, rabbitmq or kafka, got {other:?}"
         )),
-        Err(_) => exit_with("OUTBOX_BROKER is required: sqs, nats or rabbitmq"),
+        Err(_) => exit_with("OUTBOX_BROKER is required: sqs, nats, rabbitmq or kafka"),
     };
     let publisher = Announced {
         broker,
@@ -160,6 +175,7 @@ impl Publisher for Announced {
             Broker::Sqs(sqs) => sqs.publish(message).await,
             Broker::Nats(nats) => nats.publish(message).await,
             Broker::Rabbit(rabbit) => rabbit.publish(message).await,
+            Broker::Kafka(kafka) => kafka.publish(message).await,
         };
         match published {
             Ok(()) => {
@@ -180,6 +196,7 @@ enum Broker {
     Sqs(SqsPublisher),
     Nats(JetStreamPublisher),
     Rabbit(RabbitMqPublisher),
+    Kafka(KafkaPublisher),
 }
 
 fn number(name: &str, default: u64) -> u64 {

@@ -57,6 +57,17 @@ pub trait Received: Send + Sync + 'static {
     }
 }
 
+/// Why a delivery is acknowledged: for a broker whose acknowledgement is a
+/// position stored with the work (Kafka), an execution stored it already.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Acked {
+    /// The work ran now, and its transaction committed.
+    Executed,
+    /// Nothing ran now: a duplicate, or a message moved to the
+    /// dead-letter target.
+    Decided,
+}
+
 /// Where a dead letter went.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeadLettered {
@@ -121,11 +132,24 @@ pub trait Broker: Send + Sync + 'static {
     /// own.
     fn ordering_key<'a>(&self, received: &'a Self::Received) -> Option<Cow<'a, str>>;
 
-    /// Acknowledges: done with, now or by an earlier delivery.
+    /// Acknowledges: done with — executed now (its work's transaction
+    /// committed), or decided before (a duplicate, a dead letter moved):
+    /// see [`Acked`].
     fn ack(
         &self,
         received: &Self::Received,
+        acked: Acked,
     ) -> impl Future<Output = Result<(), BrokerError>> + Send;
+
+    /// Whether `received` is still this consumer's to settle when its
+    /// turn comes (default: always). A Kafka partition revoked by a
+    /// rebalance is not: its deliveries not yet started are dropped
+    /// unanswered, for the partition's new owner to take from the stored
+    /// position.
+    fn owns(&self, received: &Self::Received) -> bool {
+        let _ = received;
+        true
+    }
 
     /// Gives `received` back, to be delivered again after `after`.
     fn give_back(
@@ -257,6 +281,11 @@ where
         }
     }
 
+    /// The broker's adapter.
+    pub fn broker(&self) -> &B {
+        &self.broker
+    }
+
     /// The most deliveries in hand at once (received and not answered yet,
     /// each held): keys side by side up to this many; a key's own one
     /// after the other (default 10).
@@ -350,6 +379,47 @@ where
         P: Fn(&[u8]) -> Result<Parsed<M>, DeadLetterReason>,
         W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
     {
+        self.run_received(|received| parse(received.payload()), work, shutdown)
+            .await
+    }
+
+    /// [`run`](Self::run), with `parse` given the whole delivery (its
+    /// headers, what the adapter knows of it) rather than its payload: for
+    /// an adapter whose work needs more of a delivery than its message
+    /// (Kafka writes each record's position with its work).
+    ///
+    /// # Errors
+    ///
+    /// See [`run`](Self::run).
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo<B: tower_idempotency::message::Broker>(consumer: tower_idempotency::message::Consumer<B, tower_idempotency::MemoryStore, tower_idempotency::DefaultFingerprint, (), (), std::io::Error>) -> Result<(), tower_idempotency::message::BrokerError> {
+    /// use tower_idempotency::message::{DeadLetterReason, Parsed, Received};
+    ///
+    /// consumer
+    ///     .run_received(
+    ///         |received: &B::Received| match received.header("order-id") {
+    ///             Some(id) => Ok(Parsed { key: id.to_owned(), message: () }),
+    ///             None => Err(DeadLetterReason::invalid("no order-id header")),
+    ///         },
+    ///         async |_: &mut _, _: &()| Ok(()),
+    ///         std::future::pending(),
+    ///     )
+    ///     .await
+    /// # }
+    /// ```
+    pub async fn run_received<P, W>(
+        self,
+        parse: P,
+        work: W,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), BrokerError>
+    where
+        P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
+        W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
+    {
         let mut shutdown = std::pin::pin!(shutdown);
         let lanes = Lanes::default();
         let stopping = AtomicBool::new(false);
@@ -425,7 +495,7 @@ where
         parse: &P,
         work: &W,
     ) where
-        P: Fn(&[u8]) -> Result<Parsed<M>, DeadLetterReason>,
+        P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
         W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
     {
         let hold = Hold {
@@ -450,16 +520,21 @@ where
     /// Settles one delivery whose turn it is, and answers the broker.
     async fn settle<P, W>(&self, received: &B::Received, stopping: &AtomicBool, parse: &P, work: &W)
     where
-        P: Fn(&[u8]) -> Result<Parsed<M>, DeadLetterReason>,
+        P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
         W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
     {
-        let parsed = match parse(received.payload()) {
+        if !self.broker.owns(received) {
+            tracing::debug!(message = ?received.message_id(), "idempotency: no longer this consumer's (a rebalance); left to its new owner");
+            return;
+        }
+        let parsed = match parse(received) {
             Ok(parsed) => parsed,
             Err(reason) => {
                 tracing::warn!(%reason, message = ?received.message_id(), "idempotency: not a valid message; dead-lettered");
                 observe::message_settled("dead_letter", reason.kind());
                 let disposition = Disposition::DeadLetter(reason);
-                self.answer(received, &disposition, stopping).await;
+                self.answer(received, &disposition, Acked::Decided, stopping)
+                    .await;
                 self.report(received, None, &disposition, None);
                 return;
             }
@@ -472,7 +547,8 @@ where
                 "received, not started when the consumer stopped",
                 0,
             );
-            self.answer(received, &disposition, stopping).await;
+            self.answer(received, &disposition, Acked::Decided, stopping)
+                .await;
             self.report(received, Some(&parsed), &disposition, None);
             return;
         }
@@ -498,7 +574,12 @@ where
                 |error| (self.passing)(error),
             )
             .await;
-        self.answer(received, &settled.disposition, stopping).await;
+        let acked = match &settled.outcome {
+            Ok(ProcessOutcome::Executed(_)) => Acked::Executed,
+            _ => Acked::Decided,
+        };
+        self.answer(received, &settled.disposition, acked, stopping)
+            .await;
         self.report(
             received,
             Some(&parsed),
@@ -513,17 +594,20 @@ where
         &self,
         received: &B::Received,
         disposition: &Disposition,
+        acked: Acked,
         stopping: &AtomicBool,
     ) {
         let broker = &*self.broker;
         let answered = match disposition {
-            Disposition::Ack => broker.ack(received).await,
+            Disposition::Ack => broker.ack(received, acked).await,
             Disposition::Retry { after } => broker.give_back(received, *after).await,
             Disposition::DeadLetter(reason) => {
                 let mut backoff = Duration::from_millis(200);
                 loop {
                     match broker.dead_letter(received, reason).await {
-                        Ok(DeadLettered::Moved) => break broker.ack(received).await,
+                        Ok(DeadLettered::Moved) => {
+                            break broker.ack(received, Acked::Decided).await;
+                        }
                         Ok(DeadLettered::Kept) => break Ok(()),
                         Err(error) if stopping.load(Ordering::SeqCst) && !received.last() => {
                             tracing::error!(%error, "idempotency: the dead-letter move failed while stopping; given back, to be moved on its next delivery");

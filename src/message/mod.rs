@@ -113,7 +113,7 @@ mod outcome;
 mod processor;
 
 pub use budget::DeliveryBudget;
-pub use consumer::{Broker, BrokerError, Consumer, DeadLettered, Parsed, Received, Report};
+pub use consumer::{Acked, Broker, BrokerError, Consumer, DeadLettered, Parsed, Received, Report};
 pub use delivery::{Delivery, DeliveryLease, ExtendError, ExtendEvery, NoHold, extend_every};
 pub use disposition::{DeadLetterReason, Disposition};
 pub use outcome::{ProcessError, ProcessOutcome, Settled};

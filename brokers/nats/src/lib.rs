@@ -67,7 +67,7 @@ use async_nats::{
 use futures_util::StreamExt;
 use tokio::sync::Mutex;
 use tower_idempotency::{
-    message::{Broker, BrokerError, DeadLetterReason, DeadLettered, ExtendError, Received},
+    message::{Acked, Broker, BrokerError, DeadLetterReason, DeadLettered, ExtendError, Received},
     outbox::{OutboxMessage, PublishError, Publisher},
 };
 
@@ -424,7 +424,7 @@ impl Broker for JetStream {
         received.header(name).map(Cow::Borrowed)
     }
 
-    async fn ack(&self, received: &JetStreamMessage) -> Result<(), BrokerError> {
+    async fn ack(&self, received: &JetStreamMessage, _: Acked) -> Result<(), BrokerError> {
         received.message.ack().await
     }
 

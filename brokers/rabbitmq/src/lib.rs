@@ -72,7 +72,9 @@ use lapin::{
 };
 use tokio::sync::Mutex;
 use tower_idempotency::{
-    message::{Broker, BrokerError, DeadLetterReason, DeadLettered, DeliveryBudget, Received},
+    message::{
+        Acked, Broker, BrokerError, DeadLetterReason, DeadLettered, DeliveryBudget, Received,
+    },
     outbox::{OutboxMessage, PublishError, Publisher},
 };
 
@@ -464,7 +466,7 @@ impl Broker for RabbitMq {
         received.header(name).map(Cow::Borrowed)
     }
 
-    async fn ack(&self, received: &RabbitMqDelivery) -> Result<(), BrokerError> {
+    async fn ack(&self, received: &RabbitMqDelivery, _: Acked) -> Result<(), BrokerError> {
         received
             .delivery
             .ack(BasicAckOptions::default())

@@ -70,7 +70,8 @@ use aws_sdk_sqs::{
 };
 use tower_idempotency::{
     message::{
-        Broker, BrokerError, DeadLetterReason, DeadLettered, DeliveryBudget, ExtendError, Received,
+        Acked, Broker, BrokerError, DeadLetterReason, DeadLettered, DeliveryBudget, ExtendError,
+        Received,
     },
     outbox::{OutboxMessage, PublishError, Publisher},
 };
@@ -418,7 +419,7 @@ impl Broker for Sqs {
             .map(Cow::Borrowed)
     }
 
-    async fn ack(&self, received: &SqsMessage) -> Result<(), BrokerError> {
+    async fn ack(&self, received: &SqsMessage, _: Acked) -> Result<(), BrokerError> {
         self.client
             .delete_message()
             .queue_url(&self.url)

@@ -13,8 +13,8 @@ use tower_idempotency::{
     IdempotencyKey, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, SqliteStore,
     SqliteTxStore,
     message::{
-        Broker, BrokerError, Consumer, DeadLetterReason, DeadLettered, DeliveryBudget, Disposition,
-        ExtendError, IdempotencyProcessor, Parsed, ProcessOutcome, Report,
+        Acked, Broker, BrokerError, Consumer, DeadLetterReason, DeadLettered, DeliveryBudget,
+        Disposition, ExtendError, IdempotencyProcessor, Parsed, ProcessOutcome, Report,
     },
     sqlx::{self, error::ErrorKind},
     store::{Store, StoreError},
@@ -136,11 +136,19 @@ pub struct Example<B: Broker> {
     pub ready: String,
 }
 
+/// What runs over the ledger, once it is open: a broker's consumer.
+pub trait OnLedger {
+    fn run<St: Ledger>(
+        self,
+        store: St,
+        settings: Settings,
+    ) -> impl Future<Output = Result<(), BrokerError>>;
+}
+
 /// Opens the ledger `DATABASE_URL` names (its tables created if missing)
-/// and runs the library's consumer loop over `example.broker` until
-/// SIGTERM: one line per delivery on stdout. The broker ending the
-/// subscription is exit 2, saying why.
-pub async fn consume<B: Broker>(example: Example<B>, settings: Settings) {
+/// and runs `consumer` over it. A broker that ends the subscription is
+/// exit 2, saying why.
+pub async fn with_ledger<C: OnLedger>(consumer: C, settings: Settings) {
     // The URLs may carry passwords: they are never logged.
     let url = settings.database_url.clone();
     let bound = settings.tx_timeout;
@@ -150,21 +158,24 @@ pub async fn consume<B: Broker>(example: Example<B>, settings: Settings) {
                 .transactional()
                 .create_table_if_missing()
                 .transaction_timeout(bound);
-            start(store.connect(&url).await, example, settings).await
+            let store = open(store.connect(&url).await).await;
+            consumer.run(store, settings).await
         }
         Database::MySql => {
             let store = MySqlStore::builder()
                 .transactional()
                 .create_table_if_missing()
                 .transaction_timeout(bound);
-            start(store.connect(&url).await, example, settings).await
+            let store = open(store.connect(&url).await).await;
+            consumer.run(store, settings).await
         }
         Database::Postgres => {
             let store = PostgresStore::builder()
                 .transactional()
                 .create_table_if_missing()
                 .transaction_timeout(bound);
-            start(store.connect(&url).await, example, settings).await
+            let store = open(store.connect(&url).await).await;
+            consumer.run(store, settings).await
         }
     };
     if let Err(error) = ended {
@@ -172,53 +183,76 @@ pub async fn consume<B: Broker>(example: Example<B>, settings: Settings) {
     }
 }
 
-/// Runs the loop over the ledger `store` connected to.
-async fn start<St: Ledger, B: Broker>(
-    store: Result<St, StoreError>,
-    example: Example<B>,
-    settings: Settings,
-) -> Result<(), BrokerError> {
-    let orders = IdempotencyProcessor::new(open(store).await)
-        .scope(example.scope)
+/// The library's consumer loop over `example.broker` until SIGTERM, over
+/// the ledger `DATABASE_URL` names: one line per delivery on stdout.
+pub async fn consume<B: Broker>(example: Example<B>, settings: Settings) {
+    with_ledger(example, settings).await
+}
+
+impl<B: Broker> OnLedger for Example<B> {
+    async fn run<St: Ledger>(self, store: St, settings: Settings) -> Result<(), BrokerError> {
+        let orders = processor(store, self.scope, &settings).budget(self.budget);
+        say(&self.ready);
+        let invalid = self.invalid;
+        let broker = AckDelay {
+            broker: self.broker,
+            delay: settings.ack_delay,
+        };
+        Consumer::new(broker, orders)
+            .passing_when(passing)
+            .on_settled(move |report| {
+                if let Some(line) = line(report, invalid) {
+                    say(&line);
+                }
+            })
+            .run(parse, charging::<St>(settings.work_delay), sigterm())
+            .await
+    }
+}
+
+/// The processor over the ledger, as every consumer configures it.
+pub fn processor<St: Ledger>(
+    store: St,
+    scope: &'static str,
+    settings: &Settings,
+) -> IdempotencyProcessor<St> {
+    IdempotencyProcessor::new(store)
+        .scope(scope)
         .lease(settings.lease)
-        .budget(example.budget);
-    say(&example.ready);
-    let invalid = example.invalid;
-    let work_delay = settings.work_delay;
-    let broker = AckDelay {
-        broker: example.broker,
-        delay: settings.ack_delay,
-    };
+}
+
+/// The work: the order's charge in the claim's transaction, then the
+/// payment processor (`WORK_DELAY_MS`), before the commit.
+pub fn charging<St: Ledger>(
+    work_delay: Duration,
+) -> impl AsyncFn(&mut St::Granted, &Order) -> Result<String, sqlx::Error> {
+    async move |tx: &mut St::Granted, order: &Order| {
+        St::charge(tx, order).await?;
+        tokio::time::sleep(work_delay).await;
+        Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
+    }
+}
+
+/// Data the database refuses is refused on every attempt; anything else
+/// may pass.
+pub fn passing(error: &sqlx::Error) -> bool {
+    !refuses_the_data(error)
+}
+
+/// Resolves at SIGTERM.
+pub fn sigterm() -> impl Future<Output = ()> + Send {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .unwrap_or_else(|e| exit_with(&format!("listening for SIGTERM: {e}")));
-    Consumer::new(broker, orders)
-        // Data the database refuses is refused on every attempt.
-        .passing_when(|error: &sqlx::Error| !refuses_the_data(error))
-        .on_settled(move |report| {
-            if let Some(line) = line(report, invalid) {
-                say(&line);
-            }
-        })
-        .run(
-            parse,
-            async move |tx: &mut St::Granted, order: &Order| {
-                St::charge(tx, order).await?;
-                // The payment processor, before the commit.
-                tokio::time::sleep(work_delay).await;
-                Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
-            },
-            async move {
-                term.recv().await;
-            },
-        )
-        .await
+    async move {
+        term.recv().await;
+    }
 }
 
 /// A delivery's line: `executed|duplicate|rejected|refused|undecided
 /// <order_id>`, or `invalid <the broker's name for it>`; none for a
 /// delivery given back undecided (delivered again).
-fn line<R>(
-    report: &Report<'_, R, Order, String, sqlx::Error>,
+pub fn line<R, M, E>(
+    report: &Report<'_, R, M, String, E>,
     invalid: fn(&R) -> String,
 ) -> Option<String> {
     let Some(parsed) = report.parsed else {
@@ -296,9 +330,13 @@ impl<B: Broker> Broker for AckDelay<B> {
         self.broker.ordering_key(received)
     }
 
-    async fn ack(&self, received: &B::Received) -> Result<(), BrokerError> {
+    async fn ack(&self, received: &B::Received, acked: Acked) -> Result<(), BrokerError> {
         tokio::time::sleep(self.delay).await;
-        self.broker.ack(received).await
+        self.broker.ack(received, acked).await
+    }
+
+    fn owns(&self, received: &B::Received) -> bool {
+        self.broker.owns(received)
     }
 
     fn give_back(
@@ -331,8 +369,9 @@ async fn open<St: Ledger>(store: Result<St, StoreError>) -> St {
     store
 }
 
-/// A transactional store the orders are charged in.
-pub trait Ledger: Store + Clone {
+/// A transactional store the orders are charged in (and, for Kafka, its
+/// positions kept).
+pub trait Ledger: Store + Clone + tower_idempotency_kafka::Positions {
     fn create_tables(&self) -> impl Future<Output = Result<(), Box<dyn std::error::Error>>>;
     /// Inserts the order's charge in the claim's transaction.
     fn charge(

@@ -22,6 +22,7 @@ use tower_idempotency::{
 use support::{
     amqp,
     consumer::{CHARGES, OrdersConsumer},
+    kafka::{KafkaServer, TestTopic},
     nats::{NatsServer, TestStream},
     sqlite::TestFile,
     sqs::{SqsServer, TestQueue},
@@ -175,6 +176,86 @@ async fn each_charge_reaches_the_downstream_ledger_once_across_relay_crashes() {
             .count(),
         20
     );
+}
+
+/// The chain on Kafka: payments → outbox → `outbox_relay` (killed between
+/// publishing and marking: Kafka keeps the resend, it deduplicates no
+/// relay's) → `kafka_orders`. One downstream charge per charge, the
+/// resends absorbed by the consumer's record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_kafka_each_charge_reaches_the_downstream_ledger_once_across_a_relay_crash() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 3).await;
+    let (payments_db, downstream_db) = (TestFile::create(), TestFile::create());
+    let payments = OrdersConsumer::start_example(
+        "payments",
+        &[
+            ("BIND_ADDR", "127.0.0.1:0"),
+            ("DATABASE_URL", &payments_db.url()),
+            ("OUTBOX_DESTINATION", &topic.name),
+        ],
+        "listening on",
+    )
+    .await;
+    let port = port_of(&payments.wait_for(|l| l.starts_with("listening on")).await);
+    for i in 0..8 {
+        assert_eq!(charge(port, &format!("order-{i}")).await, 201);
+    }
+    let relay_env = |pause: &str| {
+        vec![
+            ("DATABASE_URL".to_owned(), payments_db.url()),
+            ("OUTBOX_BROKER".to_owned(), "kafka".to_owned()),
+            ("KAFKA_BROKERS".to_owned(), server.brokers().to_owned()),
+            ("RELAY_CLAIM_MS".to_owned(), "1000".to_owned()),
+            ("PUBLISHED_PAUSE_MS".to_owned(), pause.to_owned()),
+        ]
+    };
+    let env = relay_env("5000");
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let mut dying = OrdersConsumer::start_example("outbox_relay", &env, "relaying").await;
+    dying.wait_for(|l| l.starts_with("published")).await;
+    dying.kill();
+    let env = relay_env("0");
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let _relay = OrdersConsumer::start_example("outbox_relay", &env, "relaying").await;
+    let consumer = OrdersConsumer::start_example(
+        "kafka_orders",
+        &[
+            ("KAFKA_BROKERS", server.brokers()),
+            ("KAFKA_TOPIC", &topic.name),
+            ("KAFKA_SESSION_TIMEOUT_MS", "6000"),
+            ("DATABASE_URL", &downstream_db.url()),
+        ],
+        "receiving from",
+    )
+    .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while count(&downstream_db, CHARGES).await < 8 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "consumer: {:?}",
+            consumer.lines()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let records = topic.read(&topic.name);
+    assert!(
+        records.len() > 8,
+        "the dead relay's message is in the topic twice"
+    );
+    // One account: one partition, in order.
+    assert!(
+        records
+            .iter()
+            .all(|r| r.key.as_deref() == Some("acct_alice"))
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        count(&downstream_db, CHARGES).await,
+        8,
+        "one downstream charge per charge"
+    );
+    assert!(consumer.lines().iter().any(|l| l.starts_with("duplicate")));
 }
 
 /// A transactional SQLite store and its outbox, in a file of its own.

@@ -1,0 +1,1024 @@
+//! Apache Kafka for [tower-idempotency], on rdkafka (librdkafka built from
+//! source): the consumer loop's adapter ([`Kafka`], run by
+//! [`KafkaConsumer`]) and the outbox's publisher ([`KafkaPublisher`]).
+//!
+//! Kafka has no redelivery: a consumer that commits an offset past an
+//! undecided record has lost it for good. So the consumed position is not
+//! the broker's: each record's position (topic, partition, offset + 1)
+//! commits **in the same transaction as its idempotency record and its
+//! effect**, in a small table beside the records ([`Positions`], on
+//! SQLite, PostgreSQL or MySQL). On assignment each partition seeks to its
+//! stored position (the earliest offset where none is stored); the group's
+//! committed offsets are written after, as a hint only. A new group id on
+//! the same database starts where the last one stood: nothing re-executed,
+//! nothing decided delivered again.
+//!
+//! The lose-nothing rule holds as on every broker: an unavailable or busy
+//! database, a commit of unknown outcome or a record in flight elsewhere is
+//! kept in hand and retried after a back-off, the records behind it on its
+//! partition waiting (the partition is paused once enough are in hand) —
+//! the position never moves past an undecided record, and nothing is
+//! dead-lettered for it. What can never succeed goes to a dead-letter topic
+//! (the value byte for byte, with `dead-letter-reason`, `original-topic`,
+//! `original-partition` and `original-offset` headers), and only then does
+//! the position move past it. Partitions are settled side by side, each in
+//! order; a partition revoked by a rebalance keeps no record unstarted (its
+//! new owner seeks to the stored position), and the one in hand commits or
+//! rolls back with no effect twice: the idempotency record makes the new
+//! owner's attempt a duplicate.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use tower_idempotency::{
+//!     SqliteStore, SqliteTx, sqlx,
+//!     message::{DeadLetterReason, IdempotencyProcessor, Parsed},
+//! };
+//! use tower_idempotency_kafka::{Kafka, KafkaConsumer, rdkafka::ClientConfig};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Order { order_id: String, amount: i64 }
+//!
+//! let store = SqliteStore::builder().transactional().create_table_if_missing().connect("sqlite://ledger.db").await?;
+//! let mut config = ClientConfig::new();
+//! config.set("bootstrap.servers", "127.0.0.1:9092").set("group.id", "ledger");
+//! let kafka = Kafka::builder(config, "orders", "ledger", store.clone()).build().await?;
+//! let orders = IdempotencyProcessor::new(store).scope("ledger");
+//! KafkaConsumer::new(kafka, orders)
+//!     .run(
+//!         |payload: &[u8]| {
+//!             let order: Order = serde_json::from_slice(payload)
+//!                 .map_err(|e| DeadLetterReason::invalid(e.to_string()))?;
+//!             Ok(Parsed { key: order.order_id.clone(), message: order })
+//!         },
+//!         async |tx: &mut SqliteTx, order: &Order| {
+//!             sqlx::query("INSERT INTO ledger (order_id, amount) VALUES (?1, ?2)")
+//!                 .bind(&order.order_id)
+//!                 .bind(order.amount)
+//!                 .execute(&mut **tx)
+//!                 .await
+//!                 .map(drop)
+//!         },
+//!         async { tokio::signal::ctrl_c().await.ok(); },
+//!     )
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! [tower-idempotency]: https://docs.rs/tower-idempotency
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+mod positions;
+
+use std::{
+    borrow::Cow,
+    collections::HashMap,
+    fmt,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+pub use positions::{MYSQL_SCHEMA, POSTGRES_SCHEMA, Position, Positions, SQLITE_SCHEMA, TABLE};
+pub use rdkafka;
+use rdkafka::{
+    ClientContext, Message, Offset, TopicPartitionList,
+    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+    client::DefaultClientContext,
+    config::ClientConfig,
+    consumer::{
+        BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer,
+    },
+    error::{KafkaError, RDKafkaErrorCode},
+    message::{Header, Headers, OwnedHeaders, OwnedMessage},
+    producer::{FutureProducer, FutureRecord, Producer as _},
+};
+use tokio::sync::mpsc;
+use tower_idempotency::{
+    PayloadFingerprint,
+    message::{
+        Acked, Broker, BrokerError, Consumer, DeadLetterReason, DeadLettered, IdempotencyProcessor,
+        Parsed, Received, Report,
+    },
+    outbox::{OutboxMessage, PublishError, Publisher},
+};
+
+/// Records of one partition in hand before it is paused: the rest waits
+/// in Kafka, not in memory.
+const PER_PARTITION: usize = 100;
+
+/// How long the start-up waits for the brokers to answer.
+const REACH: Duration = Duration::from_secs(5);
+
+/// A consumer group's topic, as the consumer loop drives it: see the
+/// [crate docs](crate). Built by [`Kafka::builder`], which reaches the
+/// brokers, creates the dead-letter topic if missing, and subscribes.
+pub struct Kafka<St> {
+    consumer: Arc<StreamConsumer<Rebalances>>,
+    producer: FutureProducer,
+    topic: String,
+    dead_letters: String,
+    name: String,
+    store: St,
+    records: tokio::sync::Mutex<mpsc::UnboundedReceiver<KafkaRecord>>,
+    partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
+    poller: tokio::task::JoinHandle<()>,
+}
+
+impl<St> fmt::Debug for Kafka<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Kafka")
+            .field("topic", &self.topic)
+            .field("dead_letters", &self.dead_letters)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St> Drop for Kafka<St> {
+    fn drop(&mut self) {
+        self.poller.abort();
+    }
+}
+
+/// What this consumer holds of one assigned partition.
+#[derive(Debug, Default)]
+struct PartitionState {
+    /// Bumped at each assignment: a record fetched under an earlier one is
+    /// no longer this consumer's.
+    generation: u64,
+    /// Records fetched and not answered yet.
+    in_hand: usize,
+    /// Paused for want of room (not for its seek).
+    full: bool,
+}
+
+/// Builds a [`Kafka`]: see [`Kafka::builder`].
+pub struct KafkaBuilder<St> {
+    config: ClientConfig,
+    topic: String,
+    name: String,
+    store: St,
+    dead_letters: Option<String>,
+}
+
+impl<St> fmt::Debug for KafkaBuilder<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaBuilder")
+            .field("topic", &self.topic)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a [`Kafka`] would not start: each says what to fix.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The configuration is refused (a missing `group.id`, an unknown
+    /// property).
+    #[error("the Kafka client configuration is refused: {0}")]
+    Config(KafkaError),
+    /// No broker answered within 5 s.
+    #[error("no Kafka broker answered at {brokers} within 5 s: {why}")]
+    Unreachable {
+        /// `bootstrap.servers`.
+        brokers: String,
+        /// What failed.
+        why: String,
+    },
+    /// The dead-letter topic could not be created.
+    #[error("the dead-letter topic {topic} could not be created: {why}")]
+    DeadLetters {
+        /// The topic.
+        topic: String,
+        /// What the broker said.
+        why: String,
+    },
+    /// The positions table could not be created or read.
+    #[error("the positions table: {0}")]
+    Positions(tower_idempotency::sqlx::Error),
+}
+
+impl<St: Positions> Kafka<St> {
+    /// A consumer of `topic` configured by `config` (which must name its
+    /// `bootstrap.servers` and `group.id`), keeping its positions under
+    /// `name` in `store`'s database. The adapter sets what its rule needs:
+    /// no auto-commit, no auto offset store, `auto.offset.reset=earliest`
+    /// (with nothing stored, a partition starts at its earliest offset:
+    /// starting at the end would skip what was produced before the first
+    /// start); a `session.timeout.ms` you set is kept.
+    ///
+    /// # Examples
+    ///
+    /// See the [crate docs](crate).
+    pub fn builder(
+        config: ClientConfig,
+        topic: impl Into<String>,
+        name: impl Into<String>,
+        store: St,
+    ) -> KafkaBuilder<St> {
+        KafkaBuilder {
+            config,
+            topic: topic.into(),
+            name: name.into(),
+            store,
+            dead_letters: None,
+        }
+    }
+
+    /// The topic consumed.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// The dead-letter topic.
+    pub fn dead_letter_topic(&self) -> &str {
+        &self.dead_letters
+    }
+}
+
+impl<St: Positions> KafkaBuilder<St> {
+    /// The dead-letter topic (default `<topic>.dead`), created at start-up
+    /// when missing.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn demo(builder: tower_idempotency_kafka::KafkaBuilder<tower_idempotency::SqliteTxStore>) {
+    /// let builder = builder.dead_letter_topic("orders.refused");
+    /// # let _ = builder; }
+    /// ```
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letters = Some(topic.into());
+        self
+    }
+
+    /// The adapter: the brokers reached, the dead-letter topic there, the
+    /// positions table there, the topic subscribed.
+    ///
+    /// # Errors
+    ///
+    /// See [`StartError`].
+    ///
+    /// # Examples
+    ///
+    /// See the [crate docs](crate).
+    pub async fn build(self) -> Result<Kafka<St>, StartError> {
+        let Self {
+            mut config,
+            topic,
+            name,
+            store,
+            dead_letters,
+        } = self;
+        let dead_letters = dead_letters.unwrap_or_else(|| format!("{topic}.dead"));
+        let brokers = config.get("bootstrap.servers").unwrap_or("").to_owned();
+        let producer: FutureProducer = producer_config(&config)
+            .create()
+            .map_err(StartError::Config)?;
+        // The brokers, within a bound.
+        let probe = producer.clone();
+        let reached = tokio::task::spawn_blocking(move || {
+            probe.client().fetch_metadata(None, REACH).map(drop)
+        })
+        .await
+        .map_err(|e| StartError::Unreachable {
+            brokers: brokers.clone(),
+            why: e.to_string(),
+        })?;
+        if let Err(error) = reached {
+            return Err(StartError::Unreachable {
+                brokers,
+                why: error.to_string(),
+            });
+        }
+        let admin: AdminClient<DefaultClientContext> =
+            admin_config(&config).create().map_err(StartError::Config)?;
+        let created = admin
+            .create_topics(
+                &[NewTopic::new(&dead_letters, 1, TopicReplication::Fixed(1))],
+                &AdminOptions::new().operation_timeout(Some(REACH)),
+            )
+            .await
+            .map_err(|e| StartError::DeadLetters {
+                topic: dead_letters.clone(),
+                why: e.to_string(),
+            })?;
+        for result in created {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((_, code)) => {
+                    return Err(StartError::DeadLetters {
+                        topic: dead_letters,
+                        why: code.to_string(),
+                    });
+                }
+            }
+        }
+        store
+            .create_positions_table()
+            .await
+            .map_err(StartError::Positions)?;
+        config
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest");
+        if config.get("session.timeout.ms").is_none() {
+            config.set("session.timeout.ms", "10000");
+        }
+        let (notices, notified) = mpsc::unbounded_channel();
+        let consumer: StreamConsumer<Rebalances> = config
+            .create_with_context(Rebalances {
+                topic: topic.clone(),
+                notices,
+            })
+            .map_err(StartError::Config)?;
+        consumer.subscribe(&[&topic]).map_err(StartError::Config)?;
+        let consumer = Arc::new(consumer);
+        let partitions = Arc::new(Mutex::new(HashMap::new()));
+        let (records, received) = mpsc::unbounded_channel();
+        let poller = tokio::spawn(
+            Poller {
+                consumer: consumer.clone(),
+                store: store.clone(),
+                topic: topic.clone(),
+                name: name.clone(),
+                partitions: partitions.clone(),
+                records,
+            }
+            .run(notified),
+        );
+        Ok(Kafka {
+            consumer,
+            producer,
+            topic,
+            dead_letters,
+            name,
+            store,
+            records: tokio::sync::Mutex::new(received),
+            partitions,
+            poller,
+        })
+    }
+}
+
+/// The producer's configuration, from the consumer's: the same brokers
+/// (and security), idempotent.
+fn producer_config(config: &ClientConfig) -> ClientConfig {
+    let mut producer = admin_config(config);
+    producer.set("enable.idempotence", "true");
+    producer
+}
+
+/// The brokers and security settings of `config`, without what only a
+/// consumer takes.
+fn admin_config(config: &ClientConfig) -> ClientConfig {
+    let mut admin = ClientConfig::new();
+    for (key, value) in config.config_map() {
+        let consumer_only = key.starts_with("group.")
+            || key.starts_with("session.")
+            || key.starts_with("enable.auto")
+            || key.starts_with("auto.")
+            || key.starts_with("max.poll")
+            || key.starts_with("heartbeat.")
+            || key.starts_with("partition.assignment");
+        if !consumer_only {
+            admin.set(key, value);
+        }
+    }
+    admin
+}
+
+/// A rebalance, told by librdkafka's callback to the poller.
+enum Notice {
+    Assigned(Vec<i32>),
+    Revoked(Vec<i32>),
+}
+
+/// The consumer's context: each assignment is paused at once (its
+/// partitions seek to their stored positions before anything is fetched)
+/// and told to the poller, as each revocation is.
+struct Rebalances {
+    topic: String,
+    notices: mpsc::UnboundedSender<Notice>,
+}
+
+impl ClientContext for Rebalances {}
+
+impl ConsumerContext for Rebalances {
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let ours = |tpl: &TopicPartitionList| -> Vec<i32> {
+            tpl.elements_for_topic(&self.topic)
+                .iter()
+                .map(|e| e.partition())
+                .collect()
+        };
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                if let Err(error) = consumer.pause(tpl) {
+                    tracing::error!(%error, "kafka: an assignment could not be paused for its seek");
+                }
+                let _ = self.notices.send(Notice::Assigned(ours(tpl)));
+            }
+            Rebalance::Revoke(tpl) => {
+                let _ = self.notices.send(Notice::Revoked(ours(tpl)));
+            }
+            Rebalance::Error(error) => tracing::warn!(%error, "kafka: a rebalance failed"),
+        }
+    }
+}
+
+/// Polls all the time — librdkafka needs a poll within
+/// `max.poll.interval.ms`, however long the loop keeps a record in hand —
+/// and hands records to the loop; seeks each assigned partition to its
+/// stored position; pauses a partition with enough in hand.
+struct Poller<St> {
+    consumer: Arc<StreamConsumer<Rebalances>>,
+    store: St,
+    topic: String,
+    name: String,
+    partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
+    records: mpsc::UnboundedSender<KafkaRecord>,
+}
+
+impl<St: Positions> Poller<St> {
+    async fn run(self, mut notices: mpsc::UnboundedReceiver<Notice>) {
+        loop {
+            tokio::select! {
+                biased;
+                Some(notice) = notices.recv() => self.rebalanced(notice).await,
+                received = self.consumer.recv() => match received {
+                    Ok(message) => self.hand_over(message.detach()),
+                    Err(error) => {
+                        tracing::warn!(%error, topic = %self.topic, "kafka: receiving failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                },
+            }
+        }
+    }
+
+    async fn rebalanced(&self, notice: Notice) {
+        match notice {
+            Notice::Revoked(revoked) => {
+                let mut partitions = lock(&self.partitions);
+                for partition in revoked {
+                    partitions.remove(&partition);
+                }
+            }
+            Notice::Assigned(assigned) => {
+                {
+                    let mut partitions = lock(&self.partitions);
+                    for partition in &assigned {
+                        let state = partitions.entry(*partition).or_default();
+                        state.generation += 1;
+                        state.in_hand = 0;
+                        state.full = false;
+                    }
+                }
+                self.seek(&assigned).await;
+            }
+        }
+    }
+
+    /// Seeks each partition to its stored position (its earliest offset
+    /// where none is stored), then lets it fetch; a database that cannot be
+    /// read keeps it paused and is asked again.
+    async fn seek(&self, assigned: &[i32]) {
+        let stored = loop {
+            match self.store.read_positions(&self.name, &self.topic).await {
+                Ok(stored) => break stored.into_iter().collect::<HashMap<i32, i64>>(),
+                Err(error) => {
+                    tracing::warn!(%error, "kafka: the stored positions cannot be read; the assignment waits");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        };
+        for partition in assigned {
+            let offset = match stored.get(partition) {
+                Some(next) => Offset::Offset(*next),
+                None => Offset::Beginning,
+            };
+            let mut one = TopicPartitionList::new();
+            if one
+                .add_partition_offset(&self.topic, *partition, offset)
+                .is_err()
+            {
+                continue;
+            }
+            let consumer = self.consumer.clone();
+            let sought = tokio::task::spawn_blocking(move || {
+                consumer.seek_partitions(one, Duration::from_secs(10))
+            })
+            .await;
+            match sought {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, partition, "kafka: a partition could not seek to its stored position")
+                }
+                Err(error) => tracing::warn!(%error, partition, "kafka: a seek failed"),
+            }
+            let mut resume = TopicPartitionList::new();
+            resume.add_partition(&self.topic, *partition);
+            if let Err(error) = self.consumer.resume(&resume) {
+                tracing::error!(%error, partition, "kafka: a partition could not resume");
+            }
+        }
+    }
+
+    fn hand_over(&self, message: OwnedMessage) {
+        let partition = message.partition();
+        let generation = {
+            let mut partitions = lock(&self.partitions);
+            let Some(state) = partitions.get_mut(&partition) else {
+                // Fetched before its revocation was told: its new owner
+                // takes it from the stored position.
+                return;
+            };
+            state.in_hand += 1;
+            if state.in_hand >= PER_PARTITION && !state.full {
+                state.full = true;
+                let mut tpl = TopicPartitionList::new();
+                tpl.add_partition(&self.topic, partition);
+                let _ = self.consumer.pause(&tpl);
+            }
+            state.generation
+        };
+        let _ = self.records.send(KafkaRecord {
+            message,
+            generation,
+        });
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// One Kafka record.
+pub struct KafkaRecord {
+    message: OwnedMessage,
+    /// Its partition's assignment when it was fetched.
+    generation: u64,
+}
+
+impl fmt::Debug for KafkaRecord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "KafkaRecord({}/{}@{})",
+            self.message.topic(),
+            self.message.partition(),
+            self.message.offset()
+        )
+    }
+}
+
+impl KafkaRecord {
+    /// The record, as rdkafka gives it.
+    pub fn message(&self) -> &OwnedMessage {
+        &self.message
+    }
+
+    /// `topic/partition@offset`: how the record is named.
+    pub fn coordinates(&self) -> String {
+        format!(
+            "{}/{}@{}",
+            self.message.topic(),
+            self.message.partition(),
+            self.message.offset()
+        )
+    }
+}
+
+/// `Kafka`'s deliveries: see [`Received`].
+impl Received for KafkaRecord {
+    fn payload(&self) -> &[u8] {
+        self.message.payload().unwrap_or_default()
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        let headers = self.message.headers()?;
+        headers
+            .iter()
+            .find(|header| header.key == name)
+            .and_then(|header| std::str::from_utf8(header.value?).ok())
+    }
+
+    /// `topic/partition@offset`.
+    fn message_id(&self) -> Option<Cow<'_, str>> {
+        Some(Cow::Owned(self.coordinates()))
+    }
+}
+
+impl<St: Positions> Kafka<St> {
+    /// The position after `record`.
+    fn position(&self, record: &KafkaRecord) -> Position {
+        Position {
+            consumer: self.name.clone(),
+            topic: self.topic.clone(),
+            partition: record.message.partition(),
+            next: record.message.offset() + 1,
+        }
+    }
+
+    /// `record` answered: one fewer in hand on its partition, which
+    /// fetches again once it has room.
+    fn answered(&self, record: &KafkaRecord) {
+        let partition = record.message.partition();
+        let mut partitions = lock(&self.partitions);
+        let Some(state) = partitions.get_mut(&partition) else {
+            return;
+        };
+        if state.generation != record.generation {
+            return;
+        }
+        state.in_hand = state.in_hand.saturating_sub(1);
+        if state.full && state.in_hand < PER_PARTITION / 2 {
+            state.full = false;
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(&self.topic, partition);
+            let _ = self.consumer.resume(&tpl);
+        }
+    }
+}
+
+impl<St: Positions> Broker for Kafka<St> {
+    type Received = KafkaRecord;
+
+    fn system(&self) -> &'static str {
+        "kafka"
+    }
+
+    fn destination(&self) -> &str {
+        &self.topic
+    }
+
+    async fn receive(
+        &self,
+        room: usize,
+        within: Duration,
+    ) -> Result<Vec<KafkaRecord>, BrokerError> {
+        let mut records = self.records.lock().await;
+        let mut batch = Vec::new();
+        match tokio::time::timeout(within, records.recv()).await {
+            Err(_) => return Ok(batch),
+            Ok(None) => return Err(format!("the consumer of {} stopped", self.topic).into()),
+            Ok(Some(record)) => batch.push(record),
+        }
+        while batch.len() < room {
+            match records.try_recv() {
+                Ok(record) => batch.push(record),
+                Err(_) => break,
+            }
+        }
+        Ok(batch)
+    }
+
+    /// Kafka holds nothing per record: the consumer polls all the time.
+    fn hold_interval(&self) -> Option<Duration> {
+        None
+    }
+
+    /// The partition: each partition's records are settled in order.
+    fn ordering_key<'a>(&self, record: &'a KafkaRecord) -> Option<Cow<'a, str>> {
+        Some(Cow::Owned(record.message.partition().to_string()))
+    }
+
+    /// Its partition still assigned since it was fetched. Called once, when
+    /// its turn comes: a record no longer ours is let go here.
+    fn owns(&self, record: &KafkaRecord) -> bool {
+        let ours = lock(&self.partitions)
+            .get(&record.message.partition())
+            .is_some_and(|state| state.generation == record.generation);
+        if !ours {
+            self.answered(record);
+        }
+        ours
+    }
+
+    /// An execution stored its position in its own transaction; anything
+    /// else decided stores it now. Then the group's offset, as a hint.
+    async fn ack(&self, record: &KafkaRecord, acked: Acked) -> Result<(), BrokerError> {
+        let position = self.position(record);
+        let stored = match acked {
+            Acked::Executed => Ok(()),
+            Acked::Decided => self.store.store_position(&position).await,
+        };
+        self.answered(record);
+        stored?;
+        let mut hint = TopicPartitionList::new();
+        if hint
+            .add_partition_offset(
+                &self.topic,
+                position.partition,
+                Offset::Offset(position.next),
+            )
+            .is_ok()
+        {
+            let _ = self.consumer.commit(&hint, CommitMode::Async);
+        }
+        Ok(())
+    }
+
+    /// Nothing to tell Kafka: the position stays before the record, which
+    /// is read again from there (after a restart, or by the partition's
+    /// next owner).
+    async fn give_back(&self, record: &KafkaRecord, _: Duration) -> Result<(), BrokerError> {
+        self.answered(record);
+        Ok(())
+    }
+
+    async fn dead_letter(
+        &self,
+        record: &KafkaRecord,
+        reason: &DeadLetterReason,
+    ) -> Result<DeadLettered, BrokerError> {
+        let message = &record.message;
+        // A header value holds one line.
+        let why = reason.to_string().replace(['\r', '\n'], " ");
+        let (partition, offset) = (
+            message.partition().to_string(),
+            message.offset().to_string(),
+        );
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "dead-letter-reason",
+                value: Some(why.as_str()),
+            })
+            .insert(Header {
+                key: "dead-letter-kind",
+                value: Some(reason.kind()),
+            })
+            .insert(Header {
+                key: "original-topic",
+                value: Some(message.topic()),
+            })
+            .insert(Header {
+                key: "original-partition",
+                value: Some(partition.as_str()),
+            })
+            .insert(Header {
+                key: "original-offset",
+                value: Some(offset.as_str()),
+            });
+        let mut dead = FutureRecord::to(&self.dead_letters)
+            .payload(message.payload().unwrap_or_default())
+            .headers(headers);
+        if let Some(key) = message.key() {
+            dead = dead.key(key);
+        }
+        self.producer
+            .send(dead, Duration::from_secs(30))
+            .await
+            .map_err(|(error, _)| {
+                format!(
+                    "the dead-letter topic {} refused it: {error}",
+                    self.dead_letters
+                )
+            })?;
+        Ok(DeadLettered::Moved)
+    }
+
+    async fn close(&self) {
+        self.poller.abort();
+        self.consumer.unsubscribe();
+    }
+}
+
+/// The consumer loop over [`Kafka`]: the library's
+/// [`Consumer`](tower_idempotency::message::Consumer), whose work also
+/// writes each record's position in its transaction.
+pub struct KafkaConsumer<St: Positions, F, M, T, E> {
+    inner: Consumer<Kafka<St>, St, F, Positioned<M>, T, E>,
+}
+
+impl<St: Positions, F, M, T, E> fmt::Debug for KafkaConsumer<St, F, M, T, E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+/// A record's message, with the position its work stores.
+#[derive(Debug)]
+pub struct Positioned<M> {
+    /// The position after the record.
+    pub position: Position,
+    /// The message.
+    pub message: M,
+}
+
+impl<St, F, M, T, E> KafkaConsumer<St, F, M, T, E>
+where
+    St: Positions,
+    F: PayloadFingerprint,
+    M: Send + Sync,
+    T: serde::Serialize + serde::de::DeserializeOwned,
+    E: fmt::Display + From<tower_idempotency::sqlx::Error>,
+{
+    /// The loop over `kafka`, settling each record with `processor`: see
+    /// [`Consumer::new`].
+    ///
+    /// # Examples
+    ///
+    /// See the [crate docs](crate).
+    pub fn new(kafka: Kafka<St>, processor: IdempotencyProcessor<St, F>) -> Self {
+        Self {
+            inner: Consumer::new(kafka, processor),
+        }
+    }
+
+    /// See [`Consumer::in_hand`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn demo(consumer: tower_idempotency_kafka::KafkaConsumer<tower_idempotency::SqliteTxStore, tower_idempotency::DefaultFingerprint, (), (), tower_idempotency::sqlx::Error>) {
+    /// let consumer = consumer.in_hand(64);
+    /// # let _ = consumer; }
+    /// ```
+    pub fn in_hand(self, deliveries: usize) -> Self {
+        Self {
+            inner: self.inner.in_hand(deliveries),
+        }
+    }
+
+    /// See [`Consumer::passing_when`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn demo(consumer: tower_idempotency_kafka::KafkaConsumer<tower_idempotency::SqliteTxStore, tower_idempotency::DefaultFingerprint, (), (), tower_idempotency::sqlx::Error>) {
+    /// let consumer = consumer.passing_when(|error| error.as_database_error().is_none());
+    /// # let _ = consumer; }
+    /// ```
+    pub fn passing_when(self, passing: impl Fn(&E) -> bool + Send + Sync + 'static) -> Self {
+        Self {
+            inner: self.inner.passing_when(passing),
+        }
+    }
+
+    /// See [`Consumer::on_settled`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn demo(consumer: tower_idempotency_kafka::KafkaConsumer<tower_idempotency::SqliteTxStore, tower_idempotency::DefaultFingerprint, (), (), tower_idempotency::sqlx::Error>) {
+    /// let consumer = consumer.on_settled(|report| println!("{}", report.disposition));
+    /// # let _ = consumer; }
+    /// ```
+    pub fn on_settled(
+        self,
+        report: impl Fn(&Report<'_, KafkaRecord, Positioned<M>, T, E>) + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            inner: self.inner.on_settled(report),
+        }
+    }
+
+    /// Runs the loop (see [`Consumer::run`]) until `shutdown` completes:
+    /// `parse` reads each record's business key and message, `work` does
+    /// the effect in the store's transaction — with the record's position,
+    /// which commits with them.
+    ///
+    /// # Errors
+    ///
+    /// See [`Consumer::run`].
+    ///
+    /// # Examples
+    ///
+    /// See the [crate docs](crate).
+    pub async fn run<P, W>(
+        self,
+        parse: P,
+        work: W,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> Result<(), BrokerError>
+    where
+        P: Fn(&[u8]) -> Result<Parsed<M>, DeadLetterReason>,
+        W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
+    {
+        let name = self.inner_broker_name();
+        self.inner
+            .run_received(
+                |record: &KafkaRecord| {
+                    let parsed = parse(record.payload())?;
+                    let message = &record.message;
+                    Ok(Parsed {
+                        key: parsed.key,
+                        message: Positioned {
+                            position: Position {
+                                consumer: name.0.clone(),
+                                topic: name.1.clone(),
+                                partition: message.partition(),
+                                next: message.offset() + 1,
+                            },
+                            message: parsed.message,
+                        },
+                    })
+                },
+                async |tx: &mut St::Granted, positioned: &Positioned<M>| {
+                    St::store_position_in(tx, &positioned.position).await?;
+                    work(tx, &positioned.message).await
+                },
+                shutdown,
+            )
+            .await
+    }
+
+    fn inner_broker_name(&self) -> (String, String) {
+        let kafka = self.inner.broker();
+        (kafka.name.clone(), kafka.topic.clone())
+    }
+}
+
+/// The outbox's publisher to Kafka: the idempotent producer
+/// (`enable.idempotence`), each message to the topic its destination
+/// names, its ordering key as the record key (so one account's events stay
+/// in order on one partition; without one, its id), its id as the
+/// `message-id` header, its headers as Kafka headers. A broker that is down
+/// is retried by the relay; an unknown topic is refused (kept). Kafka does
+/// not deduplicate a resend after a relay crash — the idempotent producer
+/// only drops its own retries within a session — so the consumer's record
+/// absorbs it.
+///
+/// # Examples
+///
+/// ```no_run
+/// # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use tower_idempotency_kafka::{KafkaPublisher, rdkafka::ClientConfig};
+///
+/// let publisher = KafkaPublisher::new(ClientConfig::new().set("bootstrap.servers", "127.0.0.1:9092"))?;
+/// # let _ = publisher; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct KafkaPublisher {
+    producer: FutureProducer,
+}
+
+impl fmt::Debug for KafkaPublisher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaPublisher").finish_non_exhaustive()
+    }
+}
+
+impl KafkaPublisher {
+    /// An idempotent producer configured by `config` (its brokers and
+    /// security).
+    ///
+    /// # Errors
+    ///
+    /// The configuration's.
+    ///
+    /// # Examples
+    ///
+    /// See [`KafkaPublisher`].
+    pub fn new(config: &ClientConfig) -> Result<Self, KafkaError> {
+        Ok(Self {
+            producer: producer_config(config).create()?,
+        })
+    }
+}
+
+impl Publisher for KafkaPublisher {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        let mut headers = OwnedHeaders::new().insert(Header {
+            key: "message-id",
+            value: Some(message.id.as_str()),
+        });
+        for (name, value) in &message.headers {
+            headers = headers.insert(Header {
+                key: name.as_str(),
+                value: Some(value.as_str()),
+            });
+        }
+        let key = message.ordering_key.as_deref().unwrap_or(&message.id);
+        let record = FutureRecord::to(&message.destination)
+            .key(key)
+            .payload(&message.payload)
+            .headers(headers);
+        match self.producer.send(record, Duration::from_secs(30)).await {
+            Ok(_) => Ok(()),
+            Err((KafkaError::MessageProduction(code), _))
+                if matches!(
+                    code,
+                    RDKafkaErrorCode::UnknownTopicOrPartition
+                        | RDKafkaErrorCode::UnknownTopic
+                        | RDKafkaErrorCode::TopicAuthorizationFailed
+                        | RDKafkaErrorCode::MessageSizeTooLarge
+                        | RDKafkaErrorCode::InvalidTopic
+                ) =>
+            {
+                Err(PublishError::Refused(format!(
+                    "{}: {code}",
+                    message.destination
+                )))
+            }
+            Err((error, _)) => Err(PublishError::Unavailable(error.into())),
+        }
+    }
+}

