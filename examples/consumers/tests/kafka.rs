@@ -3,6 +3,9 @@
 //! PostgreSQL, MySQL), counting rows of `order_charges` (no unique
 //! constraint: a double execution shows), the dead-letter topic and the
 //! stored positions.
+//!
+//! What only this broker has; what every broker promises is in
+//! `tests/brokers.rs`, written once.
 
 mod support;
 
@@ -14,7 +17,6 @@ use support::{
     mysql::TestDatabase as MySqlDatabase,
     postgres::TestDatabase,
     process::run_example_to_exit,
-    relay::Relay,
     sqlite::TestFile,
 };
 
@@ -124,66 +126,6 @@ async fn duplicates_across_partitions_charge_once_and_what_can_never_succeed_is_
     }
 }
 
-/// Killed (-9) mid-work: nothing committed — no charge, no position — and
-/// the next consumer charges each order once, none lost.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_mid_work_nothing_commits_and_each_order_is_charged_once() {
-    let server = KafkaServer::start();
-    let topic = TestTopic::create(&server, 2).await;
-    let db = TestDatabase::create();
-    produce_orders(&topic, 6).await;
-    let mut first = consumer(
-        &server,
-        &topic,
-        "g1",
-        db.url(),
-        &[("WORK_DELAY_MS", "10000")],
-    )
-    .await;
-    db.wait_for_count(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-         AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'",
-        |n| n >= 1,
-        "the work never started",
-    )
-    .await;
-    first.kill();
-    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
-    let second = consumer(&server, &topic, "g1", db.url(), &[]).await;
-    all_decided(&[&second], 6, Duration::from_secs(60)).await;
-    assert_eq!(db.count(CHARGES).await, 6);
-    assert_eq!(
-        db.count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
-            .await,
-        0
-    );
-}
-
-/// The database cut for a while: each record is kept in hand, its
-/// partition waiting; nothing dead-lettered, and everything charged once
-/// it is back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_database_outage_dead_letters_nothing_and_everything_is_charged_once_after() {
-    let server = KafkaServer::start();
-    let topic = TestTopic::create(&server, 2).await;
-    let db = TestDatabase::create();
-    let relay = Relay::start(&db.host_port()).await;
-    let url = db.url_via(relay.port());
-    let c = consumer(&server, &topic, "g1", &url, &[]).await;
-    relay.cut();
-    produce_orders(&topic, 8).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    assert!(
-        !c.lines().iter().any(|l| l.contains("order-")),
-        "{:?}",
-        c.lines()
-    );
-    relay.restore();
-    all_decided(&[&c], 8, Duration::from_secs(90)).await;
-    assert_eq!(db.count(CHARGES).await, 8);
-    assert!(topic.dead_letters().is_empty(), "nothing dead-lettered");
-}
-
 /// Three consumers joining one group, one killed mid-stream: every order
 /// charged once, across the rebalances.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -242,8 +184,8 @@ async fn a_fresh_group_on_the_same_database_executes_nothing_again() {
     assert_eq!(file.count(CHARGES).await, 6);
 }
 
-/// SIGTERM mid-work: the work in hand finishes and commits, the consumer
-/// exits 0, and its restart charges nothing twice.
+/// SIGTERM on MySQL: the work in hand finishes and commits with its
+/// position, the consumer exits 0, and its restart charges nothing twice.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_the_work_in_hand_exits_zero_and_nothing_runs_twice() {
     let server = KafkaServer::start();

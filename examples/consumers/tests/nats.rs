@@ -2,6 +2,9 @@
 //! free port for each test) and real databases (SQLite files,
 //! PostgreSQL), counting rows of `order_charges` (no unique constraint: a
 //! double execution shows).
+//!
+//! What only this broker has; what every broker promises is in
+//! `tests/brokers.rs`, written once.
 
 mod support;
 
@@ -17,8 +20,6 @@ use support::{
 };
 
 const DURABLE: &str = "orders_test";
-const IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-     AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
 
 fn dead(stream: &TestStream) -> String {
     format!("{}.dead", stream.subject)
@@ -110,115 +111,6 @@ async fn work_three_times_ack_wait_is_never_redelivered_mid_work() {
         "delivered once: {lines:?}"
     );
     assert_eq!(file.count(CHARGES).await, 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_between_commit_and_ack_the_redelivery_is_a_duplicate() {
-    let server = NatsServer::start();
-    let stream = TestStream::create(&server).await;
-    let db = TestDatabase::create();
-    let extra = [("ACK_DELAY_MS", "10000"), ("ACK_WAIT_MS", "1000")];
-    let mut c = consumer(&server, &stream, db.url(), &extra).await;
-    stream.publish(&order("order-1", 500), None).await;
-    db.wait_for_count(CHARGES, |n| n == 1, "the order was never charged")
-        .await;
-    c.kill();
-    let c = consumer(&server, &stream, db.url(), &[("ACK_WAIT_MS", "1000")]).await;
-    c.wait_for(|l| l == "duplicate order-1").await;
-    stream.drained(DURABLE).await;
-    assert_eq!(db.count(CHARGES).await, 1);
-    assert_eq!(count(&[&c], |l| l.starts_with("executed")), 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_mid_work_nothing_commits_and_the_redelivery_executes_once() {
-    let server = NatsServer::start();
-    let stream = TestStream::create(&server).await;
-    let db = TestDatabase::create();
-    let extra = [("WORK_DELAY_MS", "10000"), ("ACK_WAIT_MS", "1000")];
-    let mut c = consumer(&server, &stream, db.url(), &extra).await;
-    stream.publish(&order("order-1", 500), None).await;
-    db.wait_for_count(
-        IN_TRANSACTION,
-        |n| n == 1,
-        "the work never inserted its row",
-    )
-    .await;
-    c.kill();
-    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
-    let c = consumer(&server, &stream, db.url(), &[("ACK_WAIT_MS", "1000")]).await;
-    c.wait_for(|l| l == "executed order-1").await;
-    stream.drained(DURABLE).await;
-    assert_eq!(db.count(CHARGES).await, 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_consumers_and_concurrent_duplicates_one_charge_per_order() {
-    let server = NatsServer::start();
-    let stream = TestStream::create(&server).await;
-    let db = TestDatabase::create();
-    let extra = [("WORK_DELAY_MS", "20")];
-    let first = consumer(&server, &stream, db.url(), &extra).await;
-    let second = consumer(&server, &stream, db.url(), &extra).await;
-    let orders = 20;
-    for i in 0..orders * 3 {
-        stream
-            .publish(&order(&format!("order-{}", i % orders), 500), None)
-            .await;
-    }
-    stream.drained(DURABLE).await;
-    let twice = db
-        .count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
-        .await;
-    assert_eq!(twice, 0, "no order charged twice");
-    assert_eq!(db.count(CHARGES).await, orders);
-    assert_eq!(
-        count(&[&first, &second], |l| l.starts_with("executed")),
-        orders as usize
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_the_database_unreachable_an_order_waits_and_is_charged_once_it_returns() {
-    let server = NatsServer::start();
-    let stream = TestStream::create(&server).await;
-    let db = TestDatabase::create();
-    let relay = Relay::start(&db.host_port()).await;
-    let url = db.url_via(relay.port());
-    let c = consumer(&server, &stream, &url, &[]).await;
-    relay.cut();
-    stream.publish(&order("order-1", 500), None).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    assert!(
-        !c.lines().iter().any(|l| l.ends_with("order-1")),
-        "{:?}",
-        c.lines()
-    );
-    relay.restore();
-    c.wait_for_within(|l| l == "executed order-1", Duration::from_secs(60))
-        .await;
-    stream.drained(DURABLE).await;
-    assert_eq!(db.count(CHARGES).await, 1);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_finishes_and_acknowledges_the_work_in_hand_then_exits_zero() {
-    let server = NatsServer::start();
-    let stream = TestStream::create(&server).await;
-    let db = TestDatabase::create();
-    let mut c = consumer(&server, &stream, db.url(), &[("WORK_DELAY_MS", "2000")]).await;
-    stream.publish(&order("order-1", 500), None).await;
-    db.wait_for_count(IN_TRANSACTION, |n| n == 1, "the work never started")
-        .await;
-    c.terminate();
-    let status = c.exited(Duration::from_secs(15)).await;
-    assert!(status.success(), "{status}");
-    assert_eq!(
-        c.lines().last().map(String::as_str),
-        Some("executed order-1")
-    );
-    stream.drained(DURABLE).await;
-    assert_eq!(db.count(CHARGES).await, 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

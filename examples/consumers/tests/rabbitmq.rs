@@ -1,6 +1,9 @@
 //! The `orders_consumer` example on a real RabbitMQ and real databases
 //! (PostgreSQL, SQLite, MySQL), counting rows of `order_charges` (no unique
 //! constraint: a double execution shows).
+//!
+//! What only this broker has; what every broker promises is in
+//! `tests/brokers.rs`, written once.
 
 mod support;
 
@@ -10,7 +13,6 @@ use support::{
     amqp::TestQueue,
     consumer::{CHARGES, OrdersConsumer, count, order},
     postgres::TestDatabase,
-    relay::Relay,
     sqlite::TestFile,
 };
 
@@ -27,148 +29,6 @@ async fn drained(queue: &TestQueue) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("{} still has {} messages", queue.name, queue.ready().await);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_order_published_twice_charges_once_and_both_are_acknowledged() {
-    let db = TestDatabase::create();
-    let queue = TestQueue::declare().await;
-    let consumer =
-        OrdersConsumer::start(&[("DATABASE_URL", db.url()), ("QUEUE", &queue.name)]).await;
-
-    queue.publish(&order("order-1", 500)).await;
-    queue.publish(&order("order-1", 500)).await;
-    consumer.wait_for(|l| l == "executed order-1").await;
-    consumer.wait_for(|l| l == "duplicate order-1").await;
-    // Same order id, other amount: rejected, not charged.
-    queue.publish(&order("order-1", 900)).await;
-    consumer.wait_for(|l| l == "rejected order-1").await;
-    // Not an order at all.
-    queue.publish("{not json").await;
-    consumer.wait_for(|l| l.starts_with("invalid ")).await;
-    drained(&queue).await;
-    assert_eq!(charges(&db).await, 1);
-    queue.delete().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_between_commit_and_ack_the_redelivery_is_a_duplicate() {
-    let db = TestDatabase::create();
-    let queue = TestQueue::declare().await;
-    let env = [("DATABASE_URL", db.url()), ("QUEUE", queue.name.as_str())];
-    let mut consumer = OrdersConsumer::start(&[env[0], env[1], ("ACK_DELAY_MS", "5000")]).await;
-    queue.publish(&order("order-1", 500)).await;
-    // Committed, not yet acknowledged.
-    db.wait_for_count(CHARGES, |n| n == 1, "the order was never charged")
-        .await;
-    consumer.kill();
-
-    // The broker redelivers the unacknowledged message to the new consumer.
-    let consumer = OrdersConsumer::start(&env).await;
-    consumer.wait_for(|l| l == "duplicate order-1").await;
-    drained(&queue).await;
-    assert_eq!(charges(&db).await, 1, "still one charge");
-    assert!(!consumer.lines().iter().any(|l| l.starts_with("executed")));
-    queue.delete().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_mid_work_nothing_commits_and_the_redelivery_executes_once() {
-    let db = TestDatabase::create();
-    let queue = TestQueue::declare().await;
-    let env = [("DATABASE_URL", db.url()), ("QUEUE", queue.name.as_str())];
-    let mut consumer = OrdersConsumer::start(&[env[0], env[1], ("WORK_DELAY_MS", "5000")]).await;
-    queue.publish(&order("order-1", 500)).await;
-    // Killed once the row is inserted, uncommitted, while the "processor"
-    // waits.
-    let inserted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                    AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
-    db.wait_for_count(inserted, |n| n == 1, "the work never inserted its row")
-        .await;
-    consumer.kill();
-    assert_eq!(charges(&db).await, 0, "nothing committed");
-
-    let consumer = OrdersConsumer::start(&env).await;
-    consumer.wait_for(|l| l == "executed order-1").await;
-    drained(&queue).await;
-    assert_eq!(charges(&db).await, 1);
-    queue.delete().await;
-}
-
-/// The database unreachable while an order waits: the consumer puts the
-/// message back (no ack, nothing charged, nothing lost) and charges the
-/// order once the database is back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_the_database_unreachable_an_order_waits_and_is_charged_once_it_returns() {
-    let db = TestDatabase::create();
-    let relay = Relay::start(&db.host_port()).await;
-    let queue = TestQueue::declare().await;
-    let url = db.url_via(relay.port());
-    let consumer = OrdersConsumer::start(&[("DATABASE_URL", &url), ("QUEUE", &queue.name)]).await;
-
-    relay.cut();
-    queue.publish(&order("order-1", 500)).await;
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert!(
-        !consumer.lines().iter().any(|l| l.ends_with("order-1")),
-        "no outcome while the database is away: {:?}",
-        consumer.lines()
-    );
-    assert_eq!(charges(&db).await, 0);
-
-    relay.restore();
-    consumer.wait_for(|l| l == "executed order-1").await;
-    drained(&queue).await;
-    assert_eq!(charges(&db).await, 1);
-    queue.delete().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn two_consumers_and_concurrent_duplicates_one_charge_per_order() {
-    let db = TestDatabase::create();
-    let queue = TestQueue::declare().await;
-    let env = [
-        ("DATABASE_URL", db.url()),
-        ("QUEUE", queue.name.as_str()),
-        ("WORK_DELAY_MS", "20"),
-    ];
-    let first = OrdersConsumer::start(&env).await;
-    let second = OrdersConsumer::start(&env).await;
-    let orders = 20;
-    let publishes = (0..orders * 3).map(|i| {
-        let queue = &queue;
-        async move {
-            queue
-                .publish(&order(&format!("order-{}", i % orders), 500))
-                .await
-        }
-    });
-    futures_util::future::join_all(publishes).await;
-    drained(&queue).await;
-    // Every delivery answered: executed or duplicate (in-flight ones requeued).
-    for _ in 0..200 {
-        let done = [&first, &second]
-            .iter()
-            .flat_map(|c| c.lines())
-            .filter(|l| l.starts_with("executed") || l.starts_with("duplicate"))
-            .count();
-        if done == (orders * 3) as usize {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let per_order = db
-        .count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
-        .await;
-    assert_eq!(per_order, 0, "no order charged twice");
-    assert_eq!(charges(&db).await, orders);
-    let executed = [&first, &second]
-        .iter()
-        .flat_map(|c| c.lines())
-        .filter(|l| l.starts_with("executed"))
-        .count();
-    assert_eq!(executed, orders as usize);
-    queue.delete().await;
 }
 
 /// Orders that can never be processed — an order id that is no valid key, a

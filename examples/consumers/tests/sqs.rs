@@ -2,6 +2,9 @@
 //! `moto_server`, started on a free port for each test) and real
 //! databases (SQLite files, PostgreSQL), counting rows of `order_charges`
 //! (no unique constraint: a double execution shows).
+//!
+//! What only this broker has; what every broker promises is in
+//! `tests/brokers.rs`, written once.
 
 mod support;
 
@@ -111,42 +114,6 @@ async fn work_three_times_the_visibility_timeout_is_never_redelivered_mid_work()
     assert_eq!(file.count(CHARGES).await, 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_between_commit_and_delete_the_redelivery_is_a_duplicate() {
-    let server = SqsServer::start();
-    let queue = TestQueue::create(&server, 2).await;
-    let db = TestDatabase::create();
-    let mut c = consumer(&server, &queue, db.url(), &[("ACK_DELAY_MS", "10000")]).await;
-    queue.send(&order("order-1", 500)).await;
-    db.wait_for_count(CHARGES, |n| n == 1, "the order was never charged")
-        .await;
-    c.kill();
-    let c = consumer(&server, &queue, db.url(), &[]).await;
-    c.wait_for(|l| l == "duplicate order-1").await;
-    queue.drained().await;
-    assert_eq!(db.count(CHARGES).await, 1, "still one charge");
-    assert_eq!(count(&[&c], |l| l.starts_with("executed")), 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_mid_work_nothing_commits_and_the_redelivery_executes_once() {
-    let server = SqsServer::start();
-    let queue = TestQueue::create(&server, 2).await;
-    let db = TestDatabase::create();
-    let mut c = consumer(&server, &queue, db.url(), &[("WORK_DELAY_MS", "10000")]).await;
-    queue.send(&order("order-1", 500)).await;
-    let inserted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                    AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
-    db.wait_for_count(inserted, |n| n == 1, "the work never inserted its row")
-        .await;
-    c.kill();
-    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
-    let c = consumer(&server, &queue, db.url(), &[]).await;
-    c.wait_for(|l| l == "executed order-1").await;
-    queue.drained().await;
-    assert_eq!(db.count(CHARGES).await, 1);
-}
-
 /// Two consumers, each order sent three times in quick succession (SQS
 /// batches them): one charge per order, every message deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -177,57 +144,6 @@ async fn two_consumers_and_batched_duplicates_one_charge_per_order() {
         count(&[&first, &second], |l| l.starts_with("executed")),
         orders as usize
     );
-}
-
-/// The database unreachable: the message stays in the queue (visible again
-/// after a back-off), nothing is charged; once the database is back, the
-/// order is charged once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_the_database_unreachable_an_order_waits_and_is_charged_once_it_returns() {
-    let server = SqsServer::start();
-    let queue = TestQueue::create(&server, 5).await;
-    let db = TestDatabase::create();
-    let relay = Relay::start(&db.host_port()).await;
-    let url = db.url_via(relay.port());
-    let c = consumer(&server, &queue, &url, &[]).await;
-    relay.cut();
-    queue.send(&order("order-1", 500)).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
-    assert!(
-        !c.lines().iter().any(|l| l.ends_with("order-1")),
-        "{:?}",
-        c.lines()
-    );
-    assert_eq!(queue.depth().await, 1, "kept, not lost");
-    relay.restore();
-    c.wait_for_within(|l| l == "executed order-1", Duration::from_secs(60))
-        .await;
-    queue.drained().await;
-    assert_eq!(db.count(CHARGES).await, 1);
-}
-
-/// SIGTERM while a message's work runs: the consumer stops receiving,
-/// finishes and deletes it, and exits 0.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_finishes_and_deletes_the_work_in_hand_then_exits_zero() {
-    let server = SqsServer::start();
-    let queue = TestQueue::create(&server, 30).await;
-    let db = TestDatabase::create();
-    let mut c = consumer(&server, &queue, db.url(), &[("WORK_DELAY_MS", "2000")]).await;
-    queue.send(&order("order-1", 500)).await;
-    let inserted = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-                    AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
-    db.wait_for_count(inserted, |n| n == 1, "the work never started")
-        .await;
-    c.terminate();
-    let status = c.exited(Duration::from_secs(15)).await;
-    assert!(status.success(), "{status}");
-    assert_eq!(
-        c.lines().last().map(String::as_str),
-        Some("executed order-1")
-    );
-    assert_eq!(queue.depth().await, 0, "deleted before exiting");
-    assert_eq!(db.count(CHARGES).await, 1);
 }
 
 /// A FIFO queue: a group's messages are charged in order, and a producer's

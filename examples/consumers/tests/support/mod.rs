@@ -7,6 +7,7 @@
 
 pub mod amqp;
 pub mod consumer;
+pub mod fixture;
 pub mod kafka;
 pub mod nats;
 #[path = "../../../support/process.rs"]

@@ -1,0 +1,270 @@
+//! What every consumer promises, written once and run on every broker —
+//! SQS (moto), NATS JetStream (a private `nats-server -js`), RabbitMQ (the
+//! local broker), Kafka (a private `tansu`) — each through its consumer
+//! example, counting rows of `order_charges` (no unique constraint: a
+//! double execution shows), dead letters and what the broker still holds:
+//!
+//! - duplicates charge once; a poison message and a key reused with
+//!   another payload are dead-lettered, each with its true reason;
+//! - killed (-9) mid-work: nothing commits, and each order is charged once;
+//! - killed between the commit and the acknowledgement: the redelivery is
+//!   a duplicate;
+//! - the database cut through a relay: nothing dead-lettered, every order
+//!   charged once after the heal;
+//! - SIGTERM mid-work: the work in hand finishes and is answered, exit 0;
+//! - three consumers over concurrent duplicates: each order once.
+//!
+//! What only one broker has (a delivery budget, a visibility timeout, a
+//! FIFO group, a partition's position) is tested in its own file.
+
+mod support;
+
+use std::time::Duration;
+
+use support::{
+    consumer::{CHARGES, OrdersConsumer, count, order},
+    fixture::{Fixture, Kafka, Nats, RabbitMq, Sqs},
+    postgres::TestDatabase,
+    relay::Relay,
+    sqlite::TestFile,
+};
+
+/// The work's row inserted, its transaction open.
+const IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+     AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
+
+/// Orders charged more than once.
+const TWICE: &str = "SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id \
+     HAVING count(*) <> 1) AS twice";
+
+/// Waits until `consumers` have said `line`.
+async fn said(consumers: &[&OrdersConsumer], line: &str, within: Duration) {
+    let deadline = std::time::Instant::now() + within;
+    while count(consumers, |l| l == line) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {line:?} within {within:?}: {:?}",
+            consumers.iter().flat_map(|c| c.lines()).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn duplicates_charge_once_and_what_can_never_succeed_is_dead_lettered<B: Fixture>() {
+    let broker = B::start().await;
+    let file = TestFile::create();
+    let c = broker.consumer(&file.url(), &[]).await;
+    for _ in 0..3 {
+        broker.publish("acct-1", &order("order-1", 500)).await;
+    }
+    said(&[&c], "executed order-1", Duration::from_secs(30)).await;
+    broker.publish("acct-1", &order("order-1", 900)).await;
+    broker.publish("acct-2", "{not json").await;
+    broker.publish("acct-2", &order("order-2", 500)).await;
+    said(&[&c], "rejected order-1", Duration::from_secs(30)).await;
+    said(&[&c], "executed order-2", Duration::from_secs(30)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while count(&[&c], |l| l.starts_with("invalid ")) == 0 {
+        assert!(std::time::Instant::now() < deadline, "{:?}", c.lines());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    broker.drained().await;
+    assert_eq!(
+        count(&[&c], |l| l == "executed order-1"),
+        1,
+        "{:?}",
+        c.lines()
+    );
+    // A dead letter is published before its delivery is answered, but a
+    // broker may show it a moment after the line.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut kinds: Vec<String> = loop {
+        let dead = broker.dead_letters().await;
+        if dead.len() >= 2 || std::time::Instant::now() > deadline {
+            break dead
+                .into_iter()
+                .map(|(_, kind)| kind.unwrap_or_default())
+                .collect();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    kinds.sort();
+    assert_eq!(kinds, ["invalid", "mismatch"], "each with its reason");
+    assert_eq!(file.count(CHARGES).await, 2);
+}
+
+async fn killed_mid_work_nothing_commits_and_each_order_is_charged_once<B: Fixture>() {
+    let broker = B::start().await;
+    let db = TestDatabase::create();
+    let mut c = broker
+        .consumer(db.url(), &[("WORK_DELAY_MS", "10000")])
+        .await;
+    broker.publish("acct-1", &order("order-1", 500)).await;
+    db.wait_for_count(
+        IN_TRANSACTION,
+        |n| n == 1,
+        "the work never inserted its row",
+    )
+    .await;
+    c.kill();
+    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
+    let c = broker.consumer(db.url(), &[]).await;
+    said(&[&c], "executed order-1", Duration::from_secs(60)).await;
+    broker.drained().await;
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+async fn killed_between_commit_and_ack_the_redelivery_is_a_duplicate<B: Fixture>() {
+    let broker = B::start().await;
+    let db = TestDatabase::create();
+    let mut c = broker
+        .consumer(db.url(), &[("ACK_DELAY_MS", "10000")])
+        .await;
+    broker.publish("acct-1", &order("order-1", 500)).await;
+    db.wait_for_count(CHARGES, |n| n == 1, "the order was never charged")
+        .await;
+    c.kill();
+    let c = broker.consumer(db.url(), &[]).await;
+    if B::ACKS_AFTER_COMMIT {
+        said(&[&c], "duplicate order-1", Duration::from_secs(60)).await;
+    }
+    broker.drained().await;
+    assert_eq!(db.count(CHARGES).await, 1);
+    assert_eq!(count(&[&c], |l| l.starts_with("executed")), 0);
+}
+
+async fn a_database_outage_dead_letters_nothing_and_charges_each_order_once<B: Fixture>() {
+    let broker = B::start().await;
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let url = db.url_via(relay.port());
+    let c = broker.consumer(&url, &[]).await;
+    relay.cut();
+    for i in 0..3 {
+        broker
+            .publish(&format!("acct-{i}"), &order(&format!("order-{i}"), 500))
+            .await;
+    }
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        !c.lines().iter().any(|l| l.contains(" order-")),
+        "nothing decided during the outage: {:?}",
+        c.lines()
+    );
+    relay.restore();
+    for i in 0..3 {
+        said(
+            &[&c],
+            &format!("executed order-{i}"),
+            Duration::from_secs(90),
+        )
+        .await;
+    }
+    broker.drained().await;
+    assert!(
+        broker.dead_letters().await.is_empty(),
+        "nothing dead-lettered"
+    );
+    assert_eq!(db.count(CHARGES).await, 3);
+}
+
+async fn sigterm_finishes_and_answers_the_work_in_hand_then_exits_zero<B: Fixture>() {
+    let broker = B::start().await;
+    let db = TestDatabase::create();
+    let mut c = broker
+        .consumer(db.url(), &[("WORK_DELAY_MS", "2000")])
+        .await;
+    broker.publish("acct-1", &order("order-1", 500)).await;
+    db.wait_for_count(IN_TRANSACTION, |n| n == 1, "the work never started")
+        .await;
+    c.terminate();
+    let status = c.exited(Duration::from_secs(20)).await;
+    assert!(status.success(), "{status}");
+    assert_eq!(
+        c.lines().last().map(String::as_str),
+        Some("executed order-1")
+    );
+    broker.drained().await;
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+async fn three_consumers_and_concurrent_duplicates_charge_each_order_once<B: Fixture>() {
+    let broker = B::start().await;
+    let db = TestDatabase::create();
+    let extra = [("WORK_DELAY_MS", "20")];
+    let a = broker.consumer(db.url(), &extra).await;
+    let b = broker.consumer(db.url(), &extra).await;
+    let c = broker.consumer(db.url(), &extra).await;
+    let orders = 20;
+    for i in 0..orders * 3 {
+        broker
+            .publish(
+                &format!("acct-{}", i % 5),
+                &order(&format!("order-{}", i % orders), 500),
+            )
+            .await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while db.count(CHARGES).await < orders {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not every order charged"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    broker.drained().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(db.count(TWICE).await, 0, "no order charged twice");
+    assert_eq!(db.count(CHARGES).await, orders);
+    assert_eq!(
+        count(&[&a, &b, &c], |l| l.starts_with("executed")),
+        orders as usize
+    );
+}
+
+/// The cases, on one broker.
+macro_rules! broker_cases {
+    ($module:ident, $fixture:ty) => {
+        mod $module {
+            use super::*;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn duplicates_and_dead_letters() {
+                duplicates_charge_once_and_what_can_never_succeed_is_dead_lettered::<$fixture>()
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn killed_mid_work() {
+                killed_mid_work_nothing_commits_and_each_order_is_charged_once::<$fixture>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn killed_between_commit_and_ack() {
+                killed_between_commit_and_ack_the_redelivery_is_a_duplicate::<$fixture>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn database_outage() {
+                a_database_outage_dead_letters_nothing_and_charges_each_order_once::<$fixture>()
+                    .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sigterm() {
+                sigterm_finishes_and_answers_the_work_in_hand_then_exits_zero::<$fixture>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn three_consumers() {
+                three_consumers_and_concurrent_duplicates_charge_each_order_once::<$fixture>()
+                    .await;
+            }
+        }
+    };
+}
+
+broker_cases!(sqs, Sqs);
+broker_cases!(nats, Nats);
+broker_cases!(rabbitmq, RabbitMq);
+broker_cases!(kafka, Kafka);
