@@ -1,7 +1,7 @@
 //! `tower-idempotency`: the operator's command line over the crate's
 //! stores — look up one key, forget it (with the same safety rules as the
 //! payments example's admin routes), sweep expired records, count what a
-//! store holds.
+//! store holds, and look after the transactional outbox beside it.
 //!
 //! Run with: `cargo run -p tower-idempotency-cli -- --help`, e.g.
 //!
@@ -10,6 +10,8 @@
 //! tower-idempotency --store postgres://postgres@127.0.0.1/app forget --scope acct_alice order-42
 //! tower-idempotency --store redis://127.0.0.1:6379 stats --json
 //! tower-idempotency --store mysql://root@127.0.0.1/app sweep --batch 5000
+//! tower-idempotency --store postgres://postgres@127.0.0.1/app outbox refused
+//! tower-idempotency --store postgres://postgres@127.0.0.1/app outbox requeue 3f2a…
 //! ```
 
 mod opened;
@@ -28,7 +30,8 @@ use crate::{opened::Opened, report::Report};
 /// What the exit status says, for scripts.
 const EXIT_STATUS: &str = "Exit status: 0 done; 1 nothing there, or refused (`inspect` of a key \
 the store does not hold, `forget` of nothing, of a request in flight without --force, or of a \
-transaction's claim, which only its transaction can end); 2 a usage or configuration mistake \
+transaction's claim, which only its transaction can end; `outbox requeue` of a message that is \
+not refused); 2 a usage or configuration mistake \
 (the URL, the key, the table, the credentials); 3 the store could not be reached or answered \
 with an error.";
 
@@ -44,6 +47,9 @@ struct Cli {
     /// The SQL stores' table.
     #[arg(long, default_value = "idempotency_records", global = true)]
     table: String,
+    /// The outbox's table (the `outbox` commands).
+    #[arg(long, default_value = "idempotency_outbox", global = true)]
+    outbox_table: String,
     /// The Redis store's key prefix.
     #[arg(long, default_value = "idempotency:", global = true)]
     prefix: String,
@@ -85,6 +91,33 @@ enum Command {
     /// expired rows not deleted yet (SQL: a scan of the table); keys under
     /// the prefix and the server's memory (Redis).
     Stats,
+    /// The transactional outbox beside the records (SQL stores): what it
+    /// holds, what the broker refused, and putting a refused message back
+    /// in line once its cause is fixed.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+}
+
+/// What to do with the outbox.
+#[derive(Subcommand)]
+enum OutboxCommand {
+    /// Count its messages by state, and how long the oldest pending one
+    /// has waited (a relay that is down shows here first).
+    Stats,
+    /// List the messages the broker refused for good (oldest first): each
+    /// id, destination, ordering key, attempts and the payload's size.
+    Refused {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Make refused messages pending again, by id (the relay publishes
+    /// them at its next round, in order behind their ordering key).
+    Requeue {
+        /// The messages' ids, as `refused` lists them.
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
 }
 
 /// Which record: the scope the application gave the key, and the key.
@@ -193,7 +226,7 @@ async fn run(cli: &Cli) -> Result<Report, Failure> {
     // Invalid input fails before anything connects.
     let key = match &cli.command {
         Command::Inspect(key) | Command::Forget { key, .. } => Some(key.storage_key()?),
-        Command::Sweep { .. } | Command::Stats => None,
+        Command::Sweep { .. } | Command::Stats | Command::Outbox(_) => None,
     };
     let store = Opened::connect(url, &cli.table, &cli.prefix).await?;
     match (&cli.command, key) {
@@ -229,6 +262,34 @@ async fn run(cli: &Cli) -> Result<Report, Failure> {
             Ok(Report::swept(deleted))
         }
         (Command::Stats, _) => Ok(store.stats().await?),
+        (Command::Outbox(command), _) => {
+            let outbox = store.outbox(&cli.outbox_table).await?;
+            match command {
+                OutboxCommand::Stats => outbox.stats().await,
+                OutboxCommand::Refused { limit } => outbox.refused((*limit).max(1)).await,
+                OutboxCommand::Requeue { ids } => {
+                    let mut requeued = Vec::new();
+                    let mut missing = Vec::new();
+                    for id in ids {
+                        match outbox.requeue(id).await? {
+                            true => requeued.push(id.as_str()),
+                            false => missing.push(id.as_str()),
+                        }
+                    }
+                    match missing.is_empty() {
+                        true => Ok(Report::requeued(&requeued)),
+                        false => Err(Failure::Refused(format!(
+                            "not refused, so not requeued (unknown, pending or sent): {}{}",
+                            missing.join(", "),
+                            match requeued.is_empty() {
+                                true => String::new(),
+                                false => format!("; requeued: {}", requeued.join(", ")),
+                            }
+                        ))),
+                    }
+                }
+            }
+        }
         (Command::Inspect(_) | Command::Forget { .. }, None) => {
             unreachable!("a key was read for these")
         }

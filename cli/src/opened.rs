@@ -6,8 +6,11 @@
 //! sees) without waiting for it, and claims nothing — so it needs no
 //! start-up check, and no write rights to look up and count.
 
+use std::time::Duration;
+
 use tower_idempotency::{
     MySqlStore, PostgresStore, RedisStore, SqliteStore,
+    outbox::{Outbox, OutboxTable},
     redis::{self, AsyncCommands},
     store::{
         Forgotten, KeyState, StorageKey, Store, StoreError, mysql::MySql, postgres::Postgres,
@@ -125,6 +128,69 @@ impl Opened {
         each_sql!(self, sql => Ok(Report::table(sql.stats().await?)), redis Opened::Redis { client, prefix, .. } => {
             redis_stats(client, prefix).await.map_err(|e| Failure::Store(e.into()))
         })
+    }
+}
+
+/// The outbox beside a SQL store's records, whichever engine.
+pub(crate) enum OpenedOutbox {
+    Postgres(Outbox<Postgres>),
+    MySql(Outbox<MySql>),
+    Sqlite(Outbox<Sqlite>),
+}
+
+/// `$body` with `$outbox` bound to the outbox, whichever engine.
+macro_rules! each_outbox {
+    ($opened:expr, $outbox:ident => $body:expr) => {
+        match $opened {
+            OpenedOutbox::Postgres($outbox) => $body,
+            OpenedOutbox::MySql($outbox) => $body,
+            OpenedOutbox::Sqlite($outbox) => $body,
+        }
+    };
+}
+
+impl Opened {
+    /// The outbox in table `table` of this SQL store's database.
+    pub(crate) async fn outbox(&self, table: &str) -> Result<OpenedOutbox, Failure> {
+        Ok(match self {
+            Opened::Postgres(records) => {
+                OpenedOutbox::Postgres(Outbox::beside(records).table(table).build().await?)
+            }
+            Opened::MySql(records) => {
+                OpenedOutbox::MySql(Outbox::beside(records).table(table).build().await?)
+            }
+            Opened::Sqlite(records) => {
+                OpenedOutbox::Sqlite(Outbox::beside(records).table(table).build().await?)
+            }
+            Opened::Redis { .. } => {
+                return Err(Failure::Usage(
+                    "the outbox is a table in a SQL database (it commits with the request's \
+                     transaction): pass that database's URL"
+                        .into(),
+                ));
+            }
+        })
+    }
+}
+
+/// A relay's default retention: what `awaiting_sweep` counts against.
+const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+impl OpenedOutbox {
+    pub(crate) async fn stats(&self) -> Result<Report, Failure> {
+        each_outbox!(self, outbox => {
+            let stats = outbox.stats().await?;
+            let backlog = OutboxTable::backlog(outbox, RETENTION).await?;
+            Ok(Report::outbox(stats, backlog))
+        })
+    }
+
+    pub(crate) async fn refused(&self, limit: u32) -> Result<Report, Failure> {
+        each_outbox!(self, outbox => Ok(Report::refused(&outbox.refused(limit).await?)))
+    }
+
+    pub(crate) async fn requeue(&self, id: &str) -> Result<bool, Failure> {
+        each_outbox!(self, outbox => Ok(outbox.requeue(id).await?))
     }
 }
 

@@ -6,6 +6,7 @@ use std::time::UNIX_EPOCH;
 use serde_json::{Map, Value, json};
 use tower_idempotency::{
     CompletedRecord,
+    outbox::{OutboxBacklog, OutboxMessage, OutboxStats},
     store::{Forgotten, KeyState, StorageKey, sql::TableStats},
 };
 
@@ -101,6 +102,42 @@ impl Report {
         Self(fields)
     }
 
+    /// An outbox's messages by state, and its oldest pending one's wait.
+    pub(crate) fn outbox(stats: OutboxStats, backlog: OutboxBacklog) -> Self {
+        let mut fields = vec![
+            ("pending", json!(stats.pending)),
+            ("sent", json!(stats.sent)),
+            ("refused", json!(stats.refused)),
+        ];
+        if let Some(waited) = backlog.oldest_pending {
+            fields.push(("oldest_pending_secs", json!(waited.as_secs())));
+        }
+        fields.push(("sent_over_7_days_ago", json!(backlog.awaiting_sweep)));
+        Self(fields)
+    }
+
+    /// Refused messages, one line each (a JSON array with `--json`).
+    pub(crate) fn refused(messages: &[OutboxMessage]) -> Self {
+        let listed: Vec<Value> = messages
+            .iter()
+            .map(|message| {
+                json!({
+                    "id": message.id,
+                    "destination": message.destination,
+                    "ordering_key": message.ordering_key,
+                    "attempts": message.attempts,
+                    "payload_bytes": message.payload.len(),
+                })
+            })
+            .collect();
+        Self(vec![("refused", Value::Array(listed))])
+    }
+
+    /// Refused messages made pending again.
+    pub(crate) fn requeued(ids: &[&str]) -> Self {
+        Self(vec![("requeued", json!(ids))])
+    }
+
     pub(crate) fn print(&self, json: bool) {
         if json {
             let object: Map<String, Value> = self
@@ -114,6 +151,12 @@ impl Report {
         for (name, value) in &self.0 {
             match value {
                 Value::String(text) => println!("{name}: {text}"),
+                Value::Array(items) => {
+                    println!("{name}: {}", items.len());
+                    for item in items {
+                        println!("  {item}");
+                    }
+                }
                 other => println!("{name}: {other}"),
             }
         }

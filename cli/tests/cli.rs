@@ -8,6 +8,7 @@ use std::{process::Output, sync::Arc, time::Duration};
 use tower_idempotency::{
     FingerprintHasher, IdempotencyKey, MySqlStore, PostgresStore, RedisStore, SqliteStore,
     StoredResponse,
+    outbox::{Outbox, OutboxMessage, OutboxRelay, OutgoingMessage, PublishError, Publisher},
     store::{Claim, StorageKey, Store},
 };
 use tower_idempotency_harness::{
@@ -644,4 +645,115 @@ async fn mistakes_and_outages_say_so() {
     let port = tower_idempotency_harness::redis_server::free_port();
     let down = cli(&["--store", &format!("redis://127.0.0.1:{port}"), "stats"]).await;
     assert_eq!(down.code, 3, "{down:?}");
+}
+
+/// A relay's publisher whose broker has no queue `missing`.
+struct Broker;
+
+impl Publisher for Broker {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        match message.destination.as_str() {
+            "missing" => Err(PublishError::Refused("no such queue".into())),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `outbox stats`, `outbox refused` and `outbox requeue` on the outbox of
+/// a transactional table: a message the broker refused is listed, put
+/// back in line by id, and counted pending again; an id that is not
+/// refused is refused (exit 1), the rest requeued.
+macro_rules! outbox_scenario {
+    ($name:ident, $backend:ident, $store:ty) => {
+        #[tokio::test]
+        async fn $name() {
+            let backend = Backend::$backend();
+            let store = <$store>::builder()
+                .transactional()
+                .create_table_if_missing()
+                .connect(&backend.url)
+                .await
+                .unwrap();
+            let outbox = Outbox::on(&store)
+                .create_table_if_missing()
+                .build()
+                .await
+                .unwrap();
+            let order = key("acct_alice", "order-47");
+            let mut tx = hold(&store, &order).await;
+            for destination in ["missing", "charges", "missing"] {
+                outbox
+                    .enqueue(&mut tx, OutgoingMessage::new(destination, b"{}".to_vec()))
+                    .await
+                    .unwrap();
+            }
+            let result = Arc::new(tower_idempotency::CompletedRecord::Message {
+                result: None,
+                created_at: std::time::SystemTime::now(),
+            });
+            assert!(
+                store
+                    .complete(&order, &mut tx, &fingerprint(), result, DAY)
+                    .await
+                    .unwrap()
+            );
+            // The claim's connection goes back to the pool.
+            drop(tx);
+            let pending = backend.cli(&["--json", "outbox", "stats"]).await;
+            assert_eq!(pending.code, 0, "{pending:?}");
+            assert_eq!(pending.json()["pending"], 3, "{pending:?}");
+            assert!(
+                pending.json()["oldest_pending_secs"].is_u64(),
+                "{pending:?}"
+            );
+
+            let relay = OutboxRelay::new(outbox.clone(), Broker);
+            while relay.run_once().await.expect("a relay round").claimed > 0 {}
+            let stats = backend.cli(&["--json", "outbox", "stats"]).await;
+            assert_eq!(stats.code, 0, "{stats:?}");
+            let counts = stats.json();
+            assert_eq!(
+                (&counts["pending"], &counts["sent"], &counts["refused"]),
+                (&0.into(), &1.into(), &2.into())
+            );
+            let refused = backend.cli(&["--json", "outbox", "refused"]).await;
+            assert_eq!(refused.code, 0, "{refused:?}");
+            let listed = refused.json()["refused"].as_array().unwrap().clone();
+            assert_eq!(listed.len(), 2, "{refused:?}");
+            assert!(listed.iter().all(|m| m["destination"] == "missing"));
+            let id = listed[0]["id"].as_str().unwrap().to_owned();
+            let shown = backend.cli(&["outbox", "refused", "--limit", "1"]).await;
+            assert!(shown.stdout.contains(&id), "{shown:?}");
+
+            let requeued = backend.cli(&["outbox", "requeue", &id, "no-such-id"]).await;
+            assert_eq!(requeued.code, 1, "{requeued:?}");
+            assert!(requeued.stderr.contains("no-such-id"), "{requeued:?}");
+            assert!(
+                requeued.stderr.contains(&format!("requeued: {id}")),
+                "{requeued:?}"
+            );
+            let after = backend.cli(&["--json", "outbox", "stats"]).await.json();
+            assert_eq!(
+                (&after["pending"], &after["refused"]),
+                (&1.into(), &1.into())
+            );
+            let missing = backend
+                .cli(&["--outbox-table", "nope", "outbox", "stats"])
+                .await;
+            assert_eq!(missing.code, 2, "{missing:?}");
+            assert!(missing.stderr.contains("nope"), "{missing:?}");
+        }
+    };
+}
+
+outbox_scenario!(the_outbox_of_a_sqlite_table, sqlite, SqliteStore);
+outbox_scenario!(the_outbox_of_a_postgres_table, postgres, PostgresStore);
+outbox_scenario!(the_outbox_of_a_mysql_table, mysql, MySqlStore);
+
+#[tokio::test]
+async fn redis_has_no_outbox() {
+    let backend = Backend::redis();
+    let run = backend.cli(&["outbox", "stats"]).await;
+    assert_eq!(run.code, 2, "{run:?}");
+    assert!(run.stderr.contains("SQL database"), "{run:?}");
 }

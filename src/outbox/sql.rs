@@ -16,7 +16,7 @@ use super::{
 use crate::store::{
     LeaseToken, StoreError,
     sql::{
-        SqlTx, SqlTxStore, checked_table, create_error,
+        Base, SqlRecords, SqlTx, SqlTxStore, checked_table, create_error,
         dialect::{Dialect, ErrorClass},
         now_ms,
         outbox::{
@@ -33,7 +33,7 @@ const DEFAULT_TABLE: &str = "idempotency_outbox";
 /// [`store::postgres::OUTBOX_SCHEMA`](crate::store::postgres::OUTBOX_SCHEMA)).
 /// Cloning is cheap. See the [module docs](super).
 pub struct Outbox<D: Dialect> {
-    store: SqlTxStore<D>,
+    base: Arc<Base<D>>,
     sql: Arc<OutboxStatements>,
     /// Woken by this process's commits that enqueued, and by the database's
     /// notifications once a relay listens.
@@ -59,7 +59,7 @@ impl Drop for Listening {
 impl<D: Dialect> Clone for Outbox<D> {
     fn clone(&self) -> Self {
         Self {
-            store: self.store.clone(),
+            base: self.base.clone(),
             sql: self.sql.clone(),
             wake: self.wake.clone(),
             listening: self.listening.clone(),
@@ -78,7 +78,7 @@ impl<D: Dialect> fmt::Debug for Outbox<D> {
 
 /// Builds an [`Outbox`]: see [`Outbox::on`].
 pub struct OutboxBuilder<D: Dialect> {
-    store: SqlTxStore<D>,
+    base: Arc<Base<D>>,
     table: String,
     create_table: bool,
 }
@@ -169,8 +169,37 @@ impl<D: OutboxEngine> Outbox<D> {
     ///
     /// See the [module docs](super).
     pub fn on(store: &SqlTxStore<D>) -> OutboxBuilder<D> {
+        Self::in_database(store.base.clone())
+    }
+
+    /// The outbox in the database of `records`, as an operator sees it:
+    /// what it holds ([`stats`](Self::stats), [`backlog`](Self::backlog)),
+    /// what the broker refused ([`refused`](Self::refused)) and its
+    /// [`requeue`](Self::requeue) — without opening a transactional store
+    /// (and its start-up check) first.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "postgres")]
+    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+    /// use tower_idempotency::{PostgresStore, outbox::Outbox};
+    ///
+    /// let records = PostgresStore::builder()
+    ///     .records()
+    ///     .connect("postgres://ops@127.0.0.1:5432/payments")
+    ///     .await?;
+    /// let outbox = Outbox::beside(&records).build().await?;
+    /// println!("{:?}", outbox.stats().await?);
+    /// # Ok(()) }
+    /// ```
+    pub fn beside(records: &SqlRecords<D>) -> OutboxBuilder<D> {
+        Self::in_database(records.base.clone())
+    }
+
+    fn in_database(base: Arc<Base<D>>) -> OutboxBuilder<D> {
         OutboxBuilder {
-            store: store.clone(),
+            base,
             table: DEFAULT_TABLE.to_owned(),
             create_table: false,
         }
@@ -194,7 +223,7 @@ impl<D: OutboxEngine> Outbox<D> {
     /// # Ok(()) }
     /// ```
     pub async fn stats(&self) -> Result<OutboxStats, StoreError> {
-        let base = &self.store.base;
+        let base = &self.base;
         let pairs = base
             .bounded(async {
                 let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
@@ -238,7 +267,7 @@ impl<D: OutboxEngine> Outbox<D> {
             ms: millis(retention),
             ..OutboxArgs::default()
         };
-        let base = &self.store.base;
+        let base = &self.base;
         let rows = base
             .bounded(async {
                 let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
@@ -304,7 +333,7 @@ impl<D: OutboxEngine> Outbox<D> {
             id,
             ..OutboxArgs::default()
         };
-        let base = &self.store.base;
+        let base = &self.base;
         let _turn = base.engine.turn(Some(base.timeout)).await?;
         let requeued = base
             .bounded(async {
@@ -329,7 +358,7 @@ impl<D: OutboxEngine> Outbox<D> {
         args: &OutboxArgs<'_>,
         writes: bool,
     ) -> Result<Vec<OutboxMessage>, StoreError> {
-        let base = &self.store.base;
+        let base = &self.base;
         let _turn = match writes {
             true => Some(base.engine.turn(Some(base.timeout)).await?),
             false => None,
@@ -351,7 +380,7 @@ impl<D: OutboxEngine> Outbox<D> {
     /// Runs SQL text whose values are literals (several statements, one
     /// round trip), this process's turn to write held.
     async fn write(&self, sql: String) -> Result<u64, StoreError> {
-        let base = &self.store.base;
+        let base = &self.base;
         let _turn = base.engine.turn(Some(base.timeout)).await?;
         base.bounded(async {
             let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
@@ -381,7 +410,7 @@ impl<D: OutboxEngine> Outbox<D> {
             }
             due
         };
-        let base = &self.store.base;
+        let base = &self.base;
         if due {
             let analyzed = base
                 .bounded(async {
@@ -419,7 +448,7 @@ impl<D: OutboxEngine> OutboxTable for Outbox<D> {
         let mut heads = if self.sql.claim_returns {
             self.messages(&self.sql.claim, &args, true).await?
         } else {
-            let base = &self.store.base;
+            let base = &self.base;
             let claimed = {
                 let _turn = base.engine.turn(Some(base.timeout)).await?;
                 base.bounded(async {
@@ -580,7 +609,7 @@ impl<D: OutboxEngine> OutboxTable for Outbox<D> {
                 self.sql
                     .channel
                     .as_ref()
-                    .and_then(|_| D::listen(&self.store.base.pool, channel, self.wake.clone())),
+                    .and_then(|_| D::listen(&self.base.pool, channel, self.wake.clone())),
             )
         });
         self.wake.notified().await
@@ -633,8 +662,7 @@ impl<D: OutboxEngine> OutboxBuilder<D> {
     pub async fn build(self) -> Result<Outbox<D>, StoreError> {
         checked_table(&self.table, "Outbox")?;
         let sql = statements(&self.table, D::OUTBOX);
-        let store = self.store;
-        let base = &store.base;
+        let base = &self.base;
         if self.create_table {
             let _turn = base.engine.turn(Some(base.timeout)).await?;
             let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
@@ -665,7 +693,7 @@ impl<D: OutboxEngine> OutboxBuilder<D> {
             return Err(base.error(error));
         }
         Ok(Outbox {
-            store: store.clone(),
+            base: self.base.clone(),
             sql: Arc::new(sql),
             wake: Arc::new(Notify::new()),
             listening: Arc::new(OnceLock::new()),

@@ -39,7 +39,7 @@ use crate::store::{Forgotten, KeyState, StorageKey, StoreError};
 /// # Ok(()) }
 /// ```
 pub struct SqlRecords<D: Dialect> {
-    base: Arc<Base<D>>,
+    pub(crate) base: Arc<Base<D>>,
     state: Arc<D::TxState>,
 }
 
