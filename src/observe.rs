@@ -172,6 +172,32 @@ pub(crate) fn continue_trace(span: &tracing::Span, (parent, state): (Option<&str
     let _ = (span, parent, state);
 }
 
+/// Links `span` (a relay's publication) to the trace a message carries
+/// from the request that enqueued it, with the `opentelemetry` feature: the
+/// publication is its own span, the consumer continues the request's trace.
+pub(crate) fn link_trace(span: &tracing::Span, (parent, state): (Option<&str>, Option<&str>)) {
+    #[cfg(feature = "opentelemetry")]
+    {
+        use opentelemetry::trace::TraceContextExt;
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        let Some(parent) = parent else { return };
+        let mut carried = std::collections::HashMap::new();
+        carried.insert("traceparent".to_owned(), parent.to_owned());
+        if let Some(state) = state {
+            carried.insert("tracestate".to_owned(), state.to_owned());
+        }
+        let context = opentelemetry::global::get_text_map_propagator(|propagator| {
+            propagator.extract(&carried)
+        });
+        let linked = context.span().span_context().clone();
+        if linked.is_valid() {
+            span.add_link(linked);
+        }
+    }
+    #[cfg(not(feature = "opentelemetry"))]
+    let _ = (span, parent, state);
+}
+
 /// Times one store operation.
 pub(crate) async fn store_call<T>(operation: &'static str, call: impl Future<Output = T>) -> T {
     #[cfg(feature = "metrics")]

@@ -116,10 +116,9 @@ async fn record_every_door() -> Recorded {
             .await
             .expect("enqueued");
     }
-    OutboxRelay::new(outbox, Picky)
-        .run_once()
-        .await
-        .expect("a relay round");
+    let relay = OutboxRelay::new(outbox, Picky);
+    relay.run_once().await.expect("a relay round");
+    relay.backlog().await.expect("the backlog");
 
     // The client layer: a 503 retried, then the answer.
     let server = created().layer(IdempotencyLayer::new(MemoryStore::new()).single_tenant());

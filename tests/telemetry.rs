@@ -319,3 +319,112 @@ fn the_doors_futures_are_send() {
     send(orders.process("k", b"{}", work));
     send(orders.settle(Delivery::new("k", b"{}"), work, |_| false));
 }
+
+/// A relay's publisher that keeps what it is given.
+#[cfg(feature = "opentelemetry")]
+#[derive(Clone, Default)]
+struct Kept(std::sync::Arc<std::sync::Mutex<Vec<tower_idempotency::outbox::OutboxMessage>>>);
+
+#[cfg(feature = "opentelemetry")]
+impl tower_idempotency::outbox::Publisher for Kept {
+    async fn publish(
+        &self,
+        message: &tower_idempotency::outbox::OutboxMessage,
+    ) -> Result<(), tower_idempotency::outbox::PublishError> {
+        self.0.lock().unwrap().push(message.clone());
+        Ok(())
+    }
+}
+
+/// A charge, the publication of its event and the booking a consumer
+/// makes of it are one trace: the request's context travels in the
+/// message's `traceparent`, the relay's `publish` span links to it, and
+/// the consumer's `process` span is its child.
+#[cfg(feature = "opentelemetry")]
+#[tokio::test]
+async fn a_charge_its_publication_and_its_booking_are_one_trace() {
+    use axum::{Router, http::StatusCode, routing};
+    use tower_idempotency::{
+        IdempotentTx, SqliteStore, SqliteTx,
+        outbox::{Outbox, OutboxRelay, OutgoingMessage},
+    };
+
+    opentelemetry::global::set_text_map_propagator(
+        opentelemetry_sdk::propagation::TraceContextPropagator::new(),
+    );
+    let exported = Exported::capture();
+    let file = tower_idempotency_harness::sqlite::TestFile::create();
+    let store = SqliteStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(&file.url())
+        .await
+        .unwrap();
+    let outbox = Outbox::on(&store)
+        .create_table_if_missing()
+        .build()
+        .await
+        .unwrap();
+    let events = outbox.clone();
+    let app = Router::new()
+        .route(
+            "/charges",
+            routing::post(move |mut tx: IdempotentTx<SqliteTx>| async move {
+                let event = OutgoingMessage::new("charges", br#"{"charge":"ch_1"}"#.to_vec());
+                events.enqueue(&mut tx, event).await.unwrap();
+                StatusCode::CREATED
+            }),
+        )
+        .layer(IdempotencyLayer::new(store).single_tenant());
+    oneshot(&app, post("/charges", "order-7", CHARGE)).await;
+    let kept = Kept::default();
+    OutboxRelay::new(outbox, kept.clone())
+        .run_once()
+        .await
+        .unwrap();
+    let message = kept.0.lock().unwrap()[0].clone();
+    let header = |name: &str| {
+        message
+            .headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+    };
+    let traceparent = header("traceparent").expect("the request's context travels");
+    let ledger = IdempotencyProcessor::new(MemoryStore::new()).scope("ledger");
+    let booked = ledger
+        .settle(
+            Delivery::new("ch_1", &message.payload)
+                .destination("charges")
+                .message_id(&message.id)
+                .trace_context(Some(&traceparent), None),
+            async |_: &mut _| Ok::<_, std::io::Error>(()),
+            |_: &std::io::Error| false,
+        )
+        .await;
+    assert_eq!(booked.disposition, Disposition::Ack);
+
+    let request = exported
+        .spans("idempotency")
+        .into_iter()
+        .find(|span| attribute(span, "idempotency.key").as_deref() == Some("order-7"));
+    let request = request.expect("the request's span").span_context;
+    let publish = exported.spans("publish charges");
+    assert_eq!(publish.len(), 1);
+    assert_eq!(publish[0].span_kind, SpanKind::Producer);
+    assert!(
+        publish[0]
+            .links
+            .iter()
+            .any(|link| link.span_context.trace_id() == request.trace_id()),
+        "the publication links to the request: {:?}",
+        publish[0].links
+    );
+    let process = exported.spans("process charges");
+    assert_eq!(process.len(), 1);
+    assert_eq!(
+        process[0].span_context.trace_id(),
+        request.trace_id(),
+        "the booking continues the charge's trace"
+    );
+}

@@ -382,7 +382,9 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
     }
 
     /// What waits in the outbox, for this relay's retention: see
-    /// [`OutboxBacklog`].
+    /// [`OutboxBacklog`]. With the `metrics` feature it is also reported as
+    /// the `idempotency_outbox_*` gauges (pending, oldest pending's age,
+    /// refused, awaiting sweep); a running relay does so every 10 s.
     ///
     /// # Errors
     ///
@@ -400,7 +402,9 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
     /// # Ok(()) }
     /// ```
     pub async fn backlog(&self) -> Result<OutboxBacklog, StoreError> {
-        self.table.backlog(self.retention).await
+        let backlog = self.table.backlog(self.retention).await?;
+        observe::outbox_backlog(&backlog);
+        Ok(backlog)
     }
 
     /// How many messages the outbox holds, by state.
@@ -493,11 +497,8 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
         if let Err(error) = self.sweep().await {
             tracing::warn!(%error, "idempotency: sweeping the outbox failed");
         }
-        match self.backlog().await {
-            Ok(backlog) => observe::outbox_backlog(&backlog),
-            Err(error) => {
-                tracing::debug!(%error, "idempotency: the outbox's backlog could not be read")
-            }
+        if let Err(error) = self.backlog().await {
+            tracing::debug!(%error, "idempotency: the outbox's backlog could not be read");
         }
     }
 
@@ -532,7 +533,7 @@ fn runs(messages: &[OutboxMessage]) -> Vec<Vec<&OutboxMessage>> {
 /// The span of one publication, as OpenTelemetry's messaging conventions
 /// name it: a producer span `publish {destination}`.
 fn publish_span(message: &OutboxMessage) -> tracing::Span {
-    tracing::info_span!(
+    let span = tracing::info_span!(
         "idempotency.publish",
         otel.name = format!("publish {}", message.destination),
         otel.kind = "producer",
@@ -541,7 +542,16 @@ fn publish_span(message: &OutboxMessage) -> tracing::Span {
         messaging.message.id = %message.id,
         messaging.operation.type = "send",
         messaging.operation.name = "publish",
-    )
+    );
+    let header = |name: &str| {
+        message
+            .headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    };
+    observe::link_trace(&span, (header("traceparent"), header("tracestate")));
+    span
 }
 
 #[cfg(test)]
