@@ -23,7 +23,9 @@ use support::{
     amqp,
     consumer::{CHARGES, OrdersConsumer},
     kafka::{KafkaServer, TestTopic},
+    mysql,
     nats::{NatsServer, TestStream},
+    postgres, relay,
     sqlite::TestFile,
     sqs::{SqsServer, TestQueue},
 };
@@ -412,5 +414,255 @@ async fn on_rabbitmq_a_missing_queue_refuses_the_message_which_is_kept_and_repor
         "kept, with where it was going"
     );
     assert_eq!(queue.ready().await, 2);
+    queue.delete().await;
+}
+
+/// The outbox's rows in `state` (0 pending, 1 sent, 2 refused).
+const IN_STATE: &str = "SELECT count(*) FROM idempotency_outbox WHERE state = ";
+
+/// Each id once, and how many ids there are.
+fn once_each(ids: &[String]) -> usize {
+    let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), ids.len(), "an id published twice: {ids:?}");
+    distinct.len()
+}
+
+/// The broker goes away under a backlog — every connection cut, nothing
+/// listening for a while, as in a restart — and comes back: the relay
+/// says so, reconnects by itself, and everything is delivered; a message
+/// whose confirmation was lost in the cut goes again with the same id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_rabbitmq_a_broker_restart_under_a_backlog_delivers_everything() {
+    let queue = amqp::TestQueue::declare().await;
+    let file = TestFile::create();
+    let (store, outbox) = outbox_on(&file).await;
+    for key in 0..40 {
+        let events = (0..10)
+            .map(|n| {
+                OutgoingMessage::new(queue.name.clone(), format!(r#"{{"n":{n}}}"#))
+                    .ordering_key(format!("acct-{}", key % 8))
+            })
+            .collect();
+        commit_messages(&store, &outbox, &format!("k{key}"), events).await;
+    }
+    let broker = relay::Relay::start(&amqp::broker_host_port()).await;
+    let via = amqp::broker_url_via(broker.port());
+    let relay = OrdersConsumer::start_example(
+        "outbox_relay",
+        &[
+            ("DATABASE_URL", &file.url()),
+            ("OUTBOX_BROKER", "rabbitmq"),
+            ("AMQP_URL", &via),
+            ("RELAY_BATCH", "16"),
+            ("PUBLISHED_PAUSE_MS", "5"),
+        ],
+        "relaying",
+    )
+    .await;
+    relay.wait_for(|l| l.starts_with("published")).await;
+    broker.cut();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = count(&file, &format!("{IN_STATE}0")).await;
+    assert!(during > 0, "the cut came under a backlog");
+    broker.restore();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while count(&file, &format!("{IN_STATE}0")).await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "relay: {:?}",
+            relay.lines()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        count(&file, &format!("{IN_STATE}2")).await,
+        0,
+        "nothing refused"
+    );
+    let ids = queue.take_message_ids().await;
+    let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+    assert_eq!(distinct.len(), 400, "every message delivered");
+    assert!(
+        ids.len() - 400 <= 16,
+        "only a round in flight goes again: {}",
+        ids.len()
+    );
+    queue.delete().await;
+}
+
+/// The stream deleted while messages wait, then created again: the relay
+/// keeps them pending (a missing stream may pass) and delivers them once
+/// it is back — none refused for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_nats_a_stream_deleted_and_created_again_gets_everything() {
+    let server = NatsServer::start();
+    let stream = TestStream::create(&server).await;
+    let file = TestFile::create();
+    let (store, outbox) = outbox_on(&file).await;
+    let jetstream = server.jetstream().await;
+    jetstream.delete_stream(&stream.name).await.unwrap();
+    let events = (0..3)
+        .map(|n| OutgoingMessage::new(stream.subject.clone(), format!(r#"{{"n":{n}}}"#)))
+        .collect();
+    commit_messages(&store, &outbox, "k", events).await;
+    let relay = OrdersConsumer::start_example(
+        "outbox_relay",
+        &[
+            ("DATABASE_URL", &file.url()),
+            ("OUTBOX_BROKER", "nats"),
+            ("NATS_URL", &server.url()),
+        ],
+        "relaying",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let stats = outbox.stats().await.unwrap();
+    assert_eq!(
+        (stats.pending, stats.refused),
+        (3, 0),
+        "kept pending: {:?}",
+        relay.lines()
+    );
+    let recreated = TestStream::recreate(&server, &stream).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while outbox.stats().await.unwrap().pending > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "relay: {:?}",
+            relay.lines()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(outbox.stats().await.unwrap().refused, 0);
+    assert_eq!(recreated.count(&stream.subject).await, 3);
+}
+
+/// Two relays whose clocks are 40 s apart (one under `faketime`) share an
+/// outbox on PostgreSQL: a claim lapses by the database's clock, so
+/// neither takes the other's live claim, and no message is published
+/// twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_relays_with_skewed_clocks_publish_nothing_twice() {
+    let queue = amqp::TestQueue::declare().await;
+    let db = postgres::TestDatabase::create();
+    let store = tower_idempotency::PostgresStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(db.url())
+        .await
+        .unwrap();
+    Outbox::on(&store)
+        .create_table_if_missing()
+        .build()
+        .await
+        .unwrap();
+    let payments = OrdersConsumer::start_example(
+        "payments",
+        &[
+            ("BIND_ADDR", "127.0.0.1:0"),
+            ("DATABASE_URL", db.url()),
+            ("OUTBOX_DESTINATION", &queue.name),
+        ],
+        "listening on",
+    )
+    .await;
+    let port = port_of(&payments.wait_for(|l| l.starts_with("listening on")).await);
+    let url = amqp::broker_url();
+    let env = [
+        ("DATABASE_URL", db.url()),
+        ("OUTBOX_BROKER", "rabbitmq"),
+        ("AMQP_URL", url.as_str()),
+        ("RELAY_BATCH", "4"),
+        // Long enough that each relay's rounds overlap the other's claims.
+        ("PUBLISHED_PAUSE_MS", "50"),
+        ("RELAY_CLAIM_MS", "30000"),
+    ];
+    let ahead = OrdersConsumer::start_under(
+        &["faketime", "-f", "+40s"],
+        "outbox_relay",
+        &[&env[..], &[("FAKETIME_DONT_FAKE_MONOTONIC", "1")]].concat(),
+        "relaying",
+    )
+    .await;
+    let on_time = OrdersConsumer::start_example("outbox_relay", &env, "relaying").await;
+    // Both wait on the database's notifications; each charge wakes both.
+    for i in 0..100 {
+        assert_eq!(charge(port, &format!("order-{i}")).await, 201);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while db.count(&format!("{IN_STATE}0")).await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?} {:?}",
+            ahead.lines(),
+            on_time.lines()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let published = |relay: &OrdersConsumer| {
+        relay
+            .lines()
+            .iter()
+            .filter(|l| l.starts_with("published"))
+            .count()
+    };
+    assert!(
+        published(&ahead) > 0 && published(&on_time) > 0,
+        "both relays worked"
+    );
+    let ids = queue.take_message_ids().await;
+    assert_eq!(once_each(&ids), 100);
+    queue.delete().await;
+}
+
+/// A relay claiming and marking on MariaDB beside 300 concurrent charges
+/// (each enqueueing its event): its statements never take locks a
+/// charge's commit waits on, so every charge is answered 201.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn on_mariadb_a_relay_beside_300_concurrent_charges_answers_every_one() {
+    let queue = amqp::TestQueue::declare().await;
+    let db = mysql::TestDatabase::create();
+    let payments = OrdersConsumer::start_example(
+        "payments",
+        &[
+            ("BIND_ADDR", "127.0.0.1:0"),
+            ("DATABASE_URL", db.url()),
+            ("OUTBOX_DESTINATION", &queue.name),
+        ],
+        "listening on",
+    )
+    .await;
+    let port = port_of(&payments.wait_for(|l| l.starts_with("listening on")).await);
+    let url = amqp::broker_url();
+    let relay = OrdersConsumer::start_example(
+        "outbox_relay",
+        &[
+            ("DATABASE_URL", db.url()),
+            ("OUTBOX_BROKER", "rabbitmq"),
+            ("AMQP_URL", url.as_str()),
+            ("RELAY_POLL_MS", "10"),
+        ],
+        "relaying",
+    )
+    .await;
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    let answers = futures_util::future::join_all(
+        (0..300).map(|i| async move { charge(port, &format!("order-{i}")).await }),
+    )
+    .await;
+    for status in answers {
+        *statuses.entry(status).or_default() += 1;
+    }
+    assert_eq!(statuses, [(201, 300)].into(), "every charge answered 201");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while db.count(&format!("{IN_STATE}0")).await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "relay: {:?}",
+            relay.lines()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(once_each(&queue.take_message_ids().await), 300);
     queue.delete().await;
 }

@@ -16,6 +16,21 @@ pub fn broker_url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| LOCAL.to_owned())
 }
 
+/// The broker's `host:port`.
+pub fn broker_host_port() -> String {
+    let url = broker_url();
+    let authority = url.split_once("://").map_or(url.as_str(), |(_, rest)| rest);
+    let authority = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    authority.split('/').next().unwrap_or(authority).to_owned()
+}
+
+/// The broker's URL through a relay on loopback port `port`.
+pub fn broker_url_via(port: u16) -> String {
+    broker_url().replacen(&broker_host_port(), &format!("127.0.0.1:{port}"), 1)
+}
+
 /// A queue that exists for one test.
 pub struct TestQueue {
     pub name: String,
@@ -114,6 +129,24 @@ impl TestQueue {
             found.push((String::from_utf8_lossy(&message.data).into_owned(), kind));
         }
         found
+    }
+
+    /// Takes every message ready in the queue: their `message-id`s.
+    pub async fn take_message_ids(&self) -> Vec<String> {
+        let mut ids = Vec::new();
+        while let Ok(Some(message)) = self
+            .channel
+            .basic_get(self.name.as_str().into(), BasicGetOptions { no_ack: true })
+            .await
+        {
+            let id = message
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.to_string());
+            ids.push(id.expect("every relayed message carries its id"));
+        }
+        ids
     }
 
     pub async fn delete(self) {

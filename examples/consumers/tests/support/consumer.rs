@@ -23,7 +23,27 @@ impl OrdersConsumer {
 
     /// Starts `example` and waits for its line starting with `ready`.
     pub async fn start_example(example: &str, env: &[(&str, &str)], ready: &str) -> Self {
-        let mut child = Command::new(example_binary(example))
+        Self::start_under(&[], example, env, ready).await
+    }
+
+    /// Starts `example` under `wrapper` (`faketime -f +40s`, say) and waits
+    /// for its line starting with `ready`.
+    pub async fn start_under(
+        wrapper: &[&str],
+        example: &str,
+        env: &[(&str, &str)],
+        ready: &str,
+    ) -> Self {
+        let binary = example_binary(example);
+        let mut command = match wrapper.split_first() {
+            None => Command::new(&binary),
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(&binary);
+                command
+            }
+        };
+        let mut child = command
             .env("RUST_LOG", "off")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())

@@ -105,9 +105,17 @@ static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::ne
 
 impl TestStream {
     pub async fn create(server: &NatsServer) -> Self {
-        let js = server.jetstream().await;
         let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let name = format!("ORDERS_{}_{n}", std::process::id());
+        Self::named(server, format!("ORDERS_{}_{n}", std::process::id())).await
+    }
+
+    /// `stream` created again (after it was deleted), empty.
+    pub async fn recreate(server: &NatsServer, stream: &TestStream) -> Self {
+        Self::named(server, stream.name.clone()).await
+    }
+
+    async fn named(server: &NatsServer, name: String) -> Self {
+        let js = server.jetstream().await;
         js.create_stream(stream::Config {
             name: name.clone(),
             subjects: vec![format!("{name}.>")],
