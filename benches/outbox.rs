@@ -184,11 +184,13 @@ async fn latency(url: &str, n: u32, round: u32) -> Vec<Duration> {
 }
 
 /// The statements an idle relay (its default poll) runs per second, from
-/// the database's own count of transactions.
-async fn idle(url: &str, pool: &sqlx::PgPool) -> f64 {
-    let relaying = store(url).await;
-    let relay = OutboxRelay::new(outbox(&relaying).await, Kept::default()).spawn();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+/// the database's own count of transactions: a window with the relay
+/// running less one without it (the pools and the counting itself).
+async fn idle() -> f64 {
+    // A database of its own: the other steps' stores stay out of its count.
+    let database = TestDatabase::create();
+    let url = database.url();
+    let pool = &sqlx::PgPool::connect(url).await.unwrap();
     let count = || async {
         let (n,): (i64,) = sqlx::query_as(
             "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = current_database()",
@@ -203,13 +205,21 @@ async fn idle(url: &str, pool: &sqlx::PgPool) -> f64 {
             .unwrap();
         n
     };
-    let before = count().await;
     let window = Duration::from_secs(10);
-    tokio::time::sleep(window).await;
-    let after = count().await;
+    let per_second = async || {
+        let before = count().await;
+        tokio::time::sleep(window).await;
+        (count().await - before) as f64 / window.as_secs_f64()
+    };
+    let relaying = store(url).await;
+    let idle_outbox = outbox(&relaying).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let without = per_second().await;
+    let relay = OutboxRelay::new(idle_outbox, Kept::default()).spawn();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let with = per_second().await;
     relay.abort();
-    // Less the two statements of each count (the query and the clear).
-    (after - before - 2) as f64 / window.as_secs_f64()
+    with - without
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -243,7 +253,7 @@ async fn main() {
             .await
             .unwrap();
         let latencies = latency(&url, 200, round).await;
-        let idle = idle(&url, &pool).await;
+        let idle = idle().await;
         println!(
             "| {} | {spread:.0} | {hot:.0} | {:.2} | {swept:.0} | {:.1} / {:.1} | {idle:.2} |",
             round + 1,

@@ -161,6 +161,9 @@ pub mod store;
 #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
 pub mod testing;
 
+#[cfg(feature = "dynamodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
+pub use ::aws_sdk_dynamodb;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use ::redis;
@@ -202,6 +205,9 @@ pub use store::CachedStore;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use store::MemoryStore;
+#[cfg(feature = "dynamodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
+pub use store::dynamodb::{DynamoDbStore, DynamoDbTxStore, DynamoTx};
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use store::mysql::{MySqlStore, MySqlTx, MySqlTxStore};

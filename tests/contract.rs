@@ -18,8 +18,8 @@ use tower_idempotency::{
 };
 
 use support::backend::{
-    Backend, CachedRedis, Cluster, Memory, MySql, MySqlTx, Postgres, PostgresTx, SingleRedis,
-    Sqlite, SqliteTx, TxBackend,
+    Backend, CachedRedis, Cluster, Dynamo, DynamoTxBackend, Memory, MySql, MySqlTx, Postgres,
+    PostgresTx, SingleRedis, Sqlite, SqliteTx, TxBackend,
 };
 
 async fn keeps_the_contract<B: Backend>(backend: B)
@@ -65,6 +65,11 @@ async fn sqlite_keeps_the_contract() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_keeps_the_contract() {
     keeps_the_contract(MySql::start()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_keeps_the_contract() {
+    keeps_the_contract(Dynamo::start()).await;
 }
 
 /// One bug a toy store can have.
@@ -371,6 +376,15 @@ async fn sqlite_tx_keeps_the_tx_contract() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_tx_keeps_the_tx_contract() {
     keeps_the_tx_contract(MySqlTx::start()).await;
+}
+
+/// DynamoDB's transactional store, its effects items of a `charges` table
+/// added to the request's `TransactWriteItems`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_tx_keeps_the_tx_contract() {
+    let backend = DynamoTxBackend::start();
+    let (store, charges) = backend.store_and_charges().await;
+    TxStoreContract::new(store, charges).assert().await;
 }
 
 /// One bug a toy transactional store can have.

@@ -6,6 +6,8 @@
 
 pub mod cluster;
 pub mod cpu;
+#[cfg(feature = "dynamodb")]
+pub mod dynamodb;
 #[cfg(feature = "galera")]
 pub mod galera;
 #[cfg(feature = "mysql")]

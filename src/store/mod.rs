@@ -93,6 +93,9 @@ use crate::{
 #[cfg(feature = "cache")]
 mod cached;
 mod claim_within;
+#[cfg(feature = "dynamodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
+pub mod dynamodb;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "redis")]

@@ -2,7 +2,8 @@
 //! single-node Redis (each test starts its own `redis-server`), the same
 //! behind the in-process replay cache, and a real three-master Redis
 //! Cluster; PostgreSQL, SQLite and MySQL/MariaDB, each plain and
-//! transactional (a throwaway database or file per test). The cases are in `cases/`; the
+//! transactional (a throwaway database or file per test); DynamoDB, lease
+//! and transactional (a dynoxide server per test). The cases are in `cases/`; the
 //! lease cases run on the stores whose claims are leases.
 
 #[path = "../support/mod.rs"]
@@ -37,6 +38,8 @@ behaviour_cases!(tests_for, sqlite, backend::Sqlite::start());
 behaviour_cases!(tests_for, sqlite_tx, backend::SqliteTx::start());
 behaviour_cases!(tests_for, mysql, backend::MySql::start());
 behaviour_cases!(tests_for, mysql_tx, backend::MySqlTx::start());
+behaviour_cases!(tests_for, dynamodb, backend::Dynamo::start());
+behaviour_cases!(tests_for, dynamodb_tx, backend::DynamoTxBackend::start());
 
 lease_cases!(tests_for, memory_leases, backend::Memory);
 lease_cases!(tests_for, redis_leases, backend::SingleRedis::start());
@@ -48,6 +51,7 @@ lease_cases!(
 lease_cases!(tests_for, postgres_leases, backend::Postgres::start());
 lease_cases!(tests_for, sqlite_leases, backend::Sqlite::start());
 lease_cases!(tests_for, mysql_leases, backend::MySql::start());
+lease_cases!(tests_for, dynamodb_leases, backend::Dynamo::start());
 
 transaction_cases!(
     tests_for,

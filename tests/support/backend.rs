@@ -1,6 +1,6 @@
 //! The stores the behaviour suite runs against: memory, one Redis node, a
 //! Redis Cluster, PostgreSQL, SQLite and MySQL/MariaDB (plain and
-//! transactional). Each
+//! transactional), DynamoDB (lease and transactional, on dynoxide). Each
 //! `store()` call is a fresh namespace (a key prefix, a table).
 
 use std::{
@@ -10,14 +10,14 @@ use std::{
 };
 
 use tower_idempotency::{
-    MemoryStore, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore,
-    SqliteTxStore, sqlx,
-    store::{CachedStore, Granted, Store, sql::DeleteExpired},
+    DynamoDbStore, DynamoDbTxStore, MemoryStore, MySqlStore, MySqlTxStore, PostgresStore,
+    PostgresTxStore, RedisStore, SqliteStore, SqliteTxStore, sqlx,
+    store::{CachedStore, Granted, Store, dynamodb::TransactWrites, sql::DeleteExpired},
     testing::TxEffects,
 };
 
 use super::{
-    cluster::RedisCluster, mysql, postgres::TestDatabase, redis_server::RedisServer,
+    cluster::RedisCluster, dynamodb, mysql, postgres::TestDatabase, redis_server::RedisServer,
     sqlite::TestFile,
 };
 
@@ -387,5 +387,179 @@ where
 
     async fn count(&self, id: &str) -> Result<u64, String> {
         self.count_where(&format!("note = '{id}'")).await
+    }
+}
+
+/// A DynamoDB-compatible server of the test's own (dynoxide) and a fresh
+/// table per store: the lease store.
+pub struct Dynamo(pub dynamodb::DynamoServer);
+
+impl Dynamo {
+    pub fn start() -> Self {
+        Self(dynamodb::DynamoServer::start())
+    }
+}
+
+impl Backend for Dynamo {
+    type Store = DynamoDbStore;
+    async fn store(&self) -> DynamoDbStore {
+        DynamoDbStore::builder(self.0.client())
+            .table(dynamodb::table_name())
+            .create_table_if_missing()
+            .build()
+            .await
+            .expect("open the test table")
+    }
+}
+
+/// The same server, the transactional store.
+pub struct DynamoTxBackend(pub dynamodb::DynamoServer);
+
+impl DynamoTxBackend {
+    pub fn start() -> Self {
+        Self(dynamodb::DynamoServer::start())
+    }
+
+    /// A fresh store and a new, empty `charges` table beside it.
+    pub async fn store_and_charges(&self) -> (DynamoDbTxStore, DynamoCharges) {
+        let store = self.store().await;
+        (store, DynamoCharges::create(&self.0).await)
+    }
+}
+
+impl Backend for DynamoTxBackend {
+    type Store = DynamoDbTxStore;
+    const TRANSACTIONS: bool = true;
+    async fn store(&self) -> DynamoDbTxStore {
+        DynamoDbStore::builder(self.0.client())
+            .table(dynamodb::table_name())
+            .create_table_if_missing()
+            .transactional()
+            .build()
+            .await
+            .expect("open the test table")
+    }
+}
+
+/// The effects of the DynamoDB transactional tests: items of a `charges`
+/// table (each write an item of its own, named after its id), added to the
+/// request's transaction and counted outside it.
+#[derive(Clone)]
+pub struct DynamoCharges {
+    client: tower_idempotency::aws_sdk_dynamodb::Client,
+    table: String,
+}
+
+impl DynamoCharges {
+    pub async fn create(server: &dynamodb::DynamoServer) -> Self {
+        Self::create_named(server, &format!("charges_{}", dynamodb::table_name())).await
+    }
+
+    /// A charges table named `table` (keyed by `id`).
+    pub async fn create_named(server: &dynamodb::DynamoServer, table: &str) -> Self {
+        use tower_idempotency::aws_sdk_dynamodb::types::{
+            AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
+        };
+        let (client, table) = (server.client(), table.to_owned());
+        client
+            .create_table()
+            .table_name(&table)
+            .key_schema(
+                KeySchemaElement::builder()
+                    .attribute_name("id")
+                    .key_type(KeyType::Hash)
+                    .build()
+                    .unwrap(),
+            )
+            .attribute_definitions(
+                AttributeDefinition::builder()
+                    .attribute_name("id")
+                    .attribute_type(ScalarAttributeType::S)
+                    .build()
+                    .unwrap(),
+            )
+            .billing_mode(BillingMode::PayPerRequest)
+            .send()
+            .await
+            .expect("the charges table");
+        Self { client, table }
+    }
+
+    fn put(&self, id: &str) -> tower_idempotency::aws_sdk_dynamodb::types::TransactWriteItem {
+        use tower_idempotency::aws_sdk_dynamodb::types::{AttributeValue, Put, TransactWriteItem};
+        // Each write an item of its own: a second execution shows.
+        let put = Put::builder()
+            .table_name(&self.table)
+            .item(
+                "id",
+                AttributeValue::S(format!("{id}#{}", fastrand::u64(..))),
+            )
+            .item("note", AttributeValue::S(id.to_owned()))
+            .build()
+            .unwrap();
+        TransactWriteItem::builder().put(put).build()
+    }
+
+    async fn count_where(&self, note: Option<&str>) -> Result<u64, String> {
+        use tower_idempotency::aws_sdk_dynamodb::types::AttributeValue;
+        let mut scan = self
+            .client
+            .scan()
+            .table_name(&self.table)
+            .consistent_read(true);
+        if let Some(note) = note {
+            scan = scan
+                .filter_expression("note = :note")
+                .expression_attribute_values(":note", AttributeValue::S(note.to_owned()));
+        }
+        let mut pages = scan.into_paginator().send();
+        let mut n = 0;
+        while let Some(page) = pages.next().await {
+            n += page.map_err(|e| format!("{e:?}"))?.items().len() as u64;
+        }
+        Ok(n)
+    }
+}
+
+impl Total for DynamoCharges {
+    async fn total(&self) -> u64 {
+        self.count_where(None).await.expect("count the charges")
+    }
+}
+
+impl TxEffects<TransactWrites> for DynamoCharges {
+    async fn write(&self, tx: &mut TransactWrites, id: &str) -> Result<(), String> {
+        tx.push(self.put(id));
+        Ok(())
+    }
+
+    async fn write_in_rolled_back_savepoint(
+        &self,
+        tx: &mut TransactWrites,
+        id: &str,
+    ) -> Result<(), String> {
+        let mark = tx.len();
+        tx.push(self.put(id));
+        tx.truncate(mark);
+        Ok(())
+    }
+
+    /// A condition on an item that does not exist: it fails at the commit,
+    /// and with it the whole transaction.
+    async fn fail_a_statement(&self, tx: &mut TransactWrites) {
+        use tower_idempotency::aws_sdk_dynamodb::types::{
+            AttributeValue, ConditionCheck, TransactWriteItem,
+        };
+        let check = ConditionCheck::builder()
+            .table_name(&self.table)
+            .key("id", AttributeValue::S("no-such-charge".into()))
+            .condition_expression("attribute_exists(id)")
+            .build()
+            .unwrap();
+        tx.push(TransactWriteItem::builder().condition_check(check).build());
+    }
+
+    async fn count(&self, id: &str) -> Result<u64, String> {
+        self.count_where(Some(id)).await
     }
 }

@@ -10,5 +10,5 @@ pub mod http;
 pub mod logs;
 
 pub use tower_idempotency_harness::{
-    cluster, galera, mysql, postgres, redis_server, relay, sqlite, tmpfs,
+    cluster, dynamodb, galera, mysql, postgres, redis_server, relay, sqlite, tmpfs,
 };
