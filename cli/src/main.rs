@@ -9,6 +9,7 @@
 //! tower-idempotency --store sqlite://payments.db inspect --scope acct_alice order-42
 //! tower-idempotency --store postgres://postgres@127.0.0.1/app forget --scope acct_alice order-42
 //! tower-idempotency --store redis://127.0.0.1:6379 stats --json
+//! tower-idempotency --store dynamodb://idempotency_records inspect --scope acct_alice order-42
 //! tower-idempotency --store mysql://root@127.0.0.1/app sweep --batch 5000
 //! tower-idempotency --store postgres://postgres@127.0.0.1/app outbox refused
 //! tower-idempotency --store postgres://postgres@127.0.0.1/app outbox requeue 3f2a…
@@ -41,7 +42,8 @@ with an error.";
 #[command(name = "tower-idempotency", version, after_help = EXIT_STATUS)]
 struct Cli {
     /// The store: redis://HOST:PORT (rediss:// for TLS), postgres://…,
-    /// mysql://… (MySQL and MariaDB), sqlite://FILE.
+    /// mysql://… (MySQL and MariaDB), sqlite://FILE, dynamodb://TABLE (the
+    /// AWS environment: credentials, region, AWS_ENDPOINT_URL).
     #[arg(long, env = "IDEMPOTENCY_STORE", global = true, value_name = "URL")]
     store: Option<String>,
     /// The SQL stores' table.

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use tower_idempotency::{
-    MySqlStore, PostgresStore, RedisStore, SqliteStore,
+    DynamoDbStore, MySqlStore, PostgresStore, RedisStore, SqliteStore,
     outbox::{Outbox, OutboxTable},
     redis::{self, AsyncCommands},
     store::{
@@ -29,6 +29,7 @@ pub(crate) enum Opened {
     Postgres(SqlRecords<Postgres>),
     MySql(SqlRecords<MySql>),
     Sqlite(SqlRecords<Sqlite>),
+    DynamoDb(DynamoDbStore),
 }
 
 /// Opens one engine's table.
@@ -42,14 +43,30 @@ macro_rules! sql {
     };
 }
 
-/// `$body` with `$sql` bound to the SQL variant's stores, whichever engine.
+/// Deletes a SQL table's expired records, `batch` at a time; how many.
+macro_rules! sweep_sql {
+    ($sql:expr, $batch:expr) => {{
+        let mut deleted = 0;
+        loop {
+            let swept = $sql.delete_expired($batch).await?;
+            deleted += swept;
+            if swept < u64::from($batch) {
+                break Ok(deleted);
+            }
+        }
+    }};
+}
+
+/// `$body` with `$sql` bound to the SQL variant's stores, whichever engine;
+/// `$store` bound to a lease store (Redis, DynamoDB) for `$lease`.
 macro_rules! each_sql {
-    ($opened:expr, $sql:ident => $body:expr, redis $redis:pat => $other:expr) => {
+    ($opened:expr, $sql:ident => $body:expr, lease $store:ident => $lease:expr) => {
         match $opened {
             Opened::Postgres($sql) => $body,
             Opened::MySql($sql) => $body,
             Opened::Sqlite($sql) => $body,
-            $redis => $other,
+            Opened::Redis { store: $store, .. } => $lease,
+            Opened::DynamoDb($store) => $lease,
         }
     };
 }
@@ -69,6 +86,19 @@ impl Opened {
                 let url = url.replacen("mariadb://", "mysql://", 1);
                 Opened::MySql(sql!(MySqlStore, &url, table))
             }
+            // dynamodb://TABLE, through the AWS environment (credentials,
+            // region, AWS_ENDPOINT_URL) as any SDK client.
+            "dynamodb" => {
+                let table = &url["dynamodb://".len()..];
+                if table.is_empty() {
+                    return Err(Failure::Usage(
+                        "dynamodb://TABLE names the table: dynamodb://idempotency_records".into(),
+                    ));
+                }
+                let config = aws_config::load_from_env().await;
+                let client = tower_idempotency::aws_sdk_dynamodb::Client::new(&config);
+                Opened::DynamoDb(DynamoDbStore::builder(client).table(table).build().await?)
+            }
             "sqlite" => {
                 // An operator's typo must not leave an empty database behind.
                 let path = url["sqlite://".len()..].split('?').next().unwrap_or("");
@@ -80,7 +110,7 @@ impl Opened {
             _ => {
                 return Err(Failure::Usage(format!(
                     "the store URL {url:?} names no store this tool opens: use redis://, rediss://, \
-                     postgres://, mysql:// (MySQL and MariaDB) or sqlite://FILE"
+                     postgres://, mysql:// (MySQL and MariaDB), sqlite://FILE or dynamodb://TABLE"
                 )));
             }
         })
@@ -95,7 +125,7 @@ impl Opened {
     }
 
     pub(crate) async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
-        each_sql!(self, sql => sql.inspect(key).await, redis Opened::Redis { store, .. } => store.inspect(key).await)
+        each_sql!(self, sql => sql.inspect(key).await, lease store => store.inspect(key).await)
     }
 
     /// Forgets `key` as the admin routes do: a completed record; a claim
@@ -105,29 +135,37 @@ impl Opened {
         key: &StorageKey,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
-        each_sql!(self, sql => sql.forget(key, force).await, redis Opened::Redis { store, .. } => store.forget(key, force).await)
+        each_sql!(self, sql => sql.forget(key, force).await, lease store => store.forget(key, force).await)
     }
 
     /// Deletes every expired record, `batch` at a time; how many.
     pub(crate) async fn sweep(&self, batch: u32) -> Result<u64, Failure> {
-        each_sql!(self, sql => {
-            let mut deleted = 0;
-            loop {
-                let swept = sql.delete_expired(batch).await?;
-                deleted += swept;
-                if swept < u64::from(batch) {
-                    return Ok(deleted);
-                }
-            }
-        }, redis Opened::Redis { .. } => Err(Failure::Usage(
-            "Redis records expire by themselves (each has a TTL): there is nothing to sweep".into(),
-        )))
+        let expire_themselves = |what: &str| {
+            Err(Failure::Usage(format!(
+                "{what} records expire by themselves: there is nothing to sweep"
+            )))
+        };
+        match self {
+            Opened::Redis { .. } => expire_themselves("Redis (each has a TTL)"),
+            Opened::DynamoDb(_) => expire_themselves(
+                "DynamoDB (its TTL deletes them; an expired one already reads as absent)",
+            ),
+            Opened::Postgres(sql) => sweep_sql!(sql, batch),
+            Opened::MySql(sql) => sweep_sql!(sql, batch),
+            Opened::Sqlite(sql) => sweep_sql!(sql, batch),
+        }
     }
 
     pub(crate) async fn stats(&self) -> Result<Report, Failure> {
-        each_sql!(self, sql => Ok(Report::table(sql.stats().await?)), redis Opened::Redis { client, prefix, .. } => {
-            redis_stats(client, prefix).await.map_err(|e| Failure::Store(e.into()))
-        })
+        match self {
+            Opened::Redis { client, prefix, .. } => redis_stats(client, prefix)
+                .await
+                .map_err(|e| Failure::Store(e.into())),
+            Opened::DynamoDb(store) => Ok(Report::items(store.stats().await?)),
+            Opened::Postgres(sql) => Ok(Report::table(sql.stats().await?)),
+            Opened::MySql(sql) => Ok(Report::table(sql.stats().await?)),
+            Opened::Sqlite(sql) => Ok(Report::table(sql.stats().await?)),
+        }
     }
 }
 
@@ -162,7 +200,7 @@ impl Opened {
             Opened::Sqlite(records) => {
                 OpenedOutbox::Sqlite(Outbox::beside(records).table(table).build().await?)
             }
-            Opened::Redis { .. } => {
+            Opened::Redis { .. } | Opened::DynamoDb(_) => {
                 return Err(Failure::Usage(
                     "the outbox is a table in a SQL database (it commits with the request's \
                      transaction): pass that database's URL"

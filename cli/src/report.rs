@@ -7,7 +7,7 @@ use serde_json::{Map, Value, json};
 use tower_idempotency::{
     CompletedRecord,
     outbox::{OutboxBacklog, OutboxMessage, OutboxStats},
-    store::{Forgotten, KeyState, StorageKey, sql::TableStats},
+    store::{Forgotten, KeyState, StorageKey, dynamodb::ItemStats, sql::TableStats},
 };
 
 /// The fields of an answer, in the order they are printed.
@@ -83,6 +83,15 @@ impl Report {
 
     /// A SQL table's rows.
     pub(crate) fn table(stats: TableStats) -> Self {
+        Self(vec![
+            ("completed", json!(stats.completed)),
+            ("in_flight", json!(stats.in_flight)),
+            ("expired", json!(stats.expired)),
+        ])
+    }
+
+    /// A DynamoDB table's items.
+    pub(crate) fn items(stats: ItemStats) -> Self {
         Self(vec![
             ("completed", json!(stats.completed)),
             ("in_flight", json!(stats.in_flight)),

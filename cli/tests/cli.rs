@@ -6,20 +6,24 @@
 use std::{process::Output, sync::Arc, time::Duration};
 
 use tower_idempotency::{
-    FingerprintHasher, IdempotencyKey, MySqlStore, PostgresStore, RedisStore, SqliteStore,
-    StoredResponse,
+    DynamoDbStore, FingerprintHasher, IdempotencyKey, MySqlStore, PostgresStore, RedisStore,
+    SqliteStore, StoredResponse,
     outbox::{Outbox, OutboxMessage, OutboxRelay, OutgoingMessage, PublishError, Publisher},
     store::{Claim, StorageKey, Store},
 };
 use tower_idempotency_harness::{
-    mysql::TestDatabase as MySqlDatabase, postgres::TestDatabase, redis_server::RedisServer,
-    sqlite::TestFile,
+    dynamodb, mysql::TestDatabase as MySqlDatabase, postgres::TestDatabase,
+    redis_server::RedisServer, sqlite::TestFile,
 };
 
 /// One store under test: its URL, and what keeps its server or file.
 struct Backend {
     url: String,
     sql: bool,
+    /// Counts its records by state (the SQL tables, DynamoDB).
+    by_state: bool,
+    /// The environment the CLI reaches the store with.
+    env: Vec<(&'static str, String)>,
     _keep: Box<dyn std::any::Any + Send>,
 }
 
@@ -29,6 +33,8 @@ impl Backend {
         Self {
             url: server.url(),
             sql: false,
+            by_state: false,
+            env: Vec::new(),
             _keep: Box::new(server),
         }
     }
@@ -38,6 +44,8 @@ impl Backend {
         Self {
             url: db.url().to_owned(),
             sql: true,
+            by_state: true,
+            env: Vec::new(),
             _keep: Box::new(db),
         }
     }
@@ -47,6 +55,8 @@ impl Backend {
         Self {
             url: db.url().to_owned(),
             sql: true,
+            by_state: true,
+            env: Vec::new(),
             _keep: Box::new(db),
         }
     }
@@ -56,13 +66,28 @@ impl Backend {
         Self {
             url: file.url(),
             sql: true,
+            by_state: true,
+            env: Vec::new(),
             _keep: Box::new(file),
+        }
+    }
+
+    /// A dynoxide server and a table on it, reached through the AWS
+    /// environment.
+    fn dynamodb() -> Self {
+        let server = dynamodb::DynamoServer::start();
+        Self {
+            url: format!("dynamodb://{}", dynamodb::table_name()),
+            sql: false,
+            by_state: true,
+            env: server.env(),
+            _keep: Box::new(server),
         }
     }
 
     /// The binary, on this store.
     async fn cli(&self, args: &[&str]) -> Run {
-        cli(&[&["--store", &self.url], args].concat()).await
+        cli_with(&[&["--store", &self.url], args].concat(), &self.env).await
     }
 }
 
@@ -86,12 +111,17 @@ impl std::fmt::Debug for Run {
 }
 
 async fn cli(args: &[&str]) -> Run {
+    cli_with(args, &[]).await
+}
+
+async fn cli_with(args: &[&str], env: &[(&'static str, String)]) -> Run {
     let Output {
         status,
         stdout,
         stderr,
     } = tokio::process::Command::new(env!("CARGO_BIN_EXE_tower-idempotency"))
         .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .env_remove("IDEMPOTENCY_STORE")
         .output()
         .await
@@ -260,7 +290,7 @@ async fn lease_store_scenario<St: Store>(backend: &Backend, store: St) {
     let stats = backend.cli(&["--json", "stats"]).await;
     assert_eq!(stats.code, 0, "{stats:?}");
     let stats = stats.json();
-    if backend.sql {
+    if backend.by_state {
         assert_eq!(stats["completed"], 1, "{stats}");
         assert_eq!(stats["in_flight"], 0, "{stats}");
     } else {
@@ -317,6 +347,20 @@ async fn lease_store_scenario<St: Store>(backend: &Backend, store: St) {
             "{refused:?}"
         );
     }
+}
+
+#[tokio::test]
+async fn on_dynamodb() {
+    let backend = Backend::dynamodb();
+    let table = backend.url.trim_start_matches("dynamodb://").to_owned();
+    let server: &dynamodb::DynamoServer = backend._keep.downcast_ref().unwrap();
+    let store = DynamoDbStore::builder(server.client())
+        .table(table)
+        .create_table_if_missing()
+        .build()
+        .await
+        .unwrap();
+    lease_store_scenario(&backend, store).await;
 }
 
 #[tokio::test]
@@ -538,6 +582,8 @@ async fn a_mysql_user_who_may_only_read_inspects_and_counts() {
     let backend = Backend {
         url: db.url().to_owned(),
         sql: true,
+        by_state: true,
+        env: Vec::new(),
         _keep: Box::new(()),
     };
     let store = MySqlStore::builder()
