@@ -285,7 +285,7 @@ where
 
 /// The authenticated account: the bearer token names it.
 #[derive(Clone)]
-struct Account(String);
+pub(crate) struct Account(pub(crate) String);
 
 async fn authenticate(mut request: Request, next: Next) -> Response {
     let account = request
@@ -310,7 +310,7 @@ async fn authenticate(mut request: Request, next: Next) -> Response {
 }
 
 #[derive(Deserialize)]
-struct NewCharge {
+pub(crate) struct NewCharge {
     /// Any spelling of a JSON integer (`1999`, `1999.0`, `1.999e3`), read
     /// exactly — never through a float.
     amount: Box<serde_json::value::RawValue>,
@@ -452,7 +452,7 @@ fn charge_created(charge: &Charge, destination: &str) -> OutgoingMessage {
 
 /// The card processor once the charge is recorded, then `201`; or why it
 /// could not be recorded.
-async fn after_recording(
+pub(crate) async fn after_recording(
     state: &AppState,
     charge: Charge,
     recorded: Result<(), sqlx::Error>,
@@ -508,7 +508,7 @@ fn database_unreachable(error: &sqlx::Error) -> bool {
 }
 
 /// A valid charge for this account, or the `400` that says what is wrong.
-fn new_charge(
+pub(crate) fn new_charge(
     account: String,
     body: Result<Json<NewCharge>, JsonRejection>,
 ) -> Result<Charge, Problem> {
@@ -548,7 +548,7 @@ fn created(charge: Charge) -> Response {
 /// A webhook event: `{"id": string, "type": string, …}` (the layer has
 /// checked the id).
 #[derive(Deserialize)]
-struct NewEvent {
+pub(crate) struct NewEvent {
     id: String,
     #[serde(rename = "type")]
     kind: Option<String>,
@@ -569,7 +569,7 @@ async fn record_event(
 
 /// Records an event in the request's transaction: the event and the
 /// idempotency record commit together, or neither does.
-async fn record_event_in_transaction<T>(
+pub(crate) async fn record_event_in_transaction<T>(
     mut tx: IdempotentTx<T>,
     body: Result<Json<NewEvent>, JsonRejection>,
 ) -> Response

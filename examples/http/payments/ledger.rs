@@ -261,6 +261,19 @@ pub enum Charges {
     Sqlite(SqlitePool),
     Postgres(PgPool),
     MySql(MySqlPool),
+    /// DynamoDB's tables beside the records (written only in the request's
+    /// transaction).
+    #[cfg(feature = "dynamodb")]
+    DynamoDb(
+        tower_idempotency::aws_sdk_dynamodb::Client,
+        crate::dynamo::Tables,
+    ),
+}
+
+/// A ledger that only a request's transaction writes.
+#[cfg(feature = "dynamodb")]
+fn in_transactions_only() -> sqlx::Error {
+    sqlx::Error::Protocol("DynamoDB charges are written in the request's transaction".into())
 }
 
 /// The in-memory ledger: charges by account, each key's charge, and
@@ -288,6 +301,8 @@ impl Charges {
             Charges::Sqlite(pool) => insert(pool, charge).await,
             Charges::Postgres(pool) => insert(pool, charge).await,
             Charges::MySql(pool) => insert(pool, charge).await,
+            #[cfg(feature = "dynamodb")]
+            Charges::DynamoDb(..) => Err(in_transactions_only()),
         }
     }
 
@@ -315,6 +330,8 @@ impl Charges {
             Charges::Sqlite(pool) => insert_once(pool, charge, key).await,
             Charges::Postgres(pool) => insert_once(pool, charge, key).await,
             Charges::MySql(pool) => insert_once(pool, charge, key).await,
+            #[cfg(feature = "dynamodb")]
+            Charges::DynamoDb(..) => Err(in_transactions_only()),
         }
     }
 
@@ -330,6 +347,10 @@ impl Charges {
             Charges::Sqlite(pool) => list(pool, account).await,
             Charges::Postgres(pool) => list(pool, account).await,
             Charges::MySql(pool) => list(pool, account).await,
+            #[cfg(feature = "dynamodb")]
+            Charges::DynamoDb(client, tables) => crate::dynamo::list(client, tables, account)
+                .await
+                .map_err(sqlx::Error::Protocol),
         }
     }
 }
@@ -345,6 +366,8 @@ impl Charges {
             Charges::Sqlite(pool) => insert_event(pool, event).await,
             Charges::Postgres(pool) => insert_event(pool, event).await,
             Charges::MySql(pool) => insert_event(pool, event).await,
+            #[cfg(feature = "dynamodb")]
+            Charges::DynamoDb(..) => Err(in_transactions_only()),
         }
     }
 
@@ -354,6 +377,10 @@ impl Charges {
             Charges::Sqlite(pool) => list_events(pool).await,
             Charges::Postgres(pool) => list_events(pool).await,
             Charges::MySql(pool) => list_events(pool).await,
+            #[cfg(feature = "dynamodb")]
+            Charges::DynamoDb(client, tables) => crate::dynamo::list_events(client, tables)
+                .await
+                .map_err(sqlx::Error::Protocol),
         }
     }
 }
@@ -367,20 +394,24 @@ pub trait LedgerWrites: Send {
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 }
 
-impl<C> LedgerWrites for C
-where
-    C: sqlx::Connection<Database: Engine>,
-    for<'c> &'c mut C: Executor<'c, Database = C::Database>,
-    <C::Database as Database>::Arguments: IntoArguments<C::Database>,
-    for<'q> &'q str: Encode<'q, C::Database> + Type<C::Database>,
-    for<'q> Option<&'q str>: Encode<'q, C::Database> + Type<C::Database>,
-    for<'q> i64: Encode<'q, C::Database> + Type<C::Database>,
-{
-    async fn insert(&mut self, charge: &Charge) -> Result<(), sqlx::Error> {
-        insert(self, charge).await
-    }
+/// A SQL engine's connection writes through the engine's SQL (one impl
+/// per engine: DynamoDB's transaction writes too, in its own way).
+macro_rules! sql_ledger_writes {
+    ($($connection:ty),*) => {$(
+        impl LedgerWrites for $connection {
+            async fn insert(&mut self, charge: &Charge) -> Result<(), sqlx::Error> {
+                insert(self, charge).await
+            }
 
-    async fn insert_event(&mut self, event: &Event) -> Result<(), sqlx::Error> {
-        insert_event(self, event).await
-    }
+            async fn insert_event(&mut self, event: &Event) -> Result<(), sqlx::Error> {
+                insert_event(self, event).await
+            }
+        }
+    )*};
 }
+
+sql_ledger_writes!(
+    sqlx::SqliteConnection,
+    sqlx::PgConnection,
+    sqlx::MySqlConnection
+);

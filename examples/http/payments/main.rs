@@ -20,6 +20,11 @@
 //! `DOWNSTREAM_KEY` (default `on`: with Redis, each charge carries its
 //! idempotency key under a unique constraint, so a second execution finds
 //! the first charge; `off` measures the window it closes);
+//! `DYNAMODB_TABLE` (with the `dynamodb` feature: records in that DynamoDB
+//! table, through the AWS environment — credentials, region,
+//! `AWS_ENDPOINT_URL` — each charge an item of `<table>_charges` written
+//! in the request's own `TransactWriteItems`; the tables are created if
+//! missing);
 //! `IDEMPOTENCY_STORE=memory` (records and charges in memory: nothing
 //! persisted); `OUTBOX_DESTINATION` (a SQL store only: each execution
 //! enqueues `charge.created` for that destination — a queue URL, a
@@ -92,6 +97,8 @@
 
 mod admin;
 mod app;
+#[cfg(feature = "dynamodb")]
+mod dynamo;
 mod ledger;
 mod openapi;
 
@@ -144,6 +151,12 @@ async fn main() {
 
     let settings = Settings::from_env().unwrap_or_else(|why| exit_with(&why));
     let database = Database::from_env().unwrap_or_else(|why| exit_with(&why));
+    let dynamodb_table = env::var("DYNAMODB_TABLE").ok();
+    if dynamodb_table.is_some() && settings.outbox_destination.is_some() {
+        exit_with(
+            "OUTBOX_DESTINATION needs a SQL DATABASE_URL: the outbox is a table of a SQL database",
+        );
+    }
     let lease_store = env::var("IDEMPOTENCY_STORE").is_ok_and(|s| s == "memory")
         || env::var("REDIS_URL").is_ok()
         || env::var("REDIS_CLUSTER_NODES").is_ok();
@@ -161,6 +174,8 @@ async fn main() {
             Charges::Memory(Arc::default()),
             &settings,
         )
+    } else if let Some(table) = dynamodb_table {
+        dynamodb(&table, &settings).await
     } else if let Ok(nodes) = env::var("REDIS_CLUSTER_NODES") {
         let nodes: Vec<String> = nodes.split(',').map(|n| n.trim().to_owned()).collect();
         let store = RedisStore::builder()
@@ -206,6 +221,22 @@ async fn main() {
         });
     println!("listening on http://{}", listener.local_addr().unwrap());
     axum::serve(listener, app).await.unwrap();
+}
+
+/// Charges and records in DynamoDB, one `TransactWriteItems` per charge.
+#[cfg(feature = "dynamodb")]
+async fn dynamodb(table: &str, settings: &Settings) -> Router {
+    dynamo::service(table, settings)
+        .await
+        .unwrap_or_else(|e| exit_with(&format!("DYNAMODB_TABLE: {e}")))
+}
+
+#[cfg(not(feature = "dynamodb"))]
+async fn dynamodb(_: &str, _: &Settings) -> Router {
+    exit_with(
+        "DYNAMODB_TABLE: this build has no DynamoDB; build with `--features dynamodb` \
+         (cargo run --release -p tower-idempotency-http-examples --features dynamodb --example payments)",
+    )
 }
 
 /// A configuration mistake: say what to fix and stop, before serving.

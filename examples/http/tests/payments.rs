@@ -9,6 +9,10 @@ mod admin;
 #[path = "../payments/app.rs"]
 mod app;
 #[allow(dead_code)]
+#[cfg(feature = "dynamodb")]
+#[path = "../payments/dynamo.rs"]
+mod dynamo;
+#[allow(dead_code)]
 #[path = "../payments/ledger.rs"]
 mod ledger;
 #[path = "../payments/openapi.rs"]

@@ -6,6 +6,8 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+#[cfg(feature = "dynamodb")]
+mod dynamodb;
 mod mysql;
 mod openapi;
 mod postgres;

@@ -12,4 +12,6 @@ pub mod payments;
 #[path = "../../../support/process.rs"]
 pub mod process;
 
-pub use tower_idempotency_harness::{mysql, postgres, redis_server, relay, sqlite, tmpfs};
+pub use tower_idempotency_harness::{
+    dynamodb, mysql, postgres, redis_server, relay, sqlite, tmpfs,
+};
