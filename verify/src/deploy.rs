@@ -13,7 +13,7 @@ use std::{
 
 use tower_idempotency::sqlx::{self, Connection};
 use tower_idempotency_harness::{
-    cluster::RedisCluster, mysql, postgres, redis_server::RedisServer, relay::Relay,
+    cluster::RedisCluster, dynamodb, mysql, postgres, redis_server::RedisServer, relay::Relay,
     sqlite::TestFile, tmpfs::Tmpfs,
 };
 
@@ -35,6 +35,10 @@ pub enum StoreKind {
     /// A Redis Cluster of three masters, each with a replica (its masters
     /// killed, their replicas promoted); charges as `Redis`.
     RedisCluster,
+    /// DynamoDB (a dynoxide server behind its relay): each charge an item
+    /// written in the request's own `TransactWriteItems` (the example built
+    /// with its `dynamodb` feature).
+    DynamoDb,
 }
 
 impl StoreKind {
@@ -46,6 +50,7 @@ impl StoreKind {
             "redis" => Self::Redis,
             "redis-no-downstream-key" => Self::RedisNoDownstreamKey,
             "redis-cluster" => Self::RedisCluster,
+            "dynamodb" => Self::DynamoDb,
             _ => return None,
         })
     }
@@ -58,6 +63,7 @@ impl StoreKind {
             Self::Redis => "redis",
             Self::RedisNoDownstreamKey => "redis-no-downstream-key",
             Self::RedisCluster => "redis-cluster",
+            Self::DynamoDb => "dynamodb",
         }
     }
 
@@ -79,6 +85,8 @@ enum Store {
     Redis(#[allow(dead_code)] RedisServer, TestFile),
     /// The cluster; the charges' file.
     Cluster(RedisCluster, TestFile),
+    /// The server, and the records' table (the charges' is beside it).
+    DynamoDb(dynamodb::DynamoServer, String),
 }
 
 /// One `payments` process, behind its relay.
@@ -134,6 +142,14 @@ impl Deployment {
                 Store::Cluster(RedisCluster::start(3, 1), TestFile::create()),
                 None,
             ),
+            StoreKind::DynamoDb => {
+                let server = dynamodb::DynamoServer::start();
+                let upstream = format!("127.0.0.1:{}", server.port());
+                (
+                    Store::DynamoDb(server, dynamodb::table_name()),
+                    Some(upstream),
+                )
+            }
         };
         let store_relay = match &upstream {
             Some(upstream) => Some(Relay::start(upstream).await),
@@ -175,6 +191,18 @@ impl Deployment {
             Store::Cluster(cluster, file) => {
                 env.push(("REDIS_CLUSTER_NODES".into(), cluster.urls().join(",")));
                 env.push(("DATABASE_URL".into(), file.url()));
+            }
+            Store::DynamoDb(server, table) => {
+                for (name, value) in server.env() {
+                    env.push((name.into(), value));
+                }
+                // Through the relay: the store's link can be cut.
+                env.retain(|(name, _)| name != "AWS_ENDPOINT_URL");
+                env.push((
+                    "AWS_ENDPOINT_URL".into(),
+                    format!("http://127.0.0.1:{}", via.unwrap()),
+                ));
+                env.push(("DYNAMODB_TABLE".into(), table.clone()));
             }
         }
         let mut deployment = Self {
@@ -388,6 +416,9 @@ impl Deployment {
 
     /// Every charge the ledger holds.
     pub async fn effects(&self) -> Vec<Effect> {
+        if let Store::DynamoDb(server, table) = &self.store {
+            return dynamodb_effects(server, table).await;
+        }
         let query = "SELECT id, account, amount, description FROM charges";
         let rows: Vec<(String, String, i64, Option<String>)> = match &self.store {
             Store::Sqlite(..) | Store::Redis(..) | Store::Cluster(..) => {
@@ -407,6 +438,7 @@ impl Deployment {
                 .fetch_all(&mut db.connect().await)
                 .await
                 .unwrap(),
+            Store::DynamoDb(..) => unreachable!("read above"),
         };
         rows.into_iter()
             .map(|(id, account, amount, key)| Effect {
@@ -417,6 +449,41 @@ impl Deployment {
             })
             .collect()
     }
+}
+
+/// Every charge item beside the records' `table` (a consistent scan).
+async fn dynamodb_effects(server: &dynamodb::DynamoServer, table: &str) -> Vec<Effect> {
+    use tower_idempotency::aws_sdk_dynamodb::types::AttributeValue;
+    let client = server.client();
+    let mut pages = client
+        .scan()
+        .table_name(format!("{table}_charges"))
+        .consistent_read(true)
+        .into_paginator()
+        .send();
+    let text = |item: &std::collections::HashMap<String, AttributeValue>, name: &str| {
+        item.get(name)
+            .and_then(|v| v.as_s().ok())
+            .cloned()
+            .unwrap_or_default()
+    };
+    let mut effects = Vec::new();
+    while let Some(page) = pages.next().await {
+        let Ok(page) = page else { return effects };
+        for item in page.items() {
+            effects.push(Effect {
+                id: text(item, "id"),
+                account: text(item, "account"),
+                amount: item
+                    .get("amount")
+                    .and_then(|v| v.as_n().ok())
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or_default(),
+                key: text(item, "description"),
+            });
+        }
+    }
+    effects
 }
 
 impl Drop for Deployment {
