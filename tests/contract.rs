@@ -13,7 +13,10 @@ use std::{
 
 use tower_idempotency::{
     CompletedRecord, Fingerprint,
-    store::{Claim, Forgotten, Granted, KeyState, LeaseToken, StorageKey, Store, StoreError},
+    store::{
+        Claim, FailedCompletion, Forgotten, Granted, Held, KeyState, LeaseToken, StorageKey, Store,
+        StoreError,
+    },
     testing::{RULES, StoreContract, TX_RULES, TxEffects, TxStoreContract},
 };
 
@@ -466,8 +469,16 @@ impl std::ops::DerefMut for ToyTx {
 }
 
 impl Granted for ToyTx {
-    fn lease_token(&self) -> Option<LeaseToken> {
-        None
+    fn held(&self) -> Held {
+        Held::ForItsLife
+    }
+
+    fn lent_to_work(&self) -> bool {
+        true
+    }
+
+    fn failed_completion(&self) -> FailedCompletion {
+        FailedCompletion::NothingCommitted
     }
 }
 

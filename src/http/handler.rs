@@ -74,12 +74,12 @@ where
 {
     Detached::new(async move {
         let mut request = request;
-        let claimed = transaction::ClaimedWith::granted::<St::Granted>(hold.is_transaction());
+        let claimed = transaction::ClaimedWith::granted::<St::Granted>(hold.is_lent());
         request.extensions_mut().insert(claimed);
         // A transaction goes to the handler (the `IdempotentTx` extractor),
         // and comes back once it has returned — unless it kept it.
         let lent = hold
-            .lend_if_transaction()
+            .lend_if_lent()
             .map(|tx| transaction::lend(tx, request.extensions_mut()));
         // Scoped, so that `settle` can reuse the space of the finished work.
         let handled = {
@@ -88,7 +88,7 @@ where
                 request,
                 &shared.policy,
                 shared.config.max_stored_body,
-                hold.is_transaction(),
+                hold.is_lent(),
             ));
             hold.hold_while(work).await
         };

@@ -8,7 +8,7 @@ use tokio::time::{Instant, sleep_until};
 use crate::{
     fingerprint::Fingerprint,
     observe,
-    store::{Granted, LeaseToken, StorageKey, Store, StoreError},
+    store::{FailedCompletion, Granted, Held, LeaseToken, StorageKey, Store, StoreError},
 };
 
 /// A granted claim, held. Dropped before it is released or finished (its
@@ -20,8 +20,12 @@ pub(crate) struct Hold<St: Store> {
     pub(super) key: StorageKey,
     pub(super) fingerprint: Fingerprint,
     pub(super) lease: Duration,
-    /// `Some` when the claim is a lease.
+    /// `Some` when the claim is held as a lease: the heartbeat's token.
     pub(super) token: Option<LeaseToken>,
+    /// Whether the work writes its effects with the claim.
+    pub(super) lent: bool,
+    /// What a failed completion means.
+    pub(super) failure: FailedCompletion,
     /// `None` while lent out (to an HTTP handler), or once settled.
     pub(super) granted: Option<St::Granted>,
     /// Still to be released if dropped.
@@ -46,7 +50,12 @@ impl<St: Store> Hold<St> {
             key,
             fingerprint,
             lease,
-            token: granted.lease_token(),
+            token: match granted.held() {
+                Held::Lease(token) => Some(token),
+                Held::ForItsLife => None,
+            },
+            lent: granted.lent_to_work(),
+            failure: granted.failed_completion(),
             granted: Some(granted),
             held: true,
             confirmed: Instant::now(),
@@ -57,21 +66,17 @@ impl<St: Store> Hold<St> {
         &self.key
     }
 
-    /// Whether the claim lives in a transaction the work writes in (rather
-    /// than being a lease).
-    pub(crate) fn is_transaction(&self) -> bool {
-        self.token.is_none()
+    /// Whether the work writes its effects with the claim (a transaction
+    /// the record commits in).
+    pub(crate) fn is_lent(&self) -> bool {
+        self.lent
     }
 
-    /// Lends a transaction out, to a handler that cannot borrow it;
-    /// [`give_back`](Self::give_back) returns it. A lease is not lent: the
-    /// handler has nothing to do with it.
-    pub(crate) fn lend_if_transaction(&mut self) -> Option<St::Granted> {
-        if self.is_transaction() {
-            self.granted.take()
-        } else {
-            None
-        }
+    /// Lends the claim out, to a handler that cannot borrow it, when the
+    /// work writes with it; [`give_back`](Self::give_back) returns it. A
+    /// lease is not lent: the handler has nothing to do with it.
+    pub(crate) fn lend_if_lent(&mut self) -> Option<St::Granted> {
+        if self.lent { self.granted.take() } else { None }
     }
 
     pub(crate) fn give_back(&mut self, granted: St::Granted) {

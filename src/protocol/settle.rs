@@ -10,7 +10,7 @@ use crate::{
     fingerprint::Fingerprint,
     observe,
     record::CompletedRecord,
-    store::{LeaseToken, StorageKey, Store, StoreError},
+    store::{FailedCompletion, LeaseToken, StorageKey, Store, StoreError},
 };
 
 /// What became of a completion: decided here, once, for both doors.
@@ -53,7 +53,7 @@ impl<St: Store> Hold<St> {
             retention,
         );
         let stored = observe::store_call("complete", complete).await;
-        let Some(token) = self.token else {
+        if self.failure == FailedCompletion::NothingCommitted {
             return match stored {
                 Ok(true) => Finished::Stored,
                 Ok(false) => Finished::NotCommitted(StoreError::Unavailable(
@@ -61,10 +61,10 @@ impl<St: Store> Hold<St> {
                 )),
                 Err(error) => Finished::NotCommitted(error),
             };
-        };
-        match stored {
-            Ok(true) => Finished::Stored,
-            Ok(false) => {
+        }
+        match (stored, self.token) {
+            (Ok(true), _) => Finished::Stored,
+            (Ok(false), _) => {
                 observe::completion_lost();
                 tracing::error!(
                     key = %self.key,
@@ -72,7 +72,7 @@ impl<St: Store> Hold<St> {
                 );
                 Finished::Lost
             }
-            Err(error) => {
+            (Err(error), Some(token)) => {
                 tracing::warn!(key = %self.key, %error, "idempotency: completion failed; retrying in the background");
                 let retry = Retry {
                     store: self.store.clone(),
@@ -85,6 +85,15 @@ impl<St: Store> Hold<St> {
                 };
                 tokio::spawn(retry.run(record, retention));
                 Finished::Pending
+            }
+            (Err(error), None) => {
+                // No lease to retry it under: the claim ends at its bound.
+                observe::completion_lost();
+                tracing::error!(
+                    key = %self.key, %error,
+                    "idempotency: completion failed and the claim is no lease to retry it under; the outcome went out unstored, a retry may execute again"
+                );
+                Finished::Lost
             }
         }
     }

@@ -21,8 +21,9 @@
 //!   the same transaction and commits. Record and effect are then one fact:
 //!   a crash before the commit leaves neither, after it both. The
 //!   transactional SQL stores work this way, and so can yours: a granted
-//!   value whose [`Granted::lease_token`] is `None` is handed to the handler
-//!   (through the `IdempotentTx` extractor) and to a message's work.
+//!   value that is [lent to the work](Granted::lent_to_work) is handed to
+//!   the handler (through the `IdempotentTx` extractor) and to a message's
+//!   work.
 //!
 //! # Writing a store
 //!
@@ -74,8 +75,8 @@
 //! ```
 //!
 //! A transactional store sets `type Granted` to its transaction type (which
-//! implements [`Granted`] with `lease_token` returning `None`, and rolls back
-//! when dropped), begins the transaction and claims the key in it in
+//! implements [`Granted`] as held for its life, lent to the work, a failed
+//! completion having committed nothing — and rolls back when dropped), begins the transaction and claims the key in it in
 //! [`Store::claim`], commits the record with it in [`Store::complete`], and
 //! rolls it back in [`Store::release`]; [`Store::extend`] is never called
 //! for it. A store whose claims are answered over a network can hand its
@@ -320,26 +321,100 @@ pub enum Forgotten {
 
 /// A granted claim, as a store hands it out: see [`Store::Granted`].
 ///
+/// It states three facts of the claim, each of which decides one thing the
+/// layer does with it: how it is [held](Self::held) (whether a heartbeat
+/// runs), whether the work is [lent](Self::lent_to_work) it (to write its
+/// effects in), and what a [completion that fails](Self::failed_completion)
+/// means.
+///
 /// # Examples
 ///
+/// A lease: the heartbeat extends it, the work never sees it, and a failed
+/// completion is retried while the lease holds.
+///
 /// ```
-/// use tower_idempotency::store::{Granted, LeaseToken};
+/// use tower_idempotency::store::{FailedCompletion, Granted, Held, LeaseToken};
 ///
 /// let token = LeaseToken::generate();
-/// assert_eq!(token.lease_token(), Some(token));
+/// assert_eq!(token.held(), Held::Lease(token));
+/// assert!(!token.lent_to_work());
+/// assert_eq!(token.failed_completion(), FailedCompletion::RetryWhileLeased);
+/// ```
+///
+/// A transaction a store began: held for its life, lent to the work, and a
+/// failed completion (a refused commit) committed nothing.
+///
+/// ```
+/// use tower_idempotency::store::{FailedCompletion, Granted, Held};
+///
+/// struct MyTx;
+///
+/// impl Granted for MyTx {
+///     fn held(&self) -> Held {
+///         Held::ForItsLife
+///     }
+///     fn lent_to_work(&self) -> bool {
+///         true
+///     }
+///     fn failed_completion(&self) -> FailedCompletion {
+///         FailedCompletion::NothingCommitted
+///     }
+/// }
+/// # assert!(MyTx.lent_to_work());
 /// ```
 pub trait Granted: Send + Sync + 'static {
-    /// The fencing token of a claim that is a lease: heartbeats extend it,
-    /// and a failed completion is retried with it. `None` for a claim that
-    /// lives as long as a transaction the store began: the handler (or a
-    /// message's work) receives it to write its effects in, and completing
-    /// it commits them with the record.
-    fn lease_token(&self) -> Option<LeaseToken>;
+    /// How the claim is held while the work runs: a lease the layer's
+    /// heartbeat extends with its fencing token, or for the claim's own
+    /// life (a transaction the store began, a claim with a fixed bound),
+    /// which nothing extends.
+    fn held(&self) -> Held;
+
+    /// Whether the work receives the claim, to write its effects with it:
+    /// the handler through the `IdempotentTx` extractor, a message's work
+    /// as its argument. `true` for a transaction the record commits in.
+    fn lent_to_work(&self) -> bool;
+
+    /// What a completion that failed, or found the claim gone, means.
+    fn failed_completion(&self) -> FailedCompletion;
+}
+
+/// How a granted claim is held: see [`Granted::held`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    /// A lease with this fencing token: the layer extends it every third
+    /// of its duration while the work runs ([`Store::extend`]).
+    Lease(LeaseToken),
+    /// For the claim's own life: nothing extends it.
+    ForItsLife,
+}
+
+/// What a completion that failed means: see [`Granted::failed_completion`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailedCompletion {
+    /// The work's effects stand and its outcome went out, but the record
+    /// may still be stored: the completion is retried in the background
+    /// while the heartbeat holds the lease (for a claim held as a
+    /// [`Held::Lease`]; for any other, the same as `NothingCommitted`
+    /// but logged as a lost completion). A claim found gone is logged as a
+    /// completion lost.
+    RetryWhileLeased,
+    /// Nothing committed — neither the work's effects nor the record — so
+    /// the request answers that it did not take effect, and a retry
+    /// executes anew.
+    NothingCommitted,
 }
 
 impl Granted for LeaseToken {
-    fn lease_token(&self) -> Option<LeaseToken> {
-        Some(*self)
+    fn held(&self) -> Held {
+        Held::Lease(*self)
+    }
+
+    fn lent_to_work(&self) -> bool {
+        false
+    }
+
+    fn failed_completion(&self) -> FailedCompletion {
+        FailedCompletion::RetryWhileLeased
     }
 }
 

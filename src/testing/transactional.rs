@@ -89,8 +89,8 @@ pub const TX_RULES: &[&str] = &[
 ];
 
 /// The contract of a store whose claims are transactions (`type Granted`
-/// a transaction that dereferences to its connection, `lease_token()`
-/// `None`): the effects written with a claim's transaction commit with its
+/// a transaction that dereferences to its connection, lent to the
+/// work): the effects written with a claim's transaction commit with its
 /// record or not at all — committed together; rolled back together by a
 /// release, a dropped transaction (the process died, the request was
 /// cancelled) or a statement the database refused; a savepoint the work
@@ -407,10 +407,11 @@ where
 
     async fn acquire(&self, key: &StorageKey) -> Result<St::Granted, String> {
         match self.store.claim(key, &FP, self.unit * 2).await {
-            Ok(Claim::Acquired(tx)) if tx.lease_token().is_none() => Ok(tx),
-            Ok(Claim::Acquired(_)) => {
-                Err("the claim is a lease, not a transaction: run StoreContract".into())
-            }
+            Ok(Claim::Acquired(tx)) if tx.lent_to_work() => Ok(tx),
+            Ok(Claim::Acquired(_)) => Err(
+                "the claim is not lent to the work (a lease, not a transaction): run StoreContract"
+                    .into(),
+            ),
             other => Err(format!(
                 "a claim of a free key got {}, not Acquired",
                 show(&other)

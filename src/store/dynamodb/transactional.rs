@@ -22,7 +22,10 @@ use super::{
 use crate::{
     fingerprint::{Fingerprint, push_hex},
     record::CompletedRecord,
-    store::{Claim, Forgotten, Granted, KeyState, LeaseToken, StorageKey, Store, StoreError},
+    store::{
+        Claim, FailedCompletion, Forgotten, Granted, Held, KeyState, LeaseToken, StorageKey, Store,
+        StoreError,
+    },
 };
 
 /// The most items one `TransactWriteItems` takes.
@@ -194,8 +197,16 @@ impl DerefMut for DynamoTx {
 }
 
 impl Granted for DynamoTx {
-    fn lease_token(&self) -> Option<LeaseToken> {
-        None
+    fn held(&self) -> Held {
+        Held::ForItsLife
+    }
+
+    fn lent_to_work(&self) -> bool {
+        true
+    }
+
+    fn failed_completion(&self) -> FailedCompletion {
+        FailedCompletion::NothingCommitted
     }
 }
 

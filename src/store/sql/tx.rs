@@ -13,7 +13,7 @@ use sqlx::{Database, pool::PoolConnection};
 use tokio::sync::Notify;
 
 use super::dialect::{Dialect, Engine};
-use crate::store::{Granted, LeaseToken};
+use crate::store::{FailedCompletion, Granted, Held};
 
 /// The request's transaction on a transactional SQL store
 /// ([`PostgresTx`](crate::PostgresTx), [`SqliteTx`](crate::SqliteTx),
@@ -194,8 +194,16 @@ impl<D: Dialect> SqlTx<D> {
 }
 
 impl<D: Dialect> Granted for SqlTx<D> {
-    fn lease_token(&self) -> Option<LeaseToken> {
-        None
+    fn held(&self) -> Held {
+        Held::ForItsLife
+    }
+
+    fn lent_to_work(&self) -> bool {
+        true
+    }
+
+    fn failed_completion(&self) -> FailedCompletion {
+        FailedCompletion::NothingCommitted
     }
 }
 
