@@ -19,7 +19,7 @@ use super::{
     body::{self, BufferedBody, ReadError},
     decide::{self, Reason, Verdict},
 };
-use crate::IDEMPOTENT_REPLAYED;
+use crate::http::replay::IDEMPOTENT_REPLAYED;
 
 /// The future of a call through [`IdempotentClient`].
 pub type ResponseFuture =

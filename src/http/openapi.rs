@@ -56,7 +56,7 @@ use utoipa::{
     },
 };
 
-use crate::IdempotencyKey;
+use crate::key::IdempotencyKey;
 
 /// The component name of the RFC 9457 problem schema this adds.
 pub const PROBLEM_SCHEMA: &str = "IdempotencyProblem";
