@@ -50,8 +50,14 @@ pub(super) type Item = HashMap<String, AttributeValue>;
 /// expired (by `:now`).
 pub(super) const FREE: &str = "attribute_not_exists(#pk) OR #exp < :now";
 
-/// The claim `:tok` still holds the key.
+/// The claim `:tok` still holds the key, whatever its deadline: what an
+/// operator's forced forget deletes, as read.
 pub(super) const HELD: &str = "#tok = :tok AND #st = :i";
+
+/// The claim `:tok` still holds the key and has not lapsed (by `:now`): a
+/// lapsed lease is lost, as on every store, even before another claim
+/// takes the key.
+pub(super) const HELD_LIVE: &str = "#tok = :tok AND #st = :i AND #exp >= :now";
 
 /// A completed record, exactly the one read (by its expiry).
 pub(super) const THE_RECORD: &str = "#st = :c AND #exp = :exp";

@@ -299,7 +299,7 @@ impl Table {
             .table_name(&self.name)
             .set_key(Some(item::key_of(key)))
             .update_expression("SET #exp = :exp, #ttl = :ttl")
-            .condition_expression(item::HELD)
+            .condition_expression(item::HELD_LIVE)
             .expression_attribute_names("#exp", item::EXPIRES)
             .expression_attribute_names("#ttl", item::TTL)
             .expression_attribute_names("#tok", item::TOKEN)
@@ -308,6 +308,7 @@ impl Table {
             .expression_attribute_values(ttl, ttl_value)
             .expression_attribute_values(":tok", item::token_value(token))
             .expression_attribute_values(":i", item::in_flight_value())
+            .expression_attribute_values(":now", item::number(now_ms()))
             .send()
             .await;
         match updated {
@@ -345,11 +346,13 @@ impl Table {
             .put_item()
             .table_name(&self.name)
             .set_item(Some(item))
-            .condition_expression(item::HELD)
+            .condition_expression(item::HELD_LIVE)
             .expression_attribute_names("#tok", item::TOKEN)
             .expression_attribute_names("#st", item::STATE)
             .expression_attribute_values(":tok", item::token_value(token))
             .expression_attribute_values(":i", item::in_flight_value())
+            .expression_attribute_names("#exp", item::EXPIRES)
+            .expression_attribute_values(":now", item::number(now_ms()))
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .send()
             .await;
@@ -378,11 +381,13 @@ impl Table {
             .delete_item()
             .table_name(&self.name)
             .set_key(Some(item::key_of(key)))
-            .condition_expression(item::HELD)
+            .condition_expression(item::HELD_LIVE)
             .expression_attribute_names("#tok", item::TOKEN)
             .expression_attribute_names("#st", item::STATE)
             .expression_attribute_values(":tok", item::token_value(token))
             .expression_attribute_values(":i", item::in_flight_value())
+            .expression_attribute_names("#exp", item::EXPIRES)
+            .expression_attribute_values(":now", item::number(now_ms()))
             .send()
             .await;
         match deleted {

@@ -17,7 +17,7 @@ use aws_sdk_dynamodb::{
 use super::{
     DynamoDbStoreBuilder, Table,
     errors::{Class, class, store_error},
-    item,
+    item, now_ms,
 };
 use crate::{
     fingerprint::{Fingerprint, push_hex},
@@ -412,11 +412,13 @@ impl Store for DynamoDbTxStore {
                 &record,
                 retention,
             )?))
-            .condition_expression(item::HELD)
+            .condition_expression(item::HELD_LIVE)
             .expression_attribute_names("#tok", item::TOKEN)
             .expression_attribute_names("#st", item::STATE)
             .expression_attribute_values(":tok", item::token_value(tx.token))
             .expression_attribute_values(":i", item::in_flight_value())
+            .expression_attribute_names("#exp", item::EXPIRES)
+            .expression_attribute_values(":now", item::number(now_ms()))
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
             .build()
             .expect("a table and an item");
@@ -439,11 +441,13 @@ impl Store for DynamoDbTxStore {
         let delete = Delete::builder()
             .table_name(&table.name)
             .set_key(Some(item::key_of(key)))
-            .condition_expression(item::HELD)
+            .condition_expression(item::HELD_LIVE)
             .expression_attribute_names("#tok", item::TOKEN)
             .expression_attribute_names("#st", item::STATE)
             .expression_attribute_values(":tok", item::token_value(tx.token))
             .expression_attribute_values(":i", item::in_flight_value())
+            .expression_attribute_names("#exp", item::EXPIRES)
+            .expression_attribute_values(":now", item::number(now_ms()))
             .build()
             .expect("a table and a key");
         self.commit(&mut tx, TransactWriteItem::builder().delete(delete).build())
