@@ -30,7 +30,7 @@
 //! # Examples
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! use tower_idempotency::{
 //!     SqliteStore, SqliteTx, sqlx,
 //!     message::{DeadLetterReason, IdempotencyProcessor, Parsed},
@@ -152,6 +152,10 @@ struct PartitionState {
     in_hand: usize,
     /// Paused for want of room (not for its seek).
     full: bool,
+    /// The stored position it was sought to: every record below it is
+    /// decided. One fetched from below anyway (a seek that failed, or a
+    /// fetch that began before it) is dropped, never handed over again.
+    from: i64,
 }
 
 /// Builds a [`Kafka`]: see [`Kafka::builder`].
@@ -501,6 +505,9 @@ impl<St: Positions> Poller<St> {
                 Some(next) => Offset::Offset(*next),
                 None => Offset::Beginning,
             };
+            if let Some(state) = lock(&self.partitions).get_mut(partition) {
+                state.from = stored.get(partition).copied().unwrap_or(0);
+            }
             let mut one = TopicPartitionList::new();
             if one
                 .add_partition_offset(&self.topic, *partition, offset)
@@ -537,6 +544,10 @@ impl<St: Positions> Poller<St> {
                 // takes it from the stored position.
                 return;
             };
+            if message.offset() < state.from {
+                // Decided already: the stored position is past it.
+                return;
+            }
             state.in_hand += 1;
             if state.in_hand >= PER_PARTITION && !state.full {
                 state.full = true;
