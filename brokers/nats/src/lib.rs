@@ -17,7 +17,7 @@
 //! # Examples
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! use tower_idempotency::{
 //!     SqliteStore, SqliteTx,
 //!     message::{Consumer, DeadLetterReason, IdempotencyProcessor, Parsed},
@@ -485,7 +485,7 @@ impl Broker for JetStream {
 /// # Examples
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use tower_idempotency_nats::{JetStreamPublisher, async_nats};
 ///
 /// let publisher = JetStreamPublisher::new(async_nats::jetstream::new(

@@ -18,7 +18,7 @@
 //! # Examples
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! use tower_idempotency::{
 //!     SqliteStore, SqliteTx,
 //!     message::{Consumer, DeadLetterReason, IdempotencyProcessor, Parsed},
