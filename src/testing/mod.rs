@@ -52,6 +52,43 @@ use crate::{
     store::{Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError},
 };
 
+/// A contract's rules, listed once: each a name and its check, a method of
+/// the same name. Makes the public list of names (`$names`) and the
+/// contract's `run_rules`, which runs each check in that order.
+macro_rules! rules {
+    (
+        $(#[$doc:meta])*
+        $names:ident for $contract:ty,
+        impl [$($generics:tt)*] where [$($bounds:tt)*],
+        $arg:ident: $ty:ty => { $($rule:ident),* $(,)? }
+    ) => {
+        $(#[$doc])*
+        pub const $names: &[&str] = &[$(stringify!($rule)),*];
+
+        impl<$($generics)*> $contract where $($bounds)* {
+            /// Runs each rule in order — but those `skip` names — on what
+            /// `given` makes for it; the ones the store broke.
+            async fn run_rules<G: Future<Output = $ty>>(
+                &self,
+                skip: impl Fn(&str) -> bool,
+                given: impl Fn(&'static str) -> G,
+            ) -> Vec<$crate::testing::Violation> {
+                let mut broken = Vec::new();
+                $(
+                    let rule = stringify!($rule);
+                    if !skip(rule) {
+                        let $arg = given(rule).await;
+                        if let Err(detail) = self.$rule($arg).await {
+                            broken.push($crate::testing::Violation { rule, detail });
+                        }
+                    }
+                )*
+                broken
+            }
+        }
+    };
+}
+
 mod faulty;
 mod model;
 mod transactional;
@@ -97,22 +134,30 @@ impl fmt::Display for Violation {
     }
 }
 
-/// Every rule, in order.
-pub const RULES: &[&str] = &[
-    "claims_exclude_each_other",
-    "completion_replays_and_other_payloads_mismatch",
-    "release_frees_the_key",
-    "an_expired_lease_lets_another_claim",
-    "a_lost_lease_fences_its_holder_off",
-    "heartbeats_keep_a_claim",
-    "retention_counts_from_the_completion",
-    "inspect_and_forget_tell_the_truth",
-    "concurrent_claims_grant_the_key_once",
-    "scopes_keep_keys_apart",
-    "keys_compare_byte_for_byte",
-    "retention_is_kept_as_long_as_asked",
-    "behaves_as_the_model",
-];
+rules! {
+    /// Every rule, in order.
+    RULES for StoreContract<M>,
+    impl [M, Fut, St] where [
+        M: Fn() -> Fut,
+        Fut: Future<Output = St>,
+        St: Store<Granted = LeaseToken>,
+    ],
+    on: (St, StorageKey) => {
+        claims_exclude_each_other,
+        completion_replays_and_other_payloads_mismatch,
+        release_frees_the_key,
+        an_expired_lease_lets_another_claim,
+        a_lost_lease_fences_its_holder_off,
+        heartbeats_keep_a_claim,
+        retention_counts_from_the_completion,
+        inspect_and_forget_tell_the_truth,
+        concurrent_claims_grant_the_key_once,
+        scopes_keep_keys_apart,
+        keys_compare_byte_for_byte,
+        retention_is_kept_as_long_as_asked,
+        behaves_as_the_model,
+    }
+}
 
 impl<M> fmt::Debug for StoreContract<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -214,17 +259,14 @@ where
     /// # }
     /// ```
     pub async fn check(&self) -> Vec<Violation> {
-        let mut broken = Vec::new();
-        for &rule in RULES {
-            if rule == "inspect_and_forget_tell_the_truth" && !self.inspect {
-                continue;
-            }
-            let store = (self.make)().await;
-            if let Err(detail) = self.rule(rule, &store).await {
-                broken.push(Violation { rule, detail });
-            }
-        }
-        broken
+        self.run_rules(
+            |rule| rule == "inspect_and_forget_tell_the_truth" && !self.inspect,
+            |rule| {
+                let store = (self.make)();
+                async move { (store.await, key(rule)) }
+            },
+        )
+        .await
     }
 
     /// Runs every rule and panics, listing the broken ones, if any is.
@@ -240,218 +282,262 @@ where
         assert_kept("the store", &self.check().await);
     }
 
-    async fn rule(&self, rule: &str, store: &St) -> Outcome {
-        let key = key(rule);
-        let (u, lease) = (self.unit, self.unit * 2);
-        match rule {
-            "claims_exclude_each_other" => {
-                let _first = acquire(store, &key, &FP, lease).await?;
-                expect_in_flight(store.claim(&key, &FP, lease).await, "a second claim")
+    async fn claims_exclude_each_other(&self, (store, key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let lease = self.unit * 2;
+        let _first = acquire(store, &key, &FP, lease).await?;
+        expect_in_flight(store.claim(&key, &FP, lease).await, "a second claim")
+    }
+
+    async fn completion_replays_and_other_payloads_mismatch(
+        &self,
+        (store, key): (St, StorageKey),
+    ) -> Outcome {
+        let store = &store;
+        let lease = self.unit * 2;
+        let mut token = acquire(store, &key, &FP, lease).await?;
+        complete(store, &key, &mut token, day()).await?;
+        match store.claim(&key, &FP, lease).await {
+            Ok(Claim::Completed { record, .. }) if *record == self::record() => {}
+            other => {
+                return Err(format!(
+                    "the same payload got {}, not its record",
+                    show(&other)
+                ));
             }
-            "completion_replays_and_other_payloads_mismatch" => {
-                let mut token = acquire(store, &key, &FP, lease).await?;
-                complete(store, &key, &mut token, day()).await?;
-                match store.claim(&key, &FP, lease).await {
-                    Ok(Claim::Completed { record, .. }) if *record == self::record() => {}
-                    other => {
-                        return Err(format!(
-                            "the same payload got {}, not its record",
-                            show(&other)
-                        ));
-                    }
-                }
-                match store.claim(&key, &OTHER, lease).await {
-                    Ok(Claim::Mismatch) => Ok(()),
-                    other => Err(format!(
-                        "another payload got {}, not Mismatch",
-                        show(&other)
-                    )),
-                }
-            }
-            "release_frees_the_key" => {
-                let token = acquire(store, &key, &FP, lease).await?;
-                truthy(store.release(&key, token).await, "release by the holder")?;
-                acquire(store, &key, &FP, lease).await.map(drop)
-            }
-            "an_expired_lease_lets_another_claim" => {
-                let _crashed = acquire(store, &key, &FP, lease).await?;
-                tokio::time::sleep(u * 3).await;
-                acquire(store, &key, &FP, lease)
-                    .await
-                    .map(drop)
-                    .map_err(|e| format!("after the lease ran out: {e}"))
-            }
-            "a_lost_lease_fences_its_holder_off" => {
-                let mut stale = acquire(store, &key, &FP, lease).await?;
-                tokio::time::sleep(u * 3).await;
-                let mut fresh = acquire(store, &key, &FP, lease * 5).await?;
-                falsy(
-                    store.extend(&key, stale, lease).await,
-                    "extend by the stale holder",
-                )?;
-                falsy(
-                    store
-                        .complete(&key, &mut stale, &FP, Arc::new(record()), day())
-                        .await,
-                    "complete by the stale holder",
-                )?;
-                falsy(
-                    store.release(&key, stale).await,
-                    "release by the stale holder",
-                )?;
-                complete(store, &key, &mut fresh, day()).await
-            }
-            "heartbeats_keep_a_claim" => {
-                let token = acquire(store, &key, &FP, lease).await?;
-                for _ in 0..3 {
-                    tokio::time::sleep(u).await;
-                    truthy(
-                        store.extend(&key, token, lease).await,
-                        "extend by the holder",
-                    )?;
-                }
-                expect_in_flight(
-                    store.claim(&key, &FP, lease).await,
-                    "a claim after three heartbeats, past the first lease",
-                )
-            }
-            "retention_counts_from_the_completion" => {
-                let mut token = acquire(store, &key, &FP, lease * 5).await?;
-                // Completed late in its lease: the retention starts now.
-                tokio::time::sleep(u * 3).await;
-                complete(store, &key, &mut token, u * 3).await?;
-                tokio::time::sleep(u * 2).await;
-                match store.claim(&key, &FP, lease).await {
-                    Ok(Claim::Completed { .. }) => {}
-                    other => {
-                        return Err(format!(
-                            "within its retention the record was {}",
-                            show(&other)
-                        ));
-                    }
-                }
-                tokio::time::sleep(u * 2).await;
-                acquire(store, &key, &FP, lease)
-                    .await
-                    .map(drop)
-                    .map_err(|e| format!("past its retention: {e}"))
-            }
-            "inspect_and_forget_tell_the_truth" => {
-                match store.inspect(&key).await {
-                    Ok(KeyState::Absent) => {}
-                    other => return Err(format!("inspect of a new key: {other:?}")),
-                }
-                let mut token = acquire(store, &key, &FP, lease).await?;
-                match store.inspect(&key).await {
-                    Ok(KeyState::InFlight { .. }) => {}
-                    other => return Err(format!("inspect of a claim: {other:?}")),
-                }
-                match store.forget(&key, false).await {
-                    Ok(Forgotten::InFlight) => {}
-                    other => return Err(format!("forget of a claim without force: {other:?}")),
-                }
-                complete(store, &key, &mut token, day()).await?;
-                match store.inspect(&key).await {
-                    Ok(KeyState::Completed { .. }) => {}
-                    other => return Err(format!("inspect of a record: {other:?}")),
-                }
-                match store.forget(&key, false).await {
-                    Ok(Forgotten::Completed) => {}
-                    other => return Err(format!("forget of a record: {other:?}")),
-                }
-                acquire(store, &key, &FP, lease)
-                    .await
-                    .map(drop)
-                    .map_err(|e| format!("after forget: {e}"))
-            }
-            "concurrent_claims_grant_the_key_once" => {
-                let claims = (0..32).map(|_| store.claim(&key, &FP, lease));
-                let claims = futures_util::future::join_all(claims).await;
-                let granted = claims
-                    .iter()
-                    .filter(|c| matches!(c, Ok(Claim::Acquired(_))))
-                    .count();
-                if let Some(Err(error)) = claims.iter().find(|c| c.is_err()) {
-                    return Err(format!("a concurrent claim failed: {error}"));
-                }
-                if granted == 1 {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "32 concurrent claims granted the key {granted} times"
-                    ))
-                }
-            }
-            "scopes_keep_keys_apart" => {
-                let idempotency_key = IdempotencyKey::new(format!("scoped-{}", fastrand::u64(..)))
-                    .expect("a valid key");
-                let alice = StorageKey::new("acct_alice", &idempotency_key);
-                let bob = StorageKey::new("acct_bob", &idempotency_key);
-                let mut token = acquire(store, &alice, &FP, lease).await?;
-                complete(store, &alice, &mut token, day()).await?;
-                acquire(store, &bob, &FP, lease)
-                    .await
-                    .map(drop)
-                    .map_err(|e| format!("the same key under another scope: {e}"))
-            }
-            "keys_compare_byte_for_byte" => {
-                let tag = fastrand::u32(..);
-                let held = StorageKey::new(
-                    "tower-idempotency:contract",
-                    &IdempotencyKey::new(format!("Order-Ab-{tag}")).expect("a valid key"),
-                );
-                let mut token = acquire(store, &held, &FP, lease).await?;
-                complete(store, &held, &mut token, day()).await?;
-                for look_alike in [
-                    format!("order-ab-{tag}"),
-                    format!("ORDER-AB-{tag}"),
-                    format!("Order_Ab-{tag}"),
-                    format!("0rder-Ab-{tag}"),
-                    format!("Order-Ab-{tag}."),
-                ] {
-                    let other = StorageKey::new(
-                        "tower-idempotency:contract",
-                        &IdempotencyKey::new(&look_alike).expect("a valid key"),
-                    );
-                    acquire(store, &other, &FP, lease)
-                        .await
-                        .map_err(|e| format!("{look_alike:?}, beside Order-Ab-{tag}: {e}"))?;
-                }
-                Ok(())
-            }
-            "retention_is_kept_as_long_as_asked" => {
-                let mut token = acquire(store, &key, &FP, lease).await?;
-                // Created as it completes, as the doors' records are (a
-                // store may count the retention from the record's birth).
-                let record = CompletedRecord::Message {
-                    result: None,
-                    created_at: SystemTime::now(),
-                };
-                let done = store
-                    .complete(&key, &mut token, &FP, Arc::new(record), day())
-                    .await;
-                truthy(done, "complete by the holder")?;
-                let said = |claim: Result<Claim, StoreError>| match claim {
-                    Ok(Claim::Completed { expires_in, .. }) => Ok(expires_in),
-                    other => Err(format!("a record kept a day was {}", show(&other))),
-                };
-                let expires_in = said(store.claim(&key, &FP, lease).await)?;
-                if expires_in < day() - Duration::from_secs(60) {
-                    return Err(format!(
-                        "a record asked to be kept a day says it expires in {expires_in:?}"
-                    ));
-                }
-                // Kept, not only said: still there after a while.
-                tokio::time::sleep(u * 30).await;
-                said(store.claim(&key, &FP, lease).await)
-                    .map(drop)
-                    .map_err(|e| format!("after {:?}: {e}", u * 30))
-            }
-            "behaves_as_the_model" => {
-                model::check(&self.make, self.seed, self.cases, 16, u, self.inspect).await
-            }
-            _ => unreachable!("every rule is listed"),
         }
+        match store.claim(&key, &OTHER, lease).await {
+            Ok(Claim::Mismatch) => Ok(()),
+            other => Err(format!(
+                "another payload got {}, not Mismatch",
+                show(&other)
+            )),
+        }
+    }
+
+    async fn release_frees_the_key(&self, (store, key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let lease = self.unit * 2;
+        let token = acquire(store, &key, &FP, lease).await?;
+        truthy(store.release(&key, token).await, "release by the holder")?;
+        acquire(store, &key, &FP, lease).await.map(drop)
+    }
+
+    async fn an_expired_lease_lets_another_claim(&self, (store, key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let u = self.unit;
+        let lease = self.unit * 2;
+        let _crashed = acquire(store, &key, &FP, lease).await?;
+        tokio::time::sleep(u * 3).await;
+        acquire(store, &key, &FP, lease)
+            .await
+            .map(drop)
+            .map_err(|e| format!("after the lease ran out: {e}"))
+    }
+
+    async fn a_lost_lease_fences_its_holder_off(&self, (store, key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let u = self.unit;
+        let lease = self.unit * 2;
+        let mut stale = acquire(store, &key, &FP, lease).await?;
+        tokio::time::sleep(u * 3).await;
+        let mut fresh = acquire(store, &key, &FP, lease * 5).await?;
+        falsy(
+            store.extend(&key, stale, lease).await,
+            "extend by the stale holder",
+        )?;
+        falsy(
+            store
+                .complete(&key, &mut stale, &FP, Arc::new(record()), day())
+                .await,
+            "complete by the stale holder",
+        )?;
+        falsy(
+            store.release(&key, stale).await,
+            "release by the stale holder",
+        )?;
+        complete(store, &key, &mut fresh, day()).await
+    }
+
+    async fn heartbeats_keep_a_claim(&self, (store, key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let u = self.unit;
+        let lease = self.unit * 2;
+        let token = acquire(store, &key, &FP, lease).await?;
+        for _ in 0..3 {
+            tokio::time::sleep(u).await;
+            truthy(
+                store.extend(&key, token, lease).await,
+                "extend by the holder",
+            )?;
+        }
+        expect_in_flight(
+            store.claim(&key, &FP, lease).await,
+            "a claim after three heartbeats, past the first lease",
+        )
+    }
+
+    async fn retention_counts_from_the_completion(
+        &self,
+        (store, key): (St, StorageKey),
+    ) -> Outcome {
+        let store = &store;
+        let u = self.unit;
+        let lease = self.unit * 2;
+        let mut token = acquire(store, &key, &FP, lease * 5).await?;
+        // Completed late in its lease: the retention starts now.
+        tokio::time::sleep(u * 3).await;
+        complete(store, &key, &mut token, u * 3).await?;
+        tokio::time::sleep(u * 2).await;
+        match store.claim(&key, &FP, lease).await {
+            Ok(Claim::Completed { .. }) => {}
+            other => {
+                return Err(format!(
+                    "within its retention the record was {}",
+                    show(&other)
+                ));
+            }
+        }
+        tokio::time::sleep(u * 2).await;
+        acquire(store, &key, &FP, lease)
+            .await
+            .map(drop)
+            .map_err(|e| format!("past its retention: {e}"))
+    }
+
+    async fn inspect_and_forget_tell_the_truth(&self, (store, key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let lease = self.unit * 2;
+        match store.inspect(&key).await {
+            Ok(KeyState::Absent) => {}
+            other => return Err(format!("inspect of a new key: {other:?}")),
+        }
+        let mut token = acquire(store, &key, &FP, lease).await?;
+        match store.inspect(&key).await {
+            Ok(KeyState::InFlight { .. }) => {}
+            other => return Err(format!("inspect of a claim: {other:?}")),
+        }
+        match store.forget(&key, false).await {
+            Ok(Forgotten::InFlight) => {}
+            other => return Err(format!("forget of a claim without force: {other:?}")),
+        }
+        complete(store, &key, &mut token, day()).await?;
+        match store.inspect(&key).await {
+            Ok(KeyState::Completed { .. }) => {}
+            other => return Err(format!("inspect of a record: {other:?}")),
+        }
+        match store.forget(&key, false).await {
+            Ok(Forgotten::Completed) => {}
+            other => return Err(format!("forget of a record: {other:?}")),
+        }
+        acquire(store, &key, &FP, lease)
+            .await
+            .map(drop)
+            .map_err(|e| format!("after forget: {e}"))
+    }
+
+    async fn concurrent_claims_grant_the_key_once(
+        &self,
+        (store, key): (St, StorageKey),
+    ) -> Outcome {
+        let store = &store;
+        let lease = self.unit * 2;
+        let claims = (0..32).map(|_| store.claim(&key, &FP, lease));
+        let claims = futures_util::future::join_all(claims).await;
+        let granted = claims
+            .iter()
+            .filter(|c| matches!(c, Ok(Claim::Acquired(_))))
+            .count();
+        if let Some(Err(error)) = claims.iter().find(|c| c.is_err()) {
+            return Err(format!("a concurrent claim failed: {error}"));
+        }
+        if granted == 1 {
+            Ok(())
+        } else {
+            Err(format!(
+                "32 concurrent claims granted the key {granted} times"
+            ))
+        }
+    }
+
+    async fn scopes_keep_keys_apart(&self, (store, _key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let lease = self.unit * 2;
+        let idempotency_key =
+            IdempotencyKey::new(format!("scoped-{}", fastrand::u64(..))).expect("a valid key");
+        let alice = StorageKey::new("acct_alice", &idempotency_key);
+        let bob = StorageKey::new("acct_bob", &idempotency_key);
+        let mut token = acquire(store, &alice, &FP, lease).await?;
+        complete(store, &alice, &mut token, day()).await?;
+        acquire(store, &bob, &FP, lease)
+            .await
+            .map(drop)
+            .map_err(|e| format!("the same key under another scope: {e}"))
+    }
+
+    async fn keys_compare_byte_for_byte(&self, (store, _key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let lease = self.unit * 2;
+        let tag = fastrand::u32(..);
+        let held = StorageKey::new(
+            "tower-idempotency:contract",
+            &IdempotencyKey::new(format!("Order-Ab-{tag}")).expect("a valid key"),
+        );
+        let mut token = acquire(store, &held, &FP, lease).await?;
+        complete(store, &held, &mut token, day()).await?;
+        for look_alike in [
+            format!("order-ab-{tag}"),
+            format!("ORDER-AB-{tag}"),
+            format!("Order_Ab-{tag}"),
+            format!("0rder-Ab-{tag}"),
+            format!("Order-Ab-{tag}."),
+        ] {
+            let other = StorageKey::new(
+                "tower-idempotency:contract",
+                &IdempotencyKey::new(&look_alike).expect("a valid key"),
+            );
+            acquire(store, &other, &FP, lease)
+                .await
+                .map_err(|e| format!("{look_alike:?}, beside Order-Ab-{tag}: {e}"))?;
+        }
+        Ok(())
+    }
+
+    async fn retention_is_kept_as_long_as_asked(&self, (store, key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let u = self.unit;
+        let lease = self.unit * 2;
+        let mut token = acquire(store, &key, &FP, lease).await?;
+        // Created as it completes, as the doors' records are (a
+        // store may count the retention from the record's birth).
+        let record = CompletedRecord::Message {
+            result: None,
+            created_at: SystemTime::now(),
+        };
+        let done = store
+            .complete(&key, &mut token, &FP, Arc::new(record), day())
+            .await;
+        truthy(done, "complete by the holder")?;
+        let said = |claim: Result<Claim, StoreError>| match claim {
+            Ok(Claim::Completed { expires_in, .. }) => Ok(expires_in),
+            other => Err(format!("a record kept a day was {}", show(&other))),
+        };
+        let expires_in = said(store.claim(&key, &FP, lease).await)?;
+        if expires_in < day() - Duration::from_secs(60) {
+            return Err(format!(
+                "a record asked to be kept a day says it expires in {expires_in:?}"
+            ));
+        }
+        // Kept, not only said: still there after a while.
+        tokio::time::sleep(u * 30).await;
+        said(store.claim(&key, &FP, lease).await)
+            .map(drop)
+            .map_err(|e| format!("after {:?}: {e}", u * 30))
+    }
+
+    async fn behaves_as_the_model(&self, (_store, _key): (St, StorageKey)) -> Outcome {
+        let u = self.unit;
+        model::check(&self.make, self.seed, self.cases, 16, u, self.inspect).await
     }
 }
 

@@ -73,20 +73,29 @@ pub trait TxEffects<C: ?Sized>: Send + Sync + 'static {
     fn count(&self, id: &str) -> impl Future<Output = Result<u64, String>> + Send;
 }
 
-/// Every rule of the [`TxStoreContract`], in order.
-pub const TX_RULES: &[&str] = &[
-    "record_and_effects_commit_together",
-    "a_release_rolls_the_effects_back",
-    "a_dropped_transaction_leaves_nothing",
-    "a_failed_statement_commits_all_or_nothing",
-    "a_rolled_back_savepoint_keeps_the_rest",
-    "a_duplicate_is_answered_at_once_then_replays",
-    "a_paused_holder_keeps_its_claim",
-    "concurrent_claims_grant_the_key_once",
-    "kept_writes_commit_without_a_record",
-    "an_expired_record_lets_the_key_run_again",
-    "scopes_keep_keys_apart",
-];
+rules! {
+    /// Every rule of the [`TxStoreContract`], in order.
+    TX_RULES for TxStoreContract<St, E>,
+    impl [St, E, C] where [
+        St: Store,
+        St::Granted: DerefMut<Target = C>,
+        C: ?Sized + Send,
+        E: TxEffects<C>,
+    ],
+    key: StorageKey => {
+        record_and_effects_commit_together,
+        a_release_rolls_the_effects_back,
+        a_dropped_transaction_leaves_nothing,
+        a_failed_statement_commits_all_or_nothing,
+        a_rolled_back_savepoint_keeps_the_rest,
+        a_duplicate_is_answered_at_once_then_replays,
+        a_paused_holder_keeps_its_claim,
+        concurrent_claims_grant_the_key_once,
+        kept_writes_commit_without_a_record,
+        an_expired_record_lets_the_key_run_again,
+        scopes_keep_keys_apart,
+    }
+}
 
 /// The contract of a store whose claims are transactions (`type Granted`
 /// a transaction that dereferences to its connection, lent to the
@@ -184,13 +193,8 @@ where
     ///
     /// See the [type's docs](Self) (`assert` panics where this lists).
     pub async fn check(&self) -> Vec<Violation> {
-        let mut broken = Vec::new();
-        for &rule in TX_RULES {
-            if let Err(detail) = self.rule(rule).await {
-                broken.push(Violation { rule, detail });
-            }
-        }
-        broken
+        self.run_rules(|_| false, |rule| std::future::ready(key(rule)))
+            .await
     }
 
     /// Runs every rule and panics, listing the broken ones, if any is.
@@ -206,203 +210,252 @@ where
         super::assert_kept("the transactional store", &self.check().await);
     }
 
-    async fn rule(&self, rule: &str) -> Outcome {
-        let (store, fx, u) = (&self.store, &*self.effects, self.unit);
-        let key = key(rule);
-        let lease = u * 2;
+    async fn record_and_effects_commit_together(&self, key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let fx = &*self.effects;
+        let lease = self.unit * 2;
         // Each rule's effects are named after its key: counted apart.
         let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
-        match rule {
-            "record_and_effects_commit_together" => {
-                let mut tx = self.acquire(&key).await?;
-                write(fx, &mut tx, &id("charge")).await?;
-                commit(store, &key, &mut tx, day()).await?;
-                drop(tx);
-                expect_count(fx, &id("charge"), 1, "after the commit").await?;
-                match store.claim(&key, &FP, lease).await {
-                    Ok(Claim::Completed { record, .. }) if *record == super::record() => {}
-                    other => {
-                        return Err(format!(
-                            "the same payload got {}, not its record",
-                            show(&other)
-                        ));
-                    }
-                }
-                match store.claim(&key, &OTHER, lease).await {
-                    Ok(Claim::Mismatch) => {}
-                    other => {
-                        return Err(format!(
-                            "another payload got {}, not Mismatch",
-                            show(&other)
-                        ));
-                    }
-                }
-                expect_count(fx, &id("charge"), 1, "after the replay").await
+        let mut tx = self.acquire(&key).await?;
+        write(fx, &mut tx, &id("charge")).await?;
+        commit(store, &key, &mut tx, day()).await?;
+        drop(tx);
+        expect_count(fx, &id("charge"), 1, "after the commit").await?;
+        match store.claim(&key, &FP, lease).await {
+            Ok(Claim::Completed { record, .. }) if *record == super::record() => {}
+            other => {
+                return Err(format!(
+                    "the same payload got {}, not its record",
+                    show(&other)
+                ));
             }
-            "a_release_rolls_the_effects_back" => {
-                let mut tx = self.acquire(&key).await?;
-                write(fx, &mut tx, &id("charge")).await?;
-                ok(store.release(&key, tx).await, "release by the holder")?;
-                expect_count(fx, &id("charge"), 0, "after the release").await?;
-                self.acquire_within(&key, u * 3, "after the release").await
-            }
-            "a_dropped_transaction_leaves_nothing" => {
-                let mut tx = self.acquire(&key).await?;
-                write(fx, &mut tx, &id("charge")).await?;
-                // The process died, the request was cancelled: no one
-                // completes or releases it.
-                drop(tx);
-                self.acquire_within(&key, u * 5, "after the holder was dropped")
-                    .await?;
-                expect_count(fx, &id("charge"), 0, "after the holder was dropped").await
-            }
-            "a_failed_statement_commits_all_or_nothing" => {
-                let mut tx = self.acquire(&key).await?;
-                write(fx, &mut tx, &id("charge")).await?;
-                fx.fail_a_statement(&mut *tx).await;
-                let committed = store
-                    .complete(&key, &mut tx, &FP, Arc::new(record()), day())
-                    .await;
-                drop(tx);
-                let effects = fx.count(&id("charge")).await?;
-                match (committed, effects) {
-                    // The database went on after the failed statement.
-                    (Ok(true), 1) => match store.claim(&key, &FP, lease).await {
-                        Ok(Claim::Completed { .. }) => Ok(()),
-                        other => Err(format!(
-                            "committed, yet the retry got {}, not the record",
-                            show(&other)
-                        )),
-                    },
-                    // It refused the rest: neither, and the key is free.
-                    (Ok(false) | Err(_), 0) => {
-                        self.acquire_within(&key, u * 3, "after a commit the database refused")
-                            .await
-                    }
-                    (committed, effects) => Err(format!(
-                        "the completion said {committed:?} and {effects} effects committed: \
-                         the record and the effects parted"
-                    )),
-                }
-            }
-            "a_rolled_back_savepoint_keeps_the_rest" => {
-                let mut tx = self.acquire(&key).await?;
-                write(fx, &mut tx, &id("kept")).await?;
-                fx.write_in_rolled_back_savepoint(&mut *tx, &id("undone"))
-                    .await
-                    .map_err(|e| format!("the savepoint: {e}"))?;
-                commit(store, &key, &mut tx, day()).await?;
-                drop(tx);
-                expect_count(fx, &id("kept"), 1, "written beside the savepoint").await?;
-                expect_count(fx, &id("undone"), 0, "rolled back to the savepoint").await
-            }
-            "a_duplicate_is_answered_at_once_then_replays" => {
-                let mut tx = self.acquire(&key).await?;
-                write(fx, &mut tx, &id("charge")).await?;
-                let duplicate = self.claim_at_once(&key).await?;
-                if !matches!(duplicate, Ok(Claim::InFlight { .. })) {
-                    return Err(format!(
-                        "a duplicate of a running claim got {}, not InFlight",
-                        show(&duplicate)
-                    ));
-                }
-                commit(store, &key, &mut tx, day()).await?;
-                drop(tx);
-                match store.claim(&key, &FP, lease).await {
-                    Ok(Claim::Completed { .. }) => {}
-                    other => {
-                        return Err(format!(
-                            "the duplicate's retry got {}, not the record",
-                            show(&other)
-                        ));
-                    }
-                }
-                expect_count(fx, &id("charge"), 1, "after the duplicate").await
-            }
-            "a_paused_holder_keeps_its_claim" => {
-                // A lease this short would have lapsed: a transaction's
-                // claim lasts as long as the transaction.
-                let mut tx = match store.claim(&key, &FP, u / 2).await {
-                    Ok(Claim::Acquired(tx)) => tx,
-                    other => return Err(format!("a claim of a free key got {}", show(&other))),
-                };
-                tokio::time::sleep(u * 4).await;
-                let duplicate = self.claim_at_once(&key).await?;
-                if !matches!(duplicate, Ok(Claim::InFlight { .. })) {
-                    return Err(format!(
-                        "a duplicate of a paused holder got {}, not InFlight",
-                        show(&duplicate)
-                    ));
-                }
-                write(fx, &mut tx, &id("charge")).await?;
-                commit(store, &key, &mut tx, day()).await?;
-                drop(tx);
-                expect_count(fx, &id("charge"), 1, "after the paused holder went on").await
-            }
-            "concurrent_claims_grant_the_key_once" => {
-                let claims = (0..16).map(|_| self.claim_at_once(&key));
-                let claims = futures_util::future::join_all(claims).await;
-                let mut granted = Vec::new();
-                for claim in claims {
-                    let claim = claim?;
-                    match claim {
-                        Ok(Claim::Acquired(tx)) => granted.push(tx),
-                        Ok(Claim::InFlight { .. }) => {}
-                        other => return Err(format!("a concurrent claim got {}", show(&other))),
-                    }
-                }
-                if granted.len() != 1 {
-                    return Err(format!(
-                        "16 concurrent claims granted the key {} times",
-                        granted.len()
-                    ));
-                }
-                let mut tx = granted.pop().expect("one");
-                write(fx, &mut tx, &id("charge")).await?;
-                commit(store, &key, &mut tx, day()).await?;
-                drop(tx);
-                expect_count(fx, &id("charge"), 1, "after concurrent claims").await
-            }
-            "kept_writes_commit_without_a_record" => {
-                let mut tx = self.acquire(&key).await?;
-                write(fx, &mut tx, &id("charge")).await?;
-                ok(
-                    store.release_keeping_writes(&key, tx).await,
-                    "release keeping the writes",
-                )?;
-                expect_count(fx, &id("charge"), 1, "kept by the release").await?;
-                self.acquire_within(&key, u * 3, "after a release that kept the writes")
-                    .await
-            }
-            "an_expired_record_lets_the_key_run_again" => {
-                let mut tx = self.acquire(&key).await?;
-                write(fx, &mut tx, &id("charge")).await?;
-                commit(store, &key, &mut tx, u).await?;
-                drop(tx);
-                tokio::time::sleep(u * 3).await;
-                self.acquire_within(&key, u * 3, "past the record's retention")
-                    .await?;
-                expect_count(
-                    fx,
-                    &id("charge"),
-                    1,
-                    "the record's expiry leaves its effects",
-                )
-                .await
-            }
-            "scopes_keep_keys_apart" => {
-                let shared = IdempotencyKey::new(format!("scoped-{}", fastrand::u64(..)))
-                    .expect("a valid key");
-                let alice = StorageKey::new("acct_alice", &shared);
-                let bob = StorageKey::new("acct_bob", &shared);
-                let mut tx = self.acquire(&alice).await?;
-                commit(store, &alice, &mut tx, day()).await?;
-                drop(tx);
-                self.acquire_within(&bob, Duration::ZERO, "the same key under another scope")
-                    .await
-            }
-            _ => unreachable!("every rule is listed"),
         }
+        match store.claim(&key, &OTHER, lease).await {
+            Ok(Claim::Mismatch) => {}
+            other => {
+                return Err(format!(
+                    "another payload got {}, not Mismatch",
+                    show(&other)
+                ));
+            }
+        }
+        expect_count(fx, &id("charge"), 1, "after the replay").await
+    }
+
+    async fn a_release_rolls_the_effects_back(&self, key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let fx = &*self.effects;
+        let u = self.unit;
+        // Each rule's effects are named after its key: counted apart.
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        let mut tx = self.acquire(&key).await?;
+        write(fx, &mut tx, &id("charge")).await?;
+        ok(store.release(&key, tx).await, "release by the holder")?;
+        expect_count(fx, &id("charge"), 0, "after the release").await?;
+        self.acquire_within(&key, u * 3, "after the release").await
+    }
+
+    async fn a_dropped_transaction_leaves_nothing(&self, key: StorageKey) -> Outcome {
+        let fx = &*self.effects;
+        let u = self.unit;
+        // Each rule's effects are named after its key: counted apart.
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        let mut tx = self.acquire(&key).await?;
+        write(fx, &mut tx, &id("charge")).await?;
+        // The process died, the request was cancelled: no one
+        // completes or releases it.
+        drop(tx);
+        self.acquire_within(&key, u * 5, "after the holder was dropped")
+            .await?;
+        expect_count(fx, &id("charge"), 0, "after the holder was dropped").await
+    }
+
+    async fn a_failed_statement_commits_all_or_nothing(&self, key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let fx = &*self.effects;
+        let u = self.unit;
+        let lease = self.unit * 2;
+        // Each rule's effects are named after its key: counted apart.
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        let mut tx = self.acquire(&key).await?;
+        write(fx, &mut tx, &id("charge")).await?;
+        fx.fail_a_statement(&mut *tx).await;
+        let committed = store
+            .complete(&key, &mut tx, &FP, Arc::new(record()), day())
+            .await;
+        drop(tx);
+        let effects = fx.count(&id("charge")).await?;
+        match (committed, effects) {
+            // The database went on after the failed statement.
+            (Ok(true), 1) => match store.claim(&key, &FP, lease).await {
+                Ok(Claim::Completed { .. }) => Ok(()),
+                other => Err(format!(
+                    "committed, yet the retry got {}, not the record",
+                    show(&other)
+                )),
+            },
+            // It refused the rest: neither, and the key is free.
+            (Ok(false) | Err(_), 0) => {
+                self.acquire_within(&key, u * 3, "after a commit the database refused")
+                    .await
+            }
+            (committed, effects) => Err(format!(
+                "the completion said {committed:?} and {effects} effects committed: \
+                 the record and the effects parted"
+            )),
+        }
+    }
+
+    async fn a_rolled_back_savepoint_keeps_the_rest(&self, key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let fx = &*self.effects;
+        // Each rule's effects are named after its key: counted apart.
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        let mut tx = self.acquire(&key).await?;
+        write(fx, &mut tx, &id("kept")).await?;
+        fx.write_in_rolled_back_savepoint(&mut *tx, &id("undone"))
+            .await
+            .map_err(|e| format!("the savepoint: {e}"))?;
+        commit(store, &key, &mut tx, day()).await?;
+        drop(tx);
+        expect_count(fx, &id("kept"), 1, "written beside the savepoint").await?;
+        expect_count(fx, &id("undone"), 0, "rolled back to the savepoint").await
+    }
+
+    async fn a_duplicate_is_answered_at_once_then_replays(&self, key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let fx = &*self.effects;
+        let lease = self.unit * 2;
+        // Each rule's effects are named after its key: counted apart.
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        let mut tx = self.acquire(&key).await?;
+        write(fx, &mut tx, &id("charge")).await?;
+        let duplicate = self.claim_at_once(&key).await?;
+        if !matches!(duplicate, Ok(Claim::InFlight { .. })) {
+            return Err(format!(
+                "a duplicate of a running claim got {}, not InFlight",
+                show(&duplicate)
+            ));
+        }
+        commit(store, &key, &mut tx, day()).await?;
+        drop(tx);
+        match store.claim(&key, &FP, lease).await {
+            Ok(Claim::Completed { .. }) => {}
+            other => {
+                return Err(format!(
+                    "the duplicate's retry got {}, not the record",
+                    show(&other)
+                ));
+            }
+        }
+        expect_count(fx, &id("charge"), 1, "after the duplicate").await
+    }
+
+    async fn a_paused_holder_keeps_its_claim(&self, key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let fx = &*self.effects;
+        let u = self.unit;
+        // Each rule's effects are named after its key: counted apart.
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        // A lease this short would have lapsed: a transaction's
+        // claim lasts as long as the transaction.
+        let mut tx = match store.claim(&key, &FP, u / 2).await {
+            Ok(Claim::Acquired(tx)) => tx,
+            other => return Err(format!("a claim of a free key got {}", show(&other))),
+        };
+        tokio::time::sleep(u * 4).await;
+        let duplicate = self.claim_at_once(&key).await?;
+        if !matches!(duplicate, Ok(Claim::InFlight { .. })) {
+            return Err(format!(
+                "a duplicate of a paused holder got {}, not InFlight",
+                show(&duplicate)
+            ));
+        }
+        write(fx, &mut tx, &id("charge")).await?;
+        commit(store, &key, &mut tx, day()).await?;
+        drop(tx);
+        expect_count(fx, &id("charge"), 1, "after the paused holder went on").await
+    }
+
+    async fn concurrent_claims_grant_the_key_once(&self, key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let fx = &*self.effects;
+        // Each rule's effects are named after its key: counted apart.
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        let claims = (0..16).map(|_| self.claim_at_once(&key));
+        let claims = futures_util::future::join_all(claims).await;
+        let mut granted = Vec::new();
+        for claim in claims {
+            let claim = claim?;
+            match claim {
+                Ok(Claim::Acquired(tx)) => granted.push(tx),
+                Ok(Claim::InFlight { .. }) => {}
+                other => return Err(format!("a concurrent claim got {}", show(&other))),
+            }
+        }
+        if granted.len() != 1 {
+            return Err(format!(
+                "16 concurrent claims granted the key {} times",
+                granted.len()
+            ));
+        }
+        let mut tx = granted.pop().expect("one");
+        write(fx, &mut tx, &id("charge")).await?;
+        commit(store, &key, &mut tx, day()).await?;
+        drop(tx);
+        expect_count(fx, &id("charge"), 1, "after concurrent claims").await
+    }
+
+    async fn kept_writes_commit_without_a_record(&self, key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let fx = &*self.effects;
+        let u = self.unit;
+        // Each rule's effects are named after its key: counted apart.
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        let mut tx = self.acquire(&key).await?;
+        write(fx, &mut tx, &id("charge")).await?;
+        ok(
+            store.release_keeping_writes(&key, tx).await,
+            "release keeping the writes",
+        )?;
+        expect_count(fx, &id("charge"), 1, "kept by the release").await?;
+        self.acquire_within(&key, u * 3, "after a release that kept the writes")
+            .await
+    }
+
+    async fn an_expired_record_lets_the_key_run_again(&self, key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let fx = &*self.effects;
+        let u = self.unit;
+        // Each rule's effects are named after its key: counted apart.
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        let mut tx = self.acquire(&key).await?;
+        write(fx, &mut tx, &id("charge")).await?;
+        commit(store, &key, &mut tx, u).await?;
+        drop(tx);
+        tokio::time::sleep(u * 3).await;
+        self.acquire_within(&key, u * 3, "past the record's retention")
+            .await?;
+        expect_count(
+            fx,
+            &id("charge"),
+            1,
+            "the record's expiry leaves its effects",
+        )
+        .await
+    }
+
+    async fn scopes_keep_keys_apart(&self, _key: StorageKey) -> Outcome {
+        let store = &self.store;
+        let shared =
+            IdempotencyKey::new(format!("scoped-{}", fastrand::u64(..))).expect("a valid key");
+        let alice = StorageKey::new("acct_alice", &shared);
+        let bob = StorageKey::new("acct_bob", &shared);
+        let mut tx = self.acquire(&alice).await?;
+        commit(store, &alice, &mut tx, day()).await?;
+        drop(tx);
+        self.acquire_within(&bob, Duration::ZERO, "the same key under another scope")
+            .await
     }
 
     async fn acquire(&self, key: &StorageKey) -> Result<St::Granted, String> {
