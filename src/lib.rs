@@ -167,7 +167,7 @@ pub use ::aws_sdk_dynamodb;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use ::redis;
-#[cfg(feature = "_sql")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
@@ -205,6 +205,7 @@ pub use store::CachedStore;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use store::MemoryStore;
+pub use store::SensitiveKeys;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub use store::dynamodb::{DynamoDbStore, DynamoDbTxStore, DynamoTx};
@@ -221,7 +222,7 @@ pub use store::redis::RedisStore;
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use store::sqlite::{SqliteStore, SqliteTx, SqliteTxStore};
 
-/// The README's snippets, compiled and run as doctests.
-#[cfg(doctest)]
+/// The README's snippets, compiled as doctests (they are on SQLite).
+#[cfg(all(doctest, feature = "sqlite"))]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;

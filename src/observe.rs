@@ -130,7 +130,7 @@ pub(crate) fn outbox_backlog(backlog: &crate::outbox::OutboxBacklog) {
 /// headers of a message it sends: what the consumer continues. Through the
 /// application's global propagator, with the `opentelemetry` feature;
 /// nothing without it.
-#[cfg(feature = "_sql")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 pub(crate) fn trace_context_into(headers: &mut Vec<(String, String)>) {
     #[cfg(feature = "opentelemetry")]
     {

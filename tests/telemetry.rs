@@ -22,7 +22,7 @@ use support::{
     logs::Logs,
 };
 use tower_idempotency::{
-    IdempotencyLayer, MemoryStore,
+    IdempotencyLayer, MemoryStore, SensitiveKeys,
     message::{DeadLetterReason, Delivery, Disposition, IdempotencyProcessor},
     store::StorageKey,
     testing::{FaultyStore, Op},
@@ -112,6 +112,9 @@ fn every_value(span: &SpanData) -> String {
 
 const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
 
+/// The secret sensitive keys are keyed with in these tests.
+const SECRET: &[u8] = b"a test secret, 16 bytes or more";
+
 #[tokio::test]
 async fn a_replay_is_not_an_error_and_each_span_says_what_became_of_its_request() {
     let exported = Exported::capture();
@@ -173,7 +176,7 @@ async fn sensitive_keys_are_hashed_in_spans_and_logs() {
     let app = routes(Counter::default()).layer(
         IdempotencyLayer::new(MemoryStore::new())
             .single_tenant()
-            .sensitive_keys(),
+            .sensitive_keys(SensitiveKeys::keyed(SECRET)),
     );
     oneshot(&app, post("/charges", key, CHARGE)).await;
     oneshot(&app, post("/charges", key, CHARGE)).await;
@@ -182,11 +185,20 @@ async fn sensitive_keys_are_hashed_in_spans_and_logs() {
         .await
         .assert_problem(422);
 
-    let logged =
-        StorageKey::new("", &tower_idempotency::IdempotencyKey::new(key).unwrap()).logged_as();
+    let address = StorageKey::new("", &tower_idempotency::IdempotencyKey::new(key).unwrap());
+    let logged = SensitiveKeys::keyed(SECRET).show(&address);
+    // Keyed: not the plain hash anyone could recompute from a guessed key.
+    assert!(logged.starts_with("hmac:"), "{logged}");
+    assert_ne!(logged, SensitiveKeys::unkeyed().show(&address));
     let spans = exported.spans("idempotency");
     assert_eq!(spans.len(), 3);
     exported.assert_hidden(&spans, &logged, "jane");
+    assert!(
+        !exported
+            .logs
+            .text()
+            .contains(&SensitiveKeys::unkeyed().show(&address))
+    );
 }
 
 #[tokio::test]
@@ -265,6 +277,20 @@ async fn a_delivery_s_span_follows_the_messaging_conventions() {
     assert_eq!(outcomes, ["executed", "duplicate", "mismatch"]);
     for (attempt, delivery) in attempts.iter().zip(&spans) {
         assert_eq!(attempt.parent_span_id, delivery.span_context.span_id());
+        // One meaning per field, as on the HTTP door: the key as given,
+        // and the store's address beside it.
+        assert_eq!(
+            attribute(attempt, "idempotency.key").as_deref(),
+            Some("order-42")
+        );
+        let address = StorageKey::new(
+            "orders",
+            &tower_idempotency::IdempotencyKey::new("order-42").unwrap(),
+        );
+        assert_eq!(
+            attribute(attempt, "idempotency.storage_key").as_deref(),
+            Some(address.as_str())
+        );
     }
 }
 
@@ -276,7 +302,7 @@ async fn a_consumer_s_sensitive_keys_are_hashed_in_spans_and_logs() {
     let store = FaultyStore::new(MemoryStore::new()).errors(Op::Claim, 1.0);
     let orders = IdempotencyProcessor::new(store)
         .scope("orders")
-        .sensitive_keys()
+        .sensitive_keys(SensitiveKeys::keyed(SECRET))
         .budget(
             tower_idempotency::message::DeliveryBudget::new()
                 .backoff_between(Duration::from_millis(1), Duration::from_millis(2))
@@ -295,11 +321,10 @@ async fn a_consumer_s_sensitive_keys_are_hashed_in_spans_and_logs() {
         "{:?}",
         settled.disposition
     );
-    let logged = StorageKey::new(
+    let logged = SensitiveKeys::keyed(SECRET).show(&StorageKey::new(
         "orders",
         &tower_idempotency::IdempotencyKey::new(key).unwrap(),
-    )
-    .logged_as();
+    ));
     let spans = [
         exported.spans("process orders"),
         exported.spans("idempotency"),

@@ -22,7 +22,7 @@ use std::process::ExitCode;
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use tower_idempotency::{
-    IdempotencyKey,
+    IdempotencyKey, SensitiveKeys,
     store::{Forgotten, StorageKey, StoreError},
 };
 
@@ -58,6 +58,16 @@ struct Cli {
     /// Answer in JSON, one object.
     #[arg(long, global = true)]
     json: bool,
+    /// The secret the application keys its sensitive keys' digests with
+    /// (`SensitiveKeys::keyed`): `logged_as` then shows the key as its logs
+    /// do (`hmac:…`). Without it, the unkeyed form (`sha256:…`).
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_LOG_SECRET",
+        global = true,
+        hide_env_values = true
+    )]
+    log_secret: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -142,14 +152,24 @@ struct KeyArgs {
 }
 
 impl KeyArgs {
-    fn storage_key(&self) -> Result<StorageKey, Failure> {
+    /// The record's address; shown as the application's logs show it when
+    /// `log_secret` is the secret they are keyed with.
+    fn storage_key(&self, log_secret: Option<&str>) -> Result<StorageKey, Failure> {
         let key = IdempotencyKey::parse(&self.key)
             .map_err(|why| Failure::Usage(format!("the key {:?} is not valid: {why}", self.key)))?;
         let scope = self.scope.as_deref().unwrap_or("");
-        Ok(match &self.namespace {
+        let address = match &self.namespace {
             None => StorageKey::new(scope, &key),
             Some(namespace) => StorageKey::namespaced(namespace, scope, &key),
-        })
+        };
+        match log_secret {
+            None => Ok(address),
+            Some(secret) if secret.len() < 16 => Err(Failure::Usage(format!(
+                "--log-secret has {} bytes: the application's secret has at least 16",
+                secret.len()
+            ))),
+            Some(secret) => Ok(address.sensitive(&SensitiveKeys::keyed(secret))),
+        }
     }
 }
 
@@ -227,7 +247,9 @@ async fn run(cli: &Cli) -> Result<Report, Failure> {
     };
     // Invalid input fails before anything connects.
     let key = match &cli.command {
-        Command::Inspect(key) | Command::Forget { key, .. } => Some(key.storage_key()?),
+        Command::Inspect(key) | Command::Forget { key, .. } => {
+            Some(key.storage_key(cli.log_secret.as_deref())?)
+        }
         Command::Sweep { .. } | Command::Stats | Command::Outbox(_) => None,
     };
     let store = Opened::connect(url, &cli.table, &cli.prefix).await?;

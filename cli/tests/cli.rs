@@ -199,6 +199,24 @@ async fn lease_store_scenario<St: Store>(backend: &Backend, store: St) {
     assert!(found.stdout.contains("state: completed"), "{found:?}");
     assert!(found.stdout.contains("status: 201"), "{found:?}");
     assert!(found.stdout.contains(&order.logged_as()), "{found:?}");
+    // With the application's log secret: the key as its logs show it.
+    let secret = "the application's log secret";
+    let keyed = backend
+        .cli(&[
+            "--log-secret",
+            secret,
+            "inspect",
+            "--scope",
+            "acct_alice",
+            "order-42",
+        ])
+        .await;
+    let shown = tower_idempotency::SensitiveKeys::keyed(secret).show(&order);
+    assert!(shown.starts_with("hmac:"));
+    assert!(
+        keyed.stdout.contains(&format!("logged_as: {shown}")),
+        "{keyed:?}"
+    );
     let json = backend
         .cli(&["--json", "inspect", "--scope", "acct_alice", "\"order-42\""])
         .await

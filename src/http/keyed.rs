@@ -82,7 +82,7 @@ where
         Some(key) => key,
         None => match config.key_source.in_body(&body) {
             Ok(key) => {
-                if !config.sensitive_keys {
+                if config.sensitive_keys.is_none() {
                     tracing::Span::current()
                         .record("idempotency.key", tracing::field::display(&key));
                 }
@@ -102,10 +102,9 @@ where
         None => StorageKey::new(&scope, &key),
         Some(namespace) => StorageKey::namespaced(namespace, &scope, &key),
     };
-    let storage_key = if config.sensitive_keys {
-        storage_key.sensitive()
-    } else {
-        storage_key
+    let storage_key = match &config.sensitive_keys {
+        Some(how) => storage_key.sensitive(how),
+        None => storage_key,
     };
     observe::record_key(&tracing::Span::current(), &storage_key);
     // The handler may use the key, e.g. as the idempotency key of a call to a

@@ -17,7 +17,7 @@ use crate::{
     http::store_policy::{DefaultStorePolicy, StorePolicy},
     key::IDEMPOTENCY_KEY,
     protocol,
-    store::Store,
+    store::{SensitiveKeys, Store},
 };
 
 /// Applies Stripe-style `Idempotency-Key` semantics to the requests of a
@@ -102,7 +102,7 @@ impl<St: Store> IdempotencyLayer<St> {
                 pass_through_without_scope: false,
                 retention: protocol::DEFAULT_RETENTION,
                 retention_header: false,
-                sensitive_keys: false,
+                sensitive_keys: None,
                 namespace: None,
                 lease: protocol::DEFAULT_LEASE,
                 max_request_body: 1024 * 1024,
@@ -353,24 +353,28 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
 
     /// Keeps idempotency keys out of spans and logs, for APIs whose keys may
     /// carry customer data (an order reference, an email): each key is
-    /// shown there only as `sha256:` and the first 16 hex digits of a
-    /// SHA-256 of its scope and key — the same on every line about it,
-    /// and what [`StorageKey::logged_as`](crate::store::StorageKey::logged_as)
-    /// and the operator CLI's `inspect` print, so an operator can still
-    /// find them. Off by default.
+    /// shown there only as a digest of its scope and key — an HMAC under
+    /// the application's secret ([`SensitiveKeys::keyed`]: `hmac:` and 16
+    /// hex digits), or, chosen explicitly, a plain SHA-256
+    /// ([`SensitiveKeys::unkeyed`]: `sha256:`), which a guessable key
+    /// (`order-42`) does not survive. The digest is the same on every line
+    /// about the key, and what [`SensitiveKeys::show`] and the operator
+    /// CLI's `inspect` (with `--log-secret`) print, so an operator can
+    /// still find it. Off by default.
     ///
     /// # Examples
     ///
     /// ```
-    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore, SensitiveKeys};
     ///
+    /// let secret = std::env::var("LOG_KEY_SECRET").unwrap_or_else(|_| "dev only, 16+ bytes".into());
     /// let layer = IdempotencyLayer::new(MemoryStore::new())
     ///     .single_tenant()
-    ///     .sensitive_keys();
+    ///     .sensitive_keys(SensitiveKeys::keyed(secret));
     /// # let _ = layer;
     /// ```
-    pub fn sensitive_keys(mut self) -> Self {
-        self.config().sensitive_keys = true;
+    pub fn sensitive_keys(mut self, how: SensitiveKeys) -> Self {
+        self.config().sensitive_keys = Some(how);
         self
     }
 

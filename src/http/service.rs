@@ -141,7 +141,7 @@ where
         };
         let span = observe::request_span(
             request.key.as_ref().map_or("", IdempotencyKey::as_str),
-            self.shared.config.sensitive_keys,
+            self.shared.config.sensitive_keys.is_some(),
         );
         let handled = keyed::handle(self.shared.clone(), inner, request);
         ResponseFuture::keyed(Box::pin(observe::recorded(span, handled)))

@@ -11,6 +11,7 @@ use crate::{
     http::observe::Throttle,
     http::outcome::{Answered, IdempotencyOutcome},
     http::rejection::{Rejection, RejectionKind, RenderRejection},
+    store::SensitiveKeys,
 };
 
 /// Plain settings, read on every request.
@@ -29,7 +30,7 @@ pub(crate) struct Config {
     /// Whether stored and replayed answers say how long they are replayed.
     pub(crate) retention_header: bool,
     /// Whether keys appear in spans and logs only hashed.
-    pub(crate) sensitive_keys: bool,
+    pub(crate) sensitive_keys: Option<SensitiveKeys>,
     /// The namespace the layer's scopes live in, if it has one of its own.
     pub(crate) namespace: Option<Arc<str>>,
     pub(crate) lease: Duration,

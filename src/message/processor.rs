@@ -23,7 +23,7 @@ use crate::{
     observe,
     protocol::{self, Claimed, Finished, Wait},
     record::CompletedRecord,
-    store::{StorageKey, Store, StoreError},
+    store::{SensitiveKeys, StorageKey, Store, StoreError},
 };
 
 /// Runs each message's work at most once per business key: the queue
@@ -41,7 +41,7 @@ pub struct IdempotencyProcessor<St, F = DefaultFingerprint> {
     fingerprint: F,
     budget: DeliveryBudget,
     /// Whether keys appear in spans and logs only hashed.
-    sensitive_keys: bool,
+    sensitive_keys: Option<SensitiveKeys>,
     /// Set once the consumer drains: deliveries kept in hand go back.
     draining: Arc<watch::Sender<bool>>,
 }
@@ -67,7 +67,7 @@ impl<St: Store> IdempotencyProcessor<St> {
             retention: protocol::DEFAULT_RETENTION,
             fingerprint: DefaultFingerprint::new(),
             budget: DeliveryBudget::new(),
-            sensitive_keys: false,
+            sensitive_keys: None,
             draining: Arc::new(watch::Sender::new(false)),
         }
     }
@@ -101,7 +101,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
             retention: self.retention,
             fingerprint,
             budget: self.budget,
-            sensitive_keys: self.sensitive_keys,
+            sensitive_keys: self.sensitive_keys.clone(),
             draining: self.draining,
         }
     }
@@ -181,41 +181,42 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
     }
 
     /// Keeps business keys out of spans and logs, for keys that may carry
-    /// customer data: each is shown there only as `sha256:` and the first
-    /// 16 hex digits of a SHA-256 of its scope and key — what
-    /// [`StorageKey::logged_as`](crate::store::StorageKey::logged_as) and
-    /// the operator CLI's `inspect` print: the sibling of the layer's
+    /// customer data: each is shown there only as a digest of its scope and
+    /// key — keyed with the application's secret
+    /// ([`SensitiveKeys::keyed`]), or plain ([`SensitiveKeys::unkeyed`]) —
+    /// what [`SensitiveKeys::show`] and the operator CLI's `inspect` print:
+    /// the sibling of the layer's
     /// [`sensitive_keys`](crate::IdempotencyLayer::sensitive_keys).
     ///
     /// # Examples
     ///
     /// ```
-    /// use tower_idempotency::{MemoryStore, message::IdempotencyProcessor};
+    /// use tower_idempotency::{MemoryStore, SensitiveKeys, message::IdempotencyProcessor};
     ///
-    /// let orders = IdempotencyProcessor::new(MemoryStore::new()).sensitive_keys();
+    /// let orders = IdempotencyProcessor::new(MemoryStore::new())
+    ///     .sensitive_keys(SensitiveKeys::keyed(b"from the secret store, 16+ bytes"));
     /// # let _ = orders;
     /// ```
-    pub fn sensitive_keys(mut self) -> Self {
-        self.sensitive_keys = true;
+    pub fn sensitive_keys(mut self, how: SensitiveKeys) -> Self {
+        self.sensitive_keys = Some(how);
         self
     }
 
     /// The message `key`'s address in the store.
     fn storage_key(&self, key: &IdempotencyKey) -> StorageKey {
         let key = StorageKey::new(&self.scope, key);
-        if self.sensitive_keys {
-            key.sensitive()
-        } else {
-            key
+        match &self.sensitive_keys {
+            Some(how) => key.sensitive(how),
+            None => key,
         }
     }
 
     /// The business key `key` as spans and logs show it.
     fn shown(&self, key: &str) -> String {
         match IdempotencyKey::new(key) {
-            Ok(_) if !self.sensitive_keys => key.to_owned(),
+            Ok(_) if self.sensitive_keys.is_none() => key.to_owned(),
             Ok(valid) => self.storage_key(&valid).to_string(),
-            Err(_) if !self.sensitive_keys => key.to_owned(),
+            Err(_) if self.sensitive_keys.is_none() => key.to_owned(),
             Err(_) => "<invalid key>".to_owned(),
         }
     }
@@ -442,11 +443,15 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
         L: DeliveryLease,
     {
+        let shown = self.shown(key);
         let key = IdempotencyKey::new(key).map_err(ProcessError::InvalidKey)?;
         let key = self.storage_key(&key);
+        // As the HTTP door's: the key as given (its digest when sensitive),
+        // and the store's address (likewise).
         let span = tracing::info_span!(
             "idempotency",
-            idempotency.key = %key,
+            idempotency.key = %shown,
+            idempotency.storage_key = %key,
             idempotency.outcome = tracing::field::Empty,
         );
         let processed = self

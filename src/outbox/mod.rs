@@ -127,7 +127,7 @@
 //! ```
 
 mod relay;
-#[cfg(feature = "_sql")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
@@ -140,7 +140,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 
 pub use relay::{OutboxRelay, PublishError, Publisher, RelayRound};
-#[cfg(feature = "_sql")]
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
@@ -163,7 +163,10 @@ pub use table::{OutboxTable, Settlement};
 /// ```
 #[derive(Clone, Debug)]
 // Read by the stores that enqueue: a build without one reads none.
-#[cfg_attr(not(feature = "_sql"), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code)
+)]
 pub struct OutgoingMessage {
     pub(crate) destination: String,
     pub(crate) payload: Vec<u8>,
@@ -376,7 +379,10 @@ pub struct OutboxBacklog {
 /// the same on every publication of the message, and new with each
 /// execution of the key — one that runs again after a forget or an expiry
 /// sends new messages, never the ids of the rows the first one left.
-#[cfg_attr(not(feature = "_sql"), allow(dead_code))]
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+    allow(dead_code)
+)]
 pub(crate) fn derived_id((key, execution): (&str, u128), position: u32) -> String {
     let mut hash = Sha256::new();
     hash.update(key.as_bytes());

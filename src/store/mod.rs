@@ -102,7 +102,8 @@ mod memory;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
-#[cfg(feature = "_sql")]
+mod sensitive;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
@@ -116,6 +117,7 @@ pub use claim_within::claim_within;
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use memory::MemoryStore;
+pub use sensitive::SensitiveKeys;
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use sql::mysql;
@@ -476,7 +478,8 @@ pub(crate) fn ttl_millis(ttl: Duration, what: &str) -> Result<u64, StoreError> {
 /// and scope `a` with key `b:c` never collide.
 ///
 /// A key made [`sensitive`](Self::sensitive) keeps the idempotency key out
-/// of logs and spans too: it is shown there only as a hash.
+/// of logs and spans too: it is shown there only as a digest
+/// ([`SensitiveKeys`]).
 ///
 /// # Examples
 ///
@@ -492,8 +495,8 @@ pub(crate) fn ttl_millis(ttl: Duration, what: &str) -> Result<u64, StoreError> {
 #[derive(Clone)]
 pub struct StorageKey {
     encoded: Arc<str>,
-    /// Shown hashed in logs and spans.
-    sensitive: bool,
+    /// Shown as this digest in logs and spans.
+    sensitive: Option<SensitiveKeys>,
 }
 
 impl StorageKey {
@@ -549,7 +552,7 @@ impl StorageKey {
             encoded: std::str::from_utf8(encoded)
                 .expect("hex and an ASCII key")
                 .into(),
-            sensitive: false,
+            sensitive: None,
         }
     }
 
@@ -559,52 +562,50 @@ impl StorageKey {
     }
 
     /// This key, shown in logs and spans (its `Display` and `Debug`) only
-    /// as `sha256:` and the first 16 hex digits of a SHA-256 of the
-    /// encoded key — the same on every line about it, and what
+    /// as its digest by `how` — `hmac:` (keyed) or `sha256:` and 16 hex
+    /// digits, the same on every line about it, and what
     /// [`logged_as`](Self::logged_as) says — for keys that may carry
     /// customer data. Stores address it as before.
     ///
     /// # Examples
     ///
     /// ```
-    /// use tower_idempotency::{IdempotencyKey, store::StorageKey};
+    /// use tower_idempotency::{IdempotencyKey, SensitiveKeys, store::StorageKey};
     ///
-    /// let key = StorageKey::new("acct_1", &IdempotencyKey::new("jane@example.com").unwrap()).sensitive();
+    /// let keys = SensitiveKeys::keyed(b"a secret of at least 16 bytes");
+    /// let key = StorageKey::new("acct_1", &IdempotencyKey::new("jane@example.com").unwrap()).sensitive(&keys);
     /// let shown = key.to_string();
-    /// assert!(shown.starts_with("sha256:") && !shown.contains("jane"));
+    /// assert!(shown.starts_with("hmac:") && !shown.contains("jane"));
     /// assert!(key.as_str().ends_with(":jane@example.com"));
     /// ```
-    pub fn sensitive(mut self) -> Self {
-        self.sensitive = true;
+    pub fn sensitive(mut self, how: &SensitiveKeys) -> Self {
+        self.sensitive = Some(how.clone());
         self
     }
 
-    /// Whether logs and spans show this key only hashed.
+    /// Whether logs and spans show this key only as a digest.
     pub fn is_sensitive(&self) -> bool {
-        self.sensitive
+        self.sensitive.is_some()
     }
 
-    /// How a sensitive key is shown in logs and spans: `sha256:` and 16
-    /// hex digits, whether or not this one is sensitive — to find an
-    /// operator's key in logs written with sensitive keys.
+    /// How this key is shown in logs and spans as a sensitive key: by its
+    /// own [`SensitiveKeys`] if it is sensitive, else unkeyed (`sha256:`;
+    /// [`SensitiveKeys::show`] gives the keyed form).
     ///
     /// # Examples
     ///
     /// ```
-    /// use tower_idempotency::{IdempotencyKey, store::StorageKey};
+    /// use tower_idempotency::{IdempotencyKey, SensitiveKeys, store::StorageKey};
     ///
     /// let key = StorageKey::new("acct_1", &IdempotencyKey::new("order-42").unwrap());
-    /// assert_eq!(key.logged_as(), key.clone().sensitive().to_string());
+    /// let keys = SensitiveKeys::unkeyed();
+    /// assert_eq!(key.logged_as(), key.clone().sensitive(&keys).to_string());
     /// ```
     pub fn logged_as(&self) -> String {
-        let mut hasher = FingerprintHasher::new("tower-idempotency/logged-key/v1");
-        hasher.field(self.encoded.as_bytes());
-        let mut shown = [0; 16];
-        write_hex(&mut shown, &hasher.finish().as_bytes()[..8]);
-        format!(
-            "sha256:{}",
-            std::str::from_utf8(&shown).expect("hex digits")
-        )
+        match &self.sensitive {
+            Some(how) => how.show(self),
+            None => SensitiveKeys::unkeyed().show(self),
+        }
     }
 }
 
@@ -625,8 +626,8 @@ impl std::hash::Hash for StorageKey {
 
 impl fmt::Debug for StorageKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.sensitive {
-            return f.write_str(&self.logged_as());
+        if let Some(how) = &self.sensitive {
+            return f.write_str(&how.show(self));
         }
         fmt::Debug::fmt(&*self.encoded, f)
     }
@@ -634,8 +635,8 @@ impl fmt::Debug for StorageKey {
 
 impl fmt::Display for StorageKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.sensitive {
-            return f.write_str(&self.logged_as());
+        if let Some(how) = &self.sensitive {
+            return f.write_str(&how.show(self));
         }
         f.write_str(&self.encoded)
     }

@@ -185,7 +185,10 @@ impl<D: Dialect> SqlTx<D> {
 
     /// Wakes `wake` once the transaction commits (with its deferred
     /// statements); whether this is the first such wish.
-    #[cfg_attr(not(feature = "_sql"), allow(dead_code))]
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
+        allow(dead_code)
+    )]
     pub(crate) fn wake_on_commit(&mut self, wake: &Arc<Notify>) -> bool {
         let first = self.wake.is_none();
         self.wake = Some(wake.clone());
