@@ -178,7 +178,8 @@ async fn sigterm_finishes_and_answers_the_work_in_hand_then_exits_zero<B: Fixtur
     db.wait_for_count(IN_TRANSACTION, |n| n == 1, "the work never started")
         .await;
     c.terminate();
-    let status = c.exited(Duration::from_secs(20)).await;
+    // A bound on a wait for an event (the exit), generous for a loaded machine.
+    let status = c.exited(Duration::from_secs(60)).await;
     assert!(status.success(), "{status}");
     assert_eq!(
         c.lines().last().map(String::as_str),

@@ -59,7 +59,15 @@ pub async fn client_disconnect_does_not_cancel<B: Backend>(b: &B) {
         CHARGE.len()
     );
     socket.write_all(raw.as_bytes()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Hung up only once the handler runs (an event, not a delay).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while runs.get() == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the handler never started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert_eq!(runs.get(), 1, "the handler started");
     drop(socket); // the client hangs up mid-handler
     let retry = until_settled(async || server.post("/slow?ms=300", "k", CHARGE).await).await;

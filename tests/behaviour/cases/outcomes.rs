@@ -260,15 +260,18 @@ pub async fn record_expires_after_retention<B: Backend>(b: &B) {
     let (app, runs) = app_with(
         IdempotencyLayer::new(b.store().await)
             .single_tenant()
-            .retention(Duration::from_secs(1)),
+            .retention(Duration::from_secs(3)),
     );
+    // The replay lands well inside the retention on a loaded machine; the
+    // retry after it waits past it, however late it is woken.
     oneshot(&app, post("/charges", "k", CHARGE)).await;
+    let stored_at = tokio::time::Instant::now();
     assert!(
         oneshot(&app, post("/charges", "k", CHARGE))
             .await
             .is_replay()
     );
-    tokio::time::sleep(Duration::from_millis(1200)).await;
+    tokio::time::sleep_until(stored_at + Duration::from_millis(3200)).await;
     let after = oneshot(&app, post("/charges", "k", CHARGE)).await;
     assert!(!after.is_replay(), "the record expired with its retention");
     assert_eq!(runs.get(), 2);
