@@ -802,7 +802,7 @@ impl<St: Positions> Broker for Kafka<St> {
 }
 
 /// The consumer loop over [`Kafka`]: the library's
-/// [`Consumer`](tower_idempotency::message::Consumer), whose work also
+/// [`Consumer`], whose work also
 /// writes each record's position in its transaction.
 pub struct KafkaConsumer<St: Positions, F, M, T, E> {
     inner: Consumer<Kafka<St>, St, F, Positioned<M>, T, E>,
