@@ -96,6 +96,8 @@
 //! | [`MySqlTxStore`] | `mysql` | transactions | effects in MySQL or MariaDB (Galera too) |
 //! | [`SqliteStore`], [`PostgresStore`], [`MySqlStore`] | `sqlite`, `postgres`, `mysql` | leases | effects elsewhere |
 //! | [`RedisStore`] | `redis` (`cluster`) | leases | effects elsewhere, many instances |
+//! | [`DynamoDbTxStore`] | `dynamodb` | the record in the handler's own `TransactWriteItems` | effects in DynamoDB |
+//! | [`DynamoDbStore`] | `dynamodb` | leases | effects elsewhere, on AWS |
 //! | [`CachedStore`] | `cache` | the inner store's | replays without a round trip |
 //!
 //! A store whose claims are **transactions** commits the record with the
@@ -116,12 +118,20 @@
 //! | `sqlite` | | [`SqliteStore`], [`SqliteTxStore`] (bundled SQLite; re-exports `sqlx`) |
 //! | `postgres` | | [`PostgresStore`], [`PostgresTxStore`] (re-exports `sqlx`) |
 //! | `mysql` | | [`MySqlStore`], [`MySqlTxStore`] for MySQL 8.0+ and MariaDB 10.6+ (re-exports `sqlx`) |
+//! | `dynamodb` | | [`DynamoDbStore`], [`DynamoDbTxStore`] on the official SDK (re-exports `aws_sdk_dynamodb`) |
 //! | `cache` | | [`CachedStore`] |
 //! | `metrics` | | counters and histograms through the `metrics` facade |
 //! | `compression` | | zstd for stored bodies ([`codec::Compression`], opt-in per store) |
 //! | `client` | | `client::IdempotentClientLayer`: one key per call, safe retries |
 //! | `openapi` | | `openapi::IdempotencyDocs`: the layer's headers and refusals in a utoipa 6 document (re-exports `utoipa`) |
 //! | `testing` | | `testing::StoreContract`: the store contract, for a custom store's tests |
+//! | `opentelemetry` | | W3C trace context across a chain: the outbox writes the request's `traceparent` into its messages, the consumer door continues it |
+//!
+//! The SQL features also bring the transactional outbox ([`outbox`]:
+//! messages enqueued in the handler's transaction, relayed to a broker).
+//! Beside the crate: one adapter crate per broker for the consumer loop and
+//! the outbox's publisher (`tower-idempotency-sqs`, `-nats`, `-rabbitmq`,
+//! `-kafka`), and the operator CLI (`tower-idempotency-cli`).
 //!
 //! # Versions
 //!
@@ -134,15 +144,85 @@
 //!
 //! [tower]: https://docs.rs/tower
 //! [axum]: https://docs.rs/axum
+// The tables above name every store; each link resolves whatever features
+// build the docs: to the item where it is compiled in, else to docs.rs.
+#![cfg_attr(feature = "memory", doc = "[`MemoryStore`]: crate::MemoryStore")]
+#![cfg_attr(
+    not(feature = "memory"),
+    doc = "[`MemoryStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.MemoryStore.html"
+)]
+#![cfg_attr(feature = "sqlite", doc = "[`SqliteStore`]: crate::SqliteStore")]
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[`SqliteStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sql/struct.SqlStore.html"
+)]
+#![cfg_attr(feature = "sqlite", doc = "[`SqliteTxStore`]: crate::SqliteTxStore")]
+#![cfg_attr(
+    not(feature = "sqlite"),
+    doc = "[`SqliteTxStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sql/struct.SqlTxStore.html"
+)]
+#![cfg_attr(feature = "postgres", doc = "[`PostgresStore`]: crate::PostgresStore")]
+#![cfg_attr(
+    not(feature = "postgres"),
+    doc = "[`PostgresStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sql/struct.SqlStore.html"
+)]
+#![cfg_attr(
+    feature = "postgres",
+    doc = "[`PostgresTxStore`]: crate::PostgresTxStore"
+)]
+#![cfg_attr(
+    not(feature = "postgres"),
+    doc = "[`PostgresTxStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sql/struct.SqlTxStore.html"
+)]
+#![cfg_attr(feature = "mysql", doc = "[`MySqlStore`]: crate::MySqlStore")]
+#![cfg_attr(
+    not(feature = "mysql"),
+    doc = "[`MySqlStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sql/struct.SqlStore.html"
+)]
+#![cfg_attr(feature = "mysql", doc = "[`MySqlTxStore`]: crate::MySqlTxStore")]
+#![cfg_attr(
+    not(feature = "mysql"),
+    doc = "[`MySqlTxStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/sql/struct.SqlTxStore.html"
+)]
+#![cfg_attr(feature = "redis", doc = "[`RedisStore`]: crate::RedisStore")]
+#![cfg_attr(
+    not(feature = "redis"),
+    doc = "[`RedisStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.RedisStore.html"
+)]
+#![cfg_attr(feature = "redis", doc = "[`store::redis`]: crate::store::redis")]
+#![cfg_attr(
+    not(feature = "redis"),
+    doc = "[`store::redis`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/store/redis/index.html"
+)]
+#![cfg_attr(feature = "dynamodb", doc = "[`DynamoDbStore`]: crate::DynamoDbStore")]
+#![cfg_attr(
+    not(feature = "dynamodb"),
+    doc = "[`DynamoDbStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.DynamoDbStore.html"
+)]
+#![cfg_attr(
+    feature = "dynamodb",
+    doc = "[`DynamoDbTxStore`]: crate::DynamoDbTxStore"
+)]
+#![cfg_attr(
+    not(feature = "dynamodb"),
+    doc = "[`DynamoDbTxStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.DynamoDbTxStore.html"
+)]
+#![cfg_attr(feature = "cache", doc = "[`CachedStore`]: crate::CachedStore")]
+#![cfg_attr(
+    not(feature = "cache"),
+    doc = "[`CachedStore`]: https://docs.rs/tower-idempotency/latest/tower_idempotency/struct.CachedStore.html"
+)]
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// The folders are the architecture: two doors (`http`, `message`) over one
-// protocol (`protocol`: claim, hold, settle) and the stores (`store`), with
-// the leaves they share below them (`record`, `fingerprint`, `key`,
-// `observe`). Imports run one way, from the doors down. lib.rs only
-// re-exports.
+// The folders are the architecture: the doors (`http`, `message` with the
+// consumer loop, `client`) over one protocol (`protocol`: claim, hold,
+// settle) and the stores (`store`: memory, cached, redis, the SQL family,
+// dynamodb), with the leaves they share below them (`record`,
+// `fingerprint`, `key`, `observe`); the outbox (`outbox`) over the SQL
+// stores' tables; the store contracts (`testing`) and the guide (`guide`).
+// Imports run one way, from the doors down. lib.rs only re-exports.
 #[cfg(feature = "client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "client")))]
 pub mod client;

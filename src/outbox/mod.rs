@@ -6,7 +6,7 @@
 //! message announces a charge that may roll back; published after it, it
 //! is lost when the process dies in between, and sent again by a retry
 //! that executes again. So the handler does not publish: it
-//! [enqueues](Outbox::enqueue) the message with its transaction — a row of
+//! enqueues (`Outbox::enqueue`) the message with its transaction — a row of
 //! the outbox table, committed with the record and the effect or rolled
 //! back with them. A replay enqueues nothing, and a key whose handler ran
 //! once enqueued its messages once.
@@ -59,8 +59,8 @@
 //! A broker that is down is retried with back-off, and the relay says so
 //! (a warning when an outage starts, another when it ends); a publisher
 //! reconnects by itself. A message the broker refuses for good is kept,
-//! marked refused and logged — never dropped ([`Outbox::refused`],
-//! [`Outbox::requeue`], the CLI's `tower-idempotency outbox refused` and
+//! marked refused and logged — never dropped (`Outbox::refused`,
+//! `Outbox::requeue`, the CLI's `tower-idempotency outbox refused` and
 //! `requeue`). A relay's claim lapses by the database's clock, so relays
 //! whose clocks disagree never take each other's claims for lapsed.
 //!
@@ -76,7 +76,7 @@
 //! # The table
 //!
 //! Each SQL engine publishes its table's schema for migrations
-//! ([`store::postgres::OUTBOX_SCHEMA`](crate::store::postgres::OUTBOX_SCHEMA)
+//! (`store::postgres::OUTBOX_SCHEMA`
 //! and its siblings), with its columns and states described. Another store
 //! can carry an outbox by implementing [`OutboxTable`]: the relay is written
 //! once over it.

@@ -137,7 +137,7 @@ enum Outcome {
 }
 
 impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
-    /// A relay of `table` (an [`Outbox`](super::Outbox)) through
+    /// A relay of `table` (an `Outbox`, with a SQL feature) through
     /// `publisher`: batches of 256, a poll every second while idle (at once
     /// when a commit is heard of), claims of 30 s, back-off from 500 ms to
     /// 30 s, sent messages kept 7 days.

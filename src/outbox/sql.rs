@@ -30,7 +30,7 @@ const DEFAULT_TABLE: &str = "idempotency_outbox";
 
 /// The outbox of a transactional SQL store: a table in its database
 /// (schema: each engine's `OUTBOX_SCHEMA`, e.g.
-/// [`store::postgres::OUTBOX_SCHEMA`](crate::store::postgres::OUTBOX_SCHEMA)).
+/// `store::postgres::OUTBOX_SCHEMA`).
 /// Cloning is cheap. See the [module docs](super).
 pub struct Outbox<D: Dialect> {
     base: Arc<Base<D>>,

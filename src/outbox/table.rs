@@ -7,7 +7,7 @@ use super::{OutboxBacklog, OutboxMessage, OutboxStats};
 use crate::store::{LeaseToken, StoreError};
 
 /// An outbox's table, as an [`OutboxRelay`](super::OutboxRelay) uses it:
-/// the SQL stores' [`Outbox`](super::Outbox) is one; a store of your own
+/// the SQL stores' `Outbox` is one; a store of your own
 /// can carry an outbox by implementing it, and relay it with the same
 /// relay.
 ///

@@ -9,7 +9,7 @@ use super::{Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreErro
 use crate::{fingerprint::Fingerprint, observe, record::CompletedRecord};
 
 /// Serves replays from memory: a bounded cache of completed records in front
-/// of another store (typically [`RedisStore`](crate::RedisStore)).
+/// of another store (typically the Redis store, feature `redis`).
 ///
 /// A completed record never changes until it expires, so once this process
 /// has completed a key, or a claim has returned its record, later replays of

@@ -13,7 +13,7 @@
 //!   ([`Store::extend`]); [`Store::complete`] and [`Store::release`] act
 //!   only while its token is still the one stored (fencing), so a request
 //!   whose lease expired and was re-claimed by another can never overwrite
-//!   or delete the newer claim. [`MemoryStore`], the Redis store and the
+//!   or delete the newer claim. `MemoryStore`, the Redis store and the
 //!   plain SQL stores work this way.
 //! - **A transaction**: the claim is a row written inside a database
 //!   transaction the store began, which the handler (or a message's work)

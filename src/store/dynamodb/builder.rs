@@ -89,7 +89,7 @@ impl DynamoDbStoreBuilder {
     }
 
     /// How stored bodies are written (default: as they are): with the
-    /// `compression` feature, [`Compression::zstd`] keeps large bodies
+    /// `compression` feature, `Compression::zstd` keeps large bodies
     /// under DynamoDB's 400 KB item limit.
     ///
     /// # Examples

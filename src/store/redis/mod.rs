@@ -60,7 +60,7 @@
 //! one-byte codes, the body — compressed if the store was given a
 //! [`Compression`]): binary, no JSON or base64 in the value. The deadline and the expiry (Unix milliseconds, by the writing
 //! server's clock) give `Retry-After` and how long a
-//! [`CachedStore`](crate::CachedStore) may keep the record, less a 5 s
+//! `CachedStore` (feature `cache`) may keep the record, less a 5 s
 //! margin for clocks that disagree; they never decide anything. `SET NX
 //! GET` needs Redis **7.0 or newer**. An in-flight record's TTL is the
 //! lease; a completed record's TTL is the retention (`PX`), so nothing

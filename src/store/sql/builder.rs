@@ -204,7 +204,7 @@ impl<D: Engine, M> SqlStoreBuilder<D, M> {
     }
 
     /// How stored bodies are written (default: as they are). With the
-    /// `compression` feature, [`Compression::zstd`] compresses large ones;
+    /// `compression` feature, `Compression::zstd` compresses large ones;
     /// every store built with the feature reads them.
     ///
     /// # Examples

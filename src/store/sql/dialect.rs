@@ -20,8 +20,8 @@ use crate::store::StoreError;
 /// The connection of a dialect's database.
 pub(crate) type Connection<D> = <<D as Dialect>::Db as Database>::Connection;
 
-/// An engine of the SQL store family: [`Postgres`](super::postgres::Postgres),
-/// [`Sqlite`](super::sqlite::Sqlite) or [`MySql`](super::mysql::MySql) —
+/// An engine of the SQL store family: `Postgres`,
+/// `Sqlite` or `MySql` —
 /// the type parameter of [`SqlStore`](super::SqlStore),
 /// [`SqlTxStore`](super::SqlTxStore), [`SqlTx`](super::SqlTx) and
 /// [`SqlStoreBuilder`](super::SqlStoreBuilder), usually named through each

@@ -29,8 +29,8 @@ use crate::{
 /// in the same database, the transactional store ([`SqlTxStore`](super::SqlTxStore))
 /// commits the record with them.
 ///
-/// Named by engine: [`PostgresStore`](crate::PostgresStore),
-/// [`SqliteStore`](crate::SqliteStore), `MySqlStore`. Cloning is cheap and
+/// Named by engine: `PostgresStore`,
+/// `SqliteStore`, `MySqlStore`. Cloning is cheap and
 /// clones share the pool.
 ///
 /// # Examples

@@ -7,13 +7,13 @@
 //! - **[`SqlTxStore`]** (`builder().transactional()`): the record commits in
 //!   the handler's own transaction, so record and effect are one fact —
 //!   exactly one effect per key, across crashes. Named
-//!   [`PostgresTxStore`](crate::PostgresTxStore),
-//!   [`SqliteTxStore`](crate::SqliteTxStore), `MySqlTxStore`; the handler's
+//!   `PostgresTxStore`,
+//!   `SqliteTxStore`, `MySqlTxStore`; the handler's
 //!   transaction is a [`SqlTx`] (`PostgresTx`, `SqliteTx`, `MySqlTx`).
 //! - **[`SqlStore`]** (the default): claims are leases with fencing tokens,
 //!   each operation one short autocommit statement, like the Redis store.
-//!   Named [`PostgresStore`](crate::PostgresStore),
-//!   [`SqliteStore`](crate::SqliteStore), `MySqlStore`.
+//!   Named `PostgresStore`,
+//!   `SqliteStore`, `MySqlStore`.
 //!
 //! Both keep their records in one table (default `idempotency_records`),
 //! which `migrate()` creates if it is missing (or run the engine's `SCHEMA`

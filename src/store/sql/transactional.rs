@@ -56,8 +56,8 @@ pub(crate) const IN_FLIGHT_RETRY_AFTER: Duration = Duration::from_secs(1);
 ///   during `COMMIT`), the handler's response is withheld (`503`): the
 ///   retry replays or executes, both correct.
 ///
-/// Named by engine: [`PostgresTxStore`](crate::PostgresTxStore),
-/// [`SqliteTxStore`](crate::SqliteTxStore), `MySqlTxStore`; each engine's
+/// Named by engine: `PostgresTxStore`,
+/// `SqliteTxStore`, `MySqlTxStore`; each engine's
 /// module says what its transactions cost and how they are bounded.
 /// Cloning is cheap and clones share the pool.
 ///

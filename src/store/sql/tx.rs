@@ -16,7 +16,7 @@ use super::dialect::{Dialect, Engine};
 use crate::store::{FailedCompletion, Granted, Held};
 
 /// The request's transaction on a transactional SQL store
-/// ([`PostgresTx`](crate::PostgresTx), [`SqliteTx`](crate::SqliteTx),
+/// (`PostgresTx`, `SqliteTx`,
 /// `MySqlTx`), with its claim in it: the granted claim of a
 /// [`SqlTxStore`](super::SqlTxStore). Handlers receive it through
 /// [`IdempotentTx`](crate::IdempotentTx) (`IdempotentTx<PostgresTx>`), a
