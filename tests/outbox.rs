@@ -611,8 +611,11 @@ macro_rules! outbox_suite {
                         .unwrap();
                 }
                 commit(&store, &key, tx).await;
+                // Batches small enough that each statement stays well inside the
+                // store's timeout on a saturated machine: the sweep still takes
+                // all 12 000 in one call.
                 let relay = OutboxRelay::new(outbox.clone(), Broker::default())
-                    .batch(4096)
+                    .batch(1024)
                     .retention(Duration::from_millis(1));
                 while relay.run_once().await.unwrap().claimed > 0 {}
                 tokio::time::sleep(Duration::from_millis(20)).await;
