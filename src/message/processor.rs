@@ -443,17 +443,22 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
         L: DeliveryLease,
     {
-        let shown = self.shown(key);
-        let key = IdempotencyKey::new(key).map_err(ProcessError::InvalidKey)?;
+        let given = key;
+        let key = IdempotencyKey::new(given).map_err(ProcessError::InvalidKey)?;
         let key = self.storage_key(&key);
         // As the HTTP door's: the key as given (its digest when sensitive),
         // and the store's address (likewise).
         let span = tracing::info_span!(
             "idempotency",
-            idempotency.key = %shown,
+            idempotency.key = tracing::field::Empty,
             idempotency.storage_key = %key,
             idempotency.outcome = tracing::field::Empty,
         );
+        if key.is_sensitive() {
+            span.record("idempotency.key", tracing::field::display(&key));
+        } else {
+            span.record("idempotency.key", given);
+        }
         let processed = self
             .process_key(key, payload, broker, work)
             .instrument(span.clone())
