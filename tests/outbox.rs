@@ -602,17 +602,21 @@ macro_rules! outbox_suite {
             /// goes in one sweep, in batches; the backlog says how many wait.
             async fn the_sweep_deletes_everything_past_the_retention_at_once(b: B) {
                 let (store, _charges, outbox) = outbox_of(&b).await;
-                let key = storage_key("sweep");
-                let mut tx = claim(&store, &key).await;
-                for i in 0..12_000 {
-                    outbox
-                        .enqueue(&mut tx, OutgoingMessage::new("charges", format!("{i}")))
-                        .await
-                        .unwrap();
+                // Twelve requests of 1 000 messages: each commit well inside the
+                // store's timeout on a saturated machine.
+                for request in 0..12 {
+                    let key = storage_key(&format!("sweep-{request}"));
+                    let mut tx = claim(&store, &key).await;
+                    for i in 0..1_000 {
+                        outbox
+                            .enqueue(&mut tx, OutgoingMessage::new("charges", format!("{i}")))
+                            .await
+                            .unwrap();
+                    }
+                    commit(&store, &key, tx).await;
                 }
-                commit(&store, &key, tx).await;
                 // Batches small enough that each statement stays well inside the
-                // store's timeout on a saturated machine: the sweep still takes
+                // outbox's timeout on a saturated machine: the sweep still takes
                 // all 12 000 in one call.
                 let relay = OutboxRelay::new(outbox.clone(), Broker::default())
                     .batch(1024)

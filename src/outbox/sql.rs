@@ -28,6 +28,13 @@ use crate::store::{
 /// The table the outbox uses unless told otherwise.
 const DEFAULT_TABLE: &str = "idempotency_outbox";
 
+/// How long one of the outbox's own statements may take unless told
+/// otherwise: they claim, mark and sweep whole batches, so the store's
+/// bound, sized for one request's record, would fail a relay's round on a
+/// loaded database again and again — and a round that never finishes
+/// publishes nothing.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The outbox of a transactional SQL store: a table in its database
 /// (schema: each engine's `OUTBOX_SCHEMA`, e.g.
 /// `store::postgres::OUTBOX_SCHEMA`).
@@ -38,6 +45,9 @@ pub struct Outbox<D: Dialect> {
     /// Woken by this process's commits that enqueued, and by the database's
     /// notifications once a relay listens.
     wake: Arc<Notify>,
+    /// The bound on each of the outbox's own statements: see
+    /// [`OutboxBuilder::timeout`].
+    timeout: Duration,
     listening: Arc<OnceLock<Listening>>,
     /// When the table's statistics were last refreshed (where the engine
     /// needs it: see `OutboxSql::analyze`).
@@ -62,6 +72,7 @@ impl<D: Dialect> Clone for Outbox<D> {
             base: self.base.clone(),
             sql: self.sql.clone(),
             wake: self.wake.clone(),
+            timeout: self.timeout,
             listening: self.listening.clone(),
             analyzed: self.analyzed.clone(),
         }
@@ -81,6 +92,7 @@ pub struct OutboxBuilder<D: Dialect> {
     base: Arc<Base<D>>,
     table: String,
     create_table: bool,
+    timeout: Duration,
 }
 
 impl<D: Dialect> fmt::Debug for OutboxBuilder<D> {
@@ -88,6 +100,7 @@ impl<D: Dialect> fmt::Debug for OutboxBuilder<D> {
         f.debug_struct("OutboxBuilder")
             .field("table", &self.table)
             .field("create_table", &self.create_table)
+            .field("timeout", &self.timeout)
             .finish_non_exhaustive()
     }
 }
@@ -202,6 +215,7 @@ impl<D: OutboxEngine> Outbox<D> {
             base,
             table: DEFAULT_TABLE.to_owned(),
             create_table: false,
+            timeout: DEFAULT_TIMEOUT,
         }
     }
 
@@ -224,7 +238,7 @@ impl<D: OutboxEngine> Outbox<D> {
     /// ```
     pub async fn stats(&self) -> Result<OutboxStats, StoreError> {
         let base = &self.base;
-        let pairs = base
+        let pairs = self
             .bounded(async {
                 let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
                 D::outbox_pairs(&mut on, &self.sql.counts, &OutboxArgs::default())
@@ -268,7 +282,7 @@ impl<D: OutboxEngine> Outbox<D> {
             ..OutboxArgs::default()
         };
         let base = &self.base;
-        let rows = base
+        let rows = self
             .bounded(async {
                 let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
                 D::outbox_backlog(&mut on, &self.sql.backlog, &args)
@@ -334,8 +348,8 @@ impl<D: OutboxEngine> Outbox<D> {
             ..OutboxArgs::default()
         };
         let base = &self.base;
-        let _turn = base.engine.turn(Some(base.timeout)).await?;
-        let requeued = base
+        let _turn = base.engine.turn(Some(self.timeout)).await?;
+        let requeued = self
             .bounded(async {
                 let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
                 D::outbox_execute(&mut on, &self.sql.requeue, &args)
@@ -349,6 +363,16 @@ impl<D: OutboxEngine> Outbox<D> {
         Ok(requeued > 0)
     }
 
+    /// `work`, failed with [`StoreError::Timeout`] past the outbox's bound.
+    async fn bounded<T>(
+        &self,
+        work: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout(self.timeout, work)
+            .await
+            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+    }
+
     /// Runs `stmt` on a pooled connection — this process's turn to write
     /// held, and the engine's isolation set first, when it `writes` — and
     /// reads the messages it answers.
@@ -360,10 +384,10 @@ impl<D: OutboxEngine> Outbox<D> {
     ) -> Result<Vec<OutboxMessage>, StoreError> {
         let base = &self.base;
         let _turn = match writes {
-            true => Some(base.engine.turn(Some(base.timeout)).await?),
+            true => Some(base.engine.turn(Some(self.timeout)).await?),
             false => None,
         };
-        let rows = base
+        let rows = self
             .bounded(async {
                 let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
                 if let (true, Some(before)) = (writes, D::OUTBOX.before_write) {
@@ -381,8 +405,8 @@ impl<D: OutboxEngine> Outbox<D> {
     /// round trip), this process's turn to write held.
     async fn write(&self, sql: String) -> Result<u64, StoreError> {
         let base = &self.base;
-        let _turn = base.engine.turn(Some(base.timeout)).await?;
-        base.bounded(async {
+        let _turn = base.engine.turn(Some(self.timeout)).await?;
+        self.bounded(async {
             let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
             D::raw_counted(&mut on, &sql)
                 .await
@@ -412,7 +436,7 @@ impl<D: OutboxEngine> Outbox<D> {
         };
         let base = &self.base;
         if due {
-            let analyzed = base
+            let analyzed = self
                 .bounded(async {
                     let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
                     D::raw(&mut on, analyze).await.map_err(|e| base.error(e))
@@ -450,8 +474,8 @@ impl<D: OutboxEngine> OutboxTable for Outbox<D> {
         } else {
             let base = &self.base;
             let claimed = {
-                let _turn = base.engine.turn(Some(base.timeout)).await?;
-                base.bounded(async {
+                let _turn = base.engine.turn(Some(self.timeout)).await?;
+                self.bounded(async {
                     let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
                     if let Some(before) = D::OUTBOX.before_write {
                         D::raw(&mut on, before).await.map_err(|e| base.error(e))?;
@@ -637,6 +661,30 @@ impl<D: OutboxEngine> OutboxBuilder<D> {
         self
     }
 
+    /// How long each of the outbox's own statements — a relay's claim, its
+    /// marks and sweeps, `stats`, `requeue` — may take before it fails
+    /// with [`StoreError::Timeout`] (default 10 s). Enqueueing is not
+    /// bounded by it: it runs in the request's transaction, under the
+    /// store's own timeout. Keep it well below the relay's
+    /// [`claim_for`](super::OutboxRelay::claim_for), so that a claim
+    /// answered late still holds its messages.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "sqlite")]
+    /// # async fn demo(store: tower_idempotency::SqliteTxStore) -> Result<(), tower_idempotency::store::StoreError> {
+    /// use std::time::Duration;
+    /// use tower_idempotency::outbox::Outbox;
+    ///
+    /// let outbox = Outbox::on(&store).timeout(Duration::from_secs(5)).build().await?;
+    /// # let _ = outbox; Ok(()) }
+    /// ```
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// Creates the table and its indexes at start-up if they are missing
     /// (or run the engine's `OUTBOX_SCHEMA` with your migrations).
     ///
@@ -664,7 +712,7 @@ impl<D: OutboxEngine> OutboxBuilder<D> {
         let sql = statements(&self.table, D::OUTBOX);
         let base = &self.base;
         if self.create_table {
-            let _turn = base.engine.turn(Some(base.timeout)).await?;
+            let _turn = base.engine.turn(Some(self.timeout)).await?;
             let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
             let mut attempt = 0;
             loop {
@@ -696,6 +744,7 @@ impl<D: OutboxEngine> OutboxBuilder<D> {
             base: self.base.clone(),
             sql: Arc::new(sql),
             wake: Arc::new(Notify::new()),
+            timeout: self.timeout,
             listening: Arc::new(OnceLock::new()),
             analyzed: Arc::default(),
         })
