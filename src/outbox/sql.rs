@@ -368,9 +368,7 @@ impl<D: OutboxEngine> Outbox<D> {
         &self,
         work: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        tokio::time::timeout(self.timeout, work)
-            .await
-            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+        crate::store::bounded(self.timeout, work).await
     }
 
     /// Runs `stmt` on a pooled connection — this process's turn to write

@@ -736,3 +736,21 @@ pub enum StoreError {
     #[error("the idempotency store does not support {0}")]
     Unsupported(&'static str),
 }
+
+/// `work`, or [`StoreError::Timeout`] once `timeout` has passed: the bound
+/// every networked store (and the outbox) puts on one call.
+#[cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "mysql",
+    feature = "sqlite",
+    feature = "dynamodb"
+))]
+pub(crate) async fn bounded<T>(
+    timeout: Duration,
+    work: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(timeout, work)
+        .await
+        .unwrap_or(Err(StoreError::Timeout(timeout)))
+}

@@ -195,9 +195,7 @@ impl Table {
         &self,
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        tokio::time::timeout(self.timeout, call)
-            .await
-            .unwrap_or(Err(StoreError::Timeout(self.timeout)))
+        super::bounded(self.timeout, call).await
     }
 
     /// One conditional `PutItem` of a claim held until `hold` from now;

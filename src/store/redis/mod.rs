@@ -199,11 +199,10 @@ impl RedisStore {
         key: &str,
         args: &[&[u8]],
     ) -> Result<Value, StoreError> {
-        let timeout = self.inner.timeout;
-        match tokio::time::timeout(timeout, on.eval(script, key, args)).await {
-            Ok(reply) => Ok(reply?),
-            Err(_) => Err(StoreError::Timeout(timeout)),
-        }
+        super::bounded(self.inner.timeout, async {
+            Ok(on.eval(script, key, args).await?)
+        })
+        .await
     }
 
     /// A fenced script: `1` when the token held the claim.
@@ -320,11 +319,10 @@ impl Store for RedisStore {
     async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
         let mut get = redis::cmd("GET");
         get.arg(self.redis_key(key));
-        let timeout = self.inner.timeout;
-        let found = match tokio::time::timeout(timeout, self.inner.connection.query(&get)).await {
-            Ok(reply) => reply?,
-            Err(_) => return Err(StoreError::Timeout(timeout)),
-        };
+        let found = super::bounded(self.inner.timeout, async {
+            Ok(self.inner.connection.query(&get).await?)
+        })
+        .await?;
         let found = match found {
             Value::Nil => None,
             Value::BulkString(bytes) => Some(bytes),

@@ -99,10 +99,7 @@ impl<D: Engine> Base<D> {
         &self,
         work: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        match tokio::time::timeout(self.timeout, work).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
-        }
+        crate::store::bounded(self.timeout, work).await
     }
 
     /// `error` as the store reports it.
