@@ -34,8 +34,14 @@ use crate::{fingerprint::PayloadFingerprint, lock::lock, observe, store::Store};
 /// reach, a refusal, the subscription gone.
 pub type BrokerError = Box<dyn std::error::Error + Send + Sync>;
 
-/// How long an idle loop's receive waits for a first delivery, at most.
+/// How long an idle loop's receive waits for a first delivery, at most,
+/// where a shutdown can drop it ([`Broker::receive_is_cancel_safe`]).
 const LONG_POLL: Duration = Duration::from_secs(20);
+
+/// How long an idle loop's receive waits where a shutdown must let it end
+/// (what it takes from the broker is in hand): the bound on an idle
+/// consumer's stop.
+const IDLE_POLL: Duration = Duration::from_secs(2);
 
 /// One delivery a broker handed over, as the consumer loop reads it.
 pub trait Received: Send + Sync + 'static {
@@ -99,18 +105,31 @@ pub trait Broker: Send + Sync + 'static {
     fn destination(&self) -> &str;
 
     /// Receives up to `room` deliveries, waiting for a first one for at
-    /// most `within` (a long poll; an empty batch when none came). The loop
-    /// never drops a receive halfway — what the broker handed out is in
-    /// hand — so `within` bounds how long a shutdown waits: up to the
-    /// broker's longest poll while the loop is idle, a second while it has
-    /// work in hand. An error ends the loop: the subscription is gone, or
-    /// the broker cannot be reached (a passing failure is the adapter's to
-    /// retry).
+    /// most `within` (a long poll; an empty batch when none came). Unless
+    /// the receive is [cancel safe](Self::receive_is_cancel_safe), the loop
+    /// never drops it halfway — what the broker handed out is in hand, and
+    /// worked — so `within` bounds how long a shutdown waits: two seconds
+    /// while the loop is idle, one while it has work in hand. An error ends
+    /// the loop: the subscription is gone, or the broker cannot be reached
+    /// (a passing failure is the adapter's to retry).
     fn receive(
         &self,
         room: usize,
         within: Duration,
     ) -> impl Future<Output = Result<Vec<Self::Received>, BrokerError>> + Send;
+
+    /// Whether a [`receive`](Self::receive) may be dropped halfway without
+    /// losing what it fetched: the adapter takes deliveries from a buffer
+    /// of its own that the broker's client fills (RabbitMQ's consumer
+    /// stream, Kafka's poller), so the receive itself takes nothing from
+    /// the broker. Then an idle loop waits for the broker's longest poll,
+    /// and a shutdown drops it at once. Default `false`: a receive is a
+    /// request to the broker (an SQS `ReceiveMessage`, a JetStream pull),
+    /// whose deliveries would be lost in flight — counted by the broker as
+    /// received, and their budget spent — were it dropped.
+    fn receive_is_cancel_safe(&self) -> bool {
+        false
+    }
 
     /// How often a delivery in hand must be extended (a third of SQS's
     /// visibility timeout, of JetStream's `AckWait`); `None` where the
@@ -356,10 +375,13 @@ where
     ///    retried in hand, what can never succeed dead-lettered with a true
     ///    reason), and the broker answered; a dead-letter move that fails is
     ///    retried in hand, never given back on the broker's last delivery;
-    /// 5. at `shutdown`, it stops receiving, finishes the work in hand and
-    ///    answers it, and gives back at once what waits — unstarted, or
+    /// 5. at `shutdown`, it stops receiving (a receive in flight that is not
+    ///    [cancel safe](Broker::receive_is_cancel_safe) runs to its end, and
+    ///    what it brought is in hand), finishes the work in hand and answers
+    ///    it, and gives back at once what waits — for its key's turn, or
     ///    between attempts (on its broker's last delivery, dead-lettered as
-    ///    undecided instead, never dropped) — then returns `Ok`.
+    ///    undecided instead, never dropped) — then returns `Ok`: an idle
+    ///    loop within two seconds.
     ///
     /// # Errors
     ///
@@ -433,12 +455,13 @@ where
         loop {
             let room = self.in_hand.saturating_sub(jobs.len());
             if receiving && room > 0 && receive.is_terminated() {
-                // Idle, as long as the broker's long poll; busy, briefly:
-                // a shutdown is then held up by a second at most.
-                let within = if jobs.is_empty() {
-                    LONG_POLL
-                } else {
-                    Duration::from_secs(1)
+                // Idle, as long as the broker's long poll where a shutdown
+                // drops it, else two seconds; busy, briefly: a shutdown is
+                // then held up by a second at most.
+                let within = match (jobs.is_empty(), self.broker.receive_is_cancel_safe()) {
+                    (true, true) => LONG_POLL,
+                    (true, false) => IDLE_POLL,
+                    (false, _) => Duration::from_secs(1),
                 };
                 receive.set(self.broker.receive(room, within).fuse());
             }
@@ -451,6 +474,10 @@ where
                     receiving = false;
                     stopping.store(true, Ordering::SeqCst);
                     self.processor.drain();
+                    if self.broker.receive_is_cancel_safe() {
+                        // Nothing taken from the broker yet: it stays there.
+                        receive.set(Fuse::terminated());
+                    }
                 }
                 Some(()) = jobs.next(), if !jobs.is_empty() => {}
                 received = &mut receive, if !receive.is_terminated() => match received {
@@ -503,12 +530,23 @@ where
             received: &received,
         };
         super::delivery::keeping(&hold, &"a delivery in hand", async {
+            // Received, it is in hand and worked, a shutdown or not; one
+            // that waits for its key's turn is not started yet when the
+            // turn comes at a shutdown.
+            let waited = turn.is_some();
             if let Some(turn) = turn {
                 // The delivery before it on its key: answered, or dropped
                 // with the loop.
                 let _ = turn.await;
             }
-            self.settle(&received, stopping, parse, work).await;
+            self.settle(
+                &received,
+                waited && stopping.load(Ordering::SeqCst),
+                stopping,
+                parse,
+                work,
+            )
+            .await;
         })
         .await;
         if let Some(done) = done {
@@ -517,9 +555,16 @@ where
         lanes.leave(key.as_deref());
     }
 
-    /// Settles one delivery whose turn it is, and answers the broker.
-    async fn settle<P, W>(&self, received: &B::Received, stopping: &AtomicBool, parse: &P, work: &W)
-    where
+    /// Settles one delivery whose turn it is, and answers the broker;
+    /// `unstarted`: it waited for its turn, and the loop is stopping.
+    async fn settle<P, W>(
+        &self,
+        received: &B::Received,
+        unstarted: bool,
+        stopping: &AtomicBool,
+        parse: &P,
+        work: &W,
+    ) where
         P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
         W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
     {
@@ -539,7 +584,7 @@ where
                 return;
             }
         };
-        if stopping.load(Ordering::SeqCst) {
+        if unstarted {
             // Unstarted at shutdown: back at once (or, on its last
             // delivery, dead-lettered as undecided).
             let disposition = super::processor::handed_back(

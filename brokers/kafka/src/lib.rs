@@ -690,6 +690,12 @@ impl<St: Positions> Broker for Kafka<St> {
         Ok(batch)
     }
 
+    /// Records come from the poller's channel: a receive dropped at
+    /// shutdown leaves them there.
+    fn receive_is_cancel_safe(&self) -> bool {
+        true
+    }
+
     /// Kafka holds nothing per record: the consumer polls all the time.
     fn hold_interval(&self) -> Option<Duration> {
         None

@@ -456,6 +456,12 @@ impl Broker for RabbitMq {
         }
     }
 
+    /// Deliveries come from the consumer's own buffer, which lapin fills:
+    /// a receive dropped at shutdown leaves them there.
+    fn receive_is_cancel_safe(&self) -> bool {
+        true
+    }
+
     /// RabbitMQ cannot extend a delivery.
     fn hold_interval(&self) -> Option<Duration> {
         None

@@ -315,6 +315,10 @@ impl<B: Broker> Broker for AckDelay<B> {
         self.broker.receive(room, within)
     }
 
+    fn receive_is_cancel_safe(&self) -> bool {
+        self.broker.receive_is_cancel_safe()
+    }
+
     fn hold_interval(&self) -> Option<Duration> {
         self.broker.hold_interval()
     }

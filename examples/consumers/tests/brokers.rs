@@ -12,6 +12,8 @@
 //! - the database cut through a relay: nothing dead-lettered, every order
 //!   charged once after the heal;
 //! - SIGTERM mid-work: the work in hand finishes and is answered, exit 0;
+//! - SIGTERM while idle: the consumer exits at once, not after the
+//!   broker's long poll;
 //! - three consumers over concurrent duplicates: each order once.
 //!
 //! What only one broker has (a delivery budget, a visibility timeout, a
@@ -189,6 +191,19 @@ async fn sigterm_finishes_and_answers_the_work_in_hand_then_exits_zero<B: Fixtur
     assert_eq!(db.count(CHARGES).await, 1);
 }
 
+/// Terminated as soon as it receives — its first poll just begun, the
+/// broker's whole long poll (20 s) ahead of it — an idle consumer exits
+/// within its two-second idle poll. The bound is on an event (the exit),
+/// ten times the poll, and half the long poll it used to wait out.
+async fn an_idle_consumer_stops_at_once_on_sigterm<B: Fixture>() {
+    let broker = B::start().await;
+    let file = TestFile::create();
+    let mut c = broker.consumer(&file.url(), &[]).await;
+    c.terminate();
+    let status = c.exited(Duration::from_secs(10)).await;
+    assert!(status.success(), "{status}");
+}
+
 async fn three_consumers_and_concurrent_duplicates_charge_each_order_once<B: Fixture>() {
     let broker = B::start().await;
     let db = TestDatabase::create();
@@ -254,6 +269,11 @@ macro_rules! broker_cases {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn sigterm() {
                 sigterm_finishes_and_answers_the_work_in_hand_then_exits_zero::<$fixture>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn idle_sigterm() {
+                an_idle_consumer_stops_at_once_on_sigterm::<$fixture>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
