@@ -28,6 +28,16 @@ pub fn example_binary(name: &str) -> PathBuf {
 /// Runs the example `name` with `env` until it exits, or kills it after
 /// 10 s: its exit status and everything it printed.
 pub fn run_example_to_exit(name: &str, env: &[(&str, &str)]) -> (std::process::ExitStatus, String) {
+    run_example_to_exit_within(name, env, std::time::Duration::from_secs(10))
+}
+
+/// Runs the example `name` with `env` until it exits, or kills it after
+/// `within`: its exit status and everything it printed.
+pub fn run_example_to_exit_within(
+    name: &str,
+    env: &[(&str, &str)],
+    within: std::time::Duration,
+) -> (std::process::ExitStatus, String) {
     let mut child = Command::new(example_binary(name))
         .env("BIND_ADDR", "127.0.0.1:0")
         .envs(env.iter().copied())
@@ -36,7 +46,7 @@ pub fn run_example_to_exit(name: &str, env: &[(&str, &str)]) -> (std::process::E
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("run the {name} example: {e}"));
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline = std::time::Instant::now() + within;
     while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }

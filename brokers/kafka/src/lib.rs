@@ -19,13 +19,22 @@
 //! partition waiting (the partition is paused once enough are in hand) —
 //! the position never moves past an undecided record, and nothing is
 //! dead-lettered for it. What can never succeed goes to a dead-letter topic
-//! (the value byte for byte, with `dead-letter-reason`, `original-topic`,
-//! `original-partition` and `original-offset` headers), and only then does
+//! (the key and value byte for byte, the record's headers and timestamp,
+//! with `dead-letter-reason`, `original-topic`, `original-partition` and
+//! `original-offset` headers added), and only then does
 //! the position move past it. Partitions are settled side by side, each in
 //! order; a partition revoked by a rebalance keeps no record unstarted (its
 //! new owner seeks to the stored position), and the one in hand commits or
 //! rolls back with no effect twice: the idempotency record makes the new
 //! owner's attempt a duplicate.
+//!
+//! A stored position past its partition's end means the log is not the one
+//! the position was taken on (the topic deleted and created again, the
+//! broker's log lost, a move to a new cluster): the consumer consumes
+//! nothing of that partition and stops with an error that says so and how
+//! to proceed — never taking the new log's records for decided. A record
+//! fetched from below its stored position (a fetch begun before the seek)
+//! is dropped, logged and counted ([`Kafka::dropped_below_position`]).
 //!
 //! # Examples
 //!
@@ -76,7 +85,10 @@ use std::{
     borrow::Cow,
     collections::HashMap,
     fmt,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering as AtomicOrdering},
+    },
     time::Duration,
 };
 
@@ -104,12 +116,25 @@ use tower_idempotency::{
     outbox::{OutboxMessage, PublishError, Publisher},
 };
 
+/// The headers a dead letter's contract writes.
+const DEAD_LETTER_HEADERS: [&str; 5] = [
+    "dead-letter-reason",
+    "dead-letter-kind",
+    "original-topic",
+    "original-partition",
+    "original-offset",
+];
+
 /// Records of one partition in hand before it is paused: the rest waits
 /// in Kafka, not in memory.
 const PER_PARTITION: usize = 100;
 
 /// How long the start-up waits for the brokers to answer.
 const REACH: Duration = Duration::from_secs(5);
+
+/// How often a partition's end is read, half a second apart, before a log
+/// that ends below its stored position is taken for another log.
+const WATERMARK_TRIES: u32 = 10;
 
 /// A consumer group's topic, as the consumer loop drives it: see the
 /// [crate docs](crate). Built by [`Kafka::builder`], which reaches the
@@ -123,6 +148,11 @@ pub struct Kafka<St> {
     store: St,
     records: tokio::sync::Mutex<mpsc::UnboundedReceiver<KafkaRecord>>,
     partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
+    /// Why the poller stopped, when it did (its channel then closes).
+    stopped: Arc<Mutex<Option<String>>>,
+    /// Records fetched from below their partition's stored position and
+    /// dropped.
+    dropped: Arc<AtomicU64>,
     poller: tokio::task::JoinHandle<()>,
 }
 
@@ -203,6 +233,14 @@ pub enum StartError {
     /// The positions table could not be created or read.
     #[error("the positions table: {0}")]
     Positions(tower_idempotency::sqlx::Error),
+    /// A setting the consumer cannot run with.
+    #[error("the Kafka setting {setting} cannot be used: {why}")]
+    Setting {
+        /// The setting.
+        setting: String,
+        /// Why, and what to do instead.
+        why: String,
+    },
 }
 
 impl<St: Positions> Kafka<St> {
@@ -212,7 +250,11 @@ impl<St: Positions> Kafka<St> {
     /// no auto-commit, no auto offset store, `auto.offset.reset=earliest`
     /// (with nothing stored, a partition starts at its earliest offset:
     /// starting at the end would skip what was produced before the first
-    /// start); a `session.timeout.ms` you set is kept.
+    /// start); a `session.timeout.ms` you set is kept, 10 s otherwise. Under
+    /// the consumer group protocol of KIP-848 (`group.protocol=consumer`)
+    /// the broker times the session: `session.timeout.ms`,
+    /// `heartbeat.interval.ms` and `partition.assignment.strategy` are
+    /// refused at start-up ([`StartError::Setting`]).
     ///
     /// # Examples
     ///
@@ -240,6 +282,22 @@ impl<St: Positions> Kafka<St> {
     /// The dead-letter topic.
     pub fn dead_letter_topic(&self) -> &str {
         &self.dead_letters
+    }
+
+    /// How many records were fetched from below their partition's stored
+    /// position and dropped, each logged: decided already (a fetch begun
+    /// before the partition's seek, a seek that failed). Never a record of
+    /// a log that restarted below the position — that stops the consumer.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn demo(kafka: &tower_idempotency_kafka::Kafka<tower_idempotency::SqliteTxStore>) {
+    /// assert_eq!(kafka.dropped_below_position(), 0);
+    /// # }
+    /// ```
+    pub fn dropped_below_position(&self) -> u64 {
+        self.dropped.load(AtomicOrdering::Relaxed)
     }
 }
 
@@ -325,13 +383,7 @@ impl<St: Positions> KafkaBuilder<St> {
             .create_positions_table()
             .await
             .map_err(StartError::Positions)?;
-        config
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "earliest");
-        if config.get("session.timeout.ms").is_none() {
-            config.set("session.timeout.ms", "10000");
-        }
+        consumer_config(&mut config)?;
         let (notices, notified) = mpsc::unbounded_channel();
         let consumer: StreamConsumer<Rebalances> = config
             .create_with_context(Rebalances {
@@ -343,6 +395,8 @@ impl<St: Positions> KafkaBuilder<St> {
         let consumer = Arc::new(consumer);
         let partitions = Arc::new(Mutex::new(HashMap::new()));
         let (records, received) = mpsc::unbounded_channel();
+        let stopped = Arc::new(Mutex::new(None));
+        let dropped = Arc::new(AtomicU64::new(0));
         let poller = tokio::spawn(
             Poller {
                 consumer: consumer.clone(),
@@ -351,6 +405,8 @@ impl<St: Positions> KafkaBuilder<St> {
                 name: name.clone(),
                 partitions: partitions.clone(),
                 records,
+                stopped: stopped.clone(),
+                dropped: dropped.clone(),
             }
             .run(notified),
         );
@@ -363,16 +419,66 @@ impl<St: Positions> KafkaBuilder<St> {
             store,
             records: tokio::sync::Mutex::new(received),
             partitions,
+            stopped,
+            dropped,
             poller,
         })
     }
 }
 
+/// What the broker assigns and times under the consumer group protocol of
+/// KIP-848 (`group.protocol=consumer`): librdkafka refuses them there.
+const CLASSIC_ONLY: [&str; 3] = [
+    "session.timeout.ms",
+    "heartbeat.interval.ms",
+    "partition.assignment.strategy",
+];
+
+/// What the adapter's rule needs of the consumer's configuration: no
+/// auto-commit, no auto offset store, `auto.offset.reset=earliest`; under
+/// the classic group protocol a 10 s `session.timeout.ms` unless one is
+/// set, under KIP-848's none of the settings that protocol leaves to the
+/// broker (a configuration naming one is refused, by name).
+fn consumer_config(config: &mut ClientConfig) -> Result<(), StartError> {
+    config
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest");
+    let kip_848 = config
+        .get("group.protocol")
+        .is_some_and(|protocol| protocol.eq_ignore_ascii_case("consumer"));
+    if !kip_848 {
+        if config.get("session.timeout.ms").is_none() {
+            config.set("session.timeout.ms", "10000");
+        }
+        return Ok(());
+    }
+    match CLASSIC_ONLY.iter().find(|name| config.get(name).is_some()) {
+        Some(name) => Err(StartError::Setting {
+            setting: (*name).to_owned(),
+            why: "group.protocol=consumer (KIP-848) leaves it to the broker: remove it, and set \
+                  the group's session and heartbeat intervals on the broker \
+                  (group.consumer.session.timeout.ms, group.consumer.heartbeat.interval.ms)"
+                .to_owned(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// How long a producer waits for a record's delivery, unless
+/// `message.timeout.ms` says otherwise (librdkafka's own default, 300 s,
+/// would hide an outage for five minutes).
+const DELIVERY: Duration = Duration::from_secs(10);
+
 /// The producer's configuration, from the consumer's: the same brokers
-/// (and security), idempotent.
+/// (and security), idempotent, each delivery bounded.
 fn producer_config(config: &ClientConfig) -> ClientConfig {
     let mut producer = admin_config(config);
     producer.set("enable.idempotence", "true");
+    if producer.get("message.timeout.ms").is_none() && producer.get("delivery.timeout.ms").is_none()
+    {
+        producer.set("message.timeout.ms", DELIVERY.as_millis().to_string());
+    }
     producer
 }
 
@@ -445,14 +551,25 @@ struct Poller<St> {
     name: String,
     partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
     records: mpsc::UnboundedSender<KafkaRecord>,
+    stopped: Arc<Mutex<Option<String>>>,
+    dropped: Arc<AtomicU64>,
 }
 
 impl<St: Positions> Poller<St> {
+    /// Polls until a partition's log turns out not to be the one its
+    /// stored position was taken on: then it says why and ends, closing
+    /// the loop's channel (what was handed over is still worked).
     async fn run(self, mut notices: mpsc::UnboundedReceiver<Notice>) {
         loop {
             tokio::select! {
                 biased;
-                Some(notice) = notices.recv() => self.rebalanced(notice).await,
+                Some(notice) = notices.recv() => {
+                    if let Err(why) = self.rebalanced(notice).await {
+                        tracing::error!(topic = %self.topic, "kafka: {why}");
+                        *lock(&self.stopped) = Some(why);
+                        return;
+                    }
+                }
                 received = self.consumer.recv() => match received {
                     Ok(message) => self.hand_over(message.detach()),
                     Err(error) => {
@@ -464,13 +581,14 @@ impl<St: Positions> Poller<St> {
         }
     }
 
-    async fn rebalanced(&self, notice: Notice) {
+    async fn rebalanced(&self, notice: Notice) -> Result<(), String> {
         match notice {
             Notice::Revoked(revoked) => {
                 let mut partitions = lock(&self.partitions);
                 for partition in revoked {
                     partitions.remove(&partition);
                 }
+                Ok(())
             }
             Notice::Assigned(assigned) => {
                 {
@@ -482,15 +600,17 @@ impl<St: Positions> Poller<St> {
                         state.full = false;
                     }
                 }
-                self.seek(&assigned).await;
+                self.seek(&assigned).await
             }
         }
     }
 
     /// Seeks each partition to its stored position (its earliest offset
     /// where none is stored), then lets it fetch; a database that cannot be
-    /// read keeps it paused and is asked again.
-    async fn seek(&self, assigned: &[i32]) {
+    /// read keeps it paused and is asked again. A partition whose log ends
+    /// below its stored position stays paused, and the poller stops: see
+    /// [`ends_below`](Self::ends_below).
+    async fn seek(&self, assigned: &[i32]) -> Result<(), String> {
         let stored = loop {
             match self.store.read_positions(&self.name, &self.topic).await {
                 Ok(stored) => break stored.into_iter().collect::<HashMap<i32, i64>>(),
@@ -501,6 +621,9 @@ impl<St: Positions> Poller<St> {
             }
         };
         for partition in assigned {
+            if let Some(next) = stored.get(partition) {
+                self.ends_below(*partition, *next).await?;
+            }
             let offset = match stored.get(partition) {
                 Some(next) => Offset::Offset(*next),
                 None => Offset::Beginning,
@@ -533,6 +656,54 @@ impl<St: Positions> Poller<St> {
                 tracing::error!(%error, partition, "kafka: a partition could not resume");
             }
         }
+        Ok(())
+    }
+
+    /// `Err` when `partition`'s log ends (its high watermark) below `next`,
+    /// the position stored for it, and stays there: the log is not the one
+    /// the position was taken on — the topic deleted and created again, the
+    /// broker's log lost or moved to a new cluster — and every record of
+    /// the new log below `next` would be taken for decided and dropped. A
+    /// watermark that lags the records a broker serves (tansu's can) is
+    /// asked again for a while before that is concluded; one that cannot
+    /// be read leaves the seek to go on.
+    async fn ends_below(&self, partition: i32, next: i64) -> Result<(), String> {
+        let mut end = None;
+        for attempt in 0..WATERMARK_TRIES {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            let consumer = self.consumer.clone();
+            let topic = self.topic.clone();
+            let watermarks = tokio::task::spawn_blocking(move || {
+                consumer.fetch_watermarks(&topic, partition, REACH)
+            })
+            .await;
+            match watermarks {
+                Ok(Ok((_, high))) if high >= next => return Ok(()),
+                Ok(Ok((_, high))) => end = Some(high),
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, partition, "kafka: the partition's end could not be read; seeking to its stored position");
+                    return Ok(());
+                }
+                Err(error) => {
+                    tracing::warn!(%error, partition, "kafka: the partition's end could not be read; seeking to its stored position");
+                    return Ok(());
+                }
+            }
+        }
+        let end = end.unwrap_or_default();
+        Err(format!(
+            "partition {partition} of topic {topic} ends at offset {end}, below the position stored for \
+             consumer {name} ({next}): the topic's log is not the one that position was taken on \
+             (the topic deleted and created again, or the broker's log lost). Nothing was consumed \
+             from it. If this log is the one to consume from its start, delete the consumer's stored \
+             positions — DELETE FROM {TABLE} WHERE consumer = '{name}' AND topic = '{topic}' — \
+             and start again: records already decided under their keys are duplicates, never \
+             executed twice",
+            topic = self.topic,
+            name = self.name,
+        ))
     }
 
     fn hand_over(&self, message: OwnedMessage) {
@@ -545,7 +716,16 @@ impl<St: Positions> Poller<St> {
                 return;
             };
             if message.offset() < state.from {
-                // Decided already: the stored position is past it.
+                // Decided already: the stored position is past it (a fetch
+                // begun before the seek). Counted and said, never silent.
+                let dropped = self.dropped.fetch_add(1, AtomicOrdering::Relaxed) + 1;
+                tracing::warn!(
+                    partition,
+                    offset = message.offset(),
+                    position = state.from,
+                    dropped,
+                    "kafka: a record fetched from below its partition's stored position is dropped (decided already)"
+                );
                 return;
             }
             state.in_hand += 1;
@@ -678,7 +858,12 @@ impl<St: Positions> Broker for Kafka<St> {
         let mut batch = Vec::new();
         match tokio::time::timeout(within, records.recv()).await {
             Err(_) => return Ok(batch),
-            Ok(None) => return Err(format!("the consumer of {} stopped", self.topic).into()),
+            Ok(None) => {
+                return Err(lock(&self.stopped)
+                    .clone()
+                    .unwrap_or_else(|| format!("the consumer of {} stopped", self.topic))
+                    .into());
+            }
             Ok(Some(record)) => batch.push(record),
         }
         while batch.len() < room {
@@ -762,7 +947,17 @@ impl<St: Positions> Broker for Kafka<St> {
             message.partition().to_string(),
             message.offset().to_string(),
         );
-        let headers = OwnedHeaders::new()
+        // The record's own headers first, as they came (a header of the
+        // contract's name is the contract's: it is written below).
+        let mut headers = OwnedHeaders::new();
+        if let Some(original) = message.headers() {
+            for header in original.iter() {
+                if !DEAD_LETTER_HEADERS.contains(&header.key) {
+                    headers = headers.insert(header);
+                }
+            }
+        }
+        let headers = headers
             .insert(Header {
                 key: "dead-letter-reason",
                 value: Some(why.as_str()),
@@ -788,6 +983,9 @@ impl<St: Positions> Broker for Kafka<St> {
             .headers(headers);
         if let Some(key) = message.key() {
             dead = dead.key(key);
+        }
+        if let Some(at) = message.timestamp().to_millis() {
+            dead = dead.timestamp(at);
         }
         self.producer
             .send(dead, Duration::from_secs(30))
@@ -957,11 +1155,15 @@ where
 /// (`enable.idempotence`), each message to the topic its destination
 /// names, its ordering key as the record key (so one account's events stay
 /// in order on one partition; without one, its id), its id as the
-/// `message-id` header, its headers as Kafka headers. A broker that is down
-/// is retried by the relay; an unknown topic is refused (kept). Kafka does
-/// not deduplicate a resend after a relay crash — the idempotent producer
-/// only drops its own retries within a session — so the consumer's record
-/// absorbs it.
+/// `message-id` header, its headers as Kafka headers. Each delivery is
+/// bounded (`message.timeout.ms`, 10 s unless set): a broker that is down
+/// answers unavailable within it, and the relay says so and retries. A
+/// producer that failed for good — a fatal error, its producer state lost
+/// by a broker that restarted (`UnknownProducerId`), a delivery timed out —
+/// is replaced by a new one for the next message. An unknown topic is
+/// refused (kept). Kafka does not deduplicate a resend after a relay crash
+/// — the idempotent producer only drops its own retries within a session —
+/// so the consumer's record absorbs it.
 ///
 /// # Examples
 ///
@@ -974,7 +1176,10 @@ where
 /// ```
 #[derive(Clone)]
 pub struct KafkaPublisher {
-    producer: FutureProducer,
+    config: ClientConfig,
+    /// The producer in use; replaced after a failure it cannot recover
+    /// from.
+    producer: Arc<Mutex<FutureProducer>>,
 }
 
 impl fmt::Debug for KafkaPublisher {
@@ -995,10 +1200,49 @@ impl KafkaPublisher {
     ///
     /// See [`KafkaPublisher`].
     pub fn new(config: &ClientConfig) -> Result<Self, KafkaError> {
+        let config = producer_config(config);
         Ok(Self {
-            producer: producer_config(config).create()?,
+            producer: Arc::new(Mutex::new(config.create()?)),
+            config,
         })
     }
+
+    /// Replaces `failed` (unless another message replaced it already) by a
+    /// new producer: its successor starts a new idempotent session.
+    fn replace(&self, failed: &FutureProducer, why: &KafkaError) {
+        let mut producer = lock(&self.producer);
+        if !std::ptr::eq(producer.client(), failed.client()) {
+            return;
+        }
+        match self.config.create() {
+            Ok(fresh) => {
+                tracing::warn!(error = %why, "kafka: the producer failed for good; publishing through a new one");
+                *producer = fresh;
+            }
+            Err(error) => {
+                tracing::error!(%error, "kafka: a new producer could not be created; the failed one is kept");
+            }
+        }
+    }
+}
+
+/// Whether a producer that failed with `error` must be replaced: a fatal
+/// error, its idempotent session's state lost or fenced by the broker, or a
+/// delivery that timed out (librdkafka keeps retrying the same sequence).
+fn broken(producer: &FutureProducer, error: &KafkaError) -> bool {
+    producer.client().fatal_error().is_some()
+        || matches!(
+            error.rdkafka_error_code(),
+            Some(
+                RDKafkaErrorCode::UnknownProducerId
+                    | RDKafkaErrorCode::InvalidProducerEpoch
+                    | RDKafkaErrorCode::OutOfOrderSequenceNumber
+                    | RDKafkaErrorCode::InvalidProducerIdMapping
+                    | RDKafkaErrorCode::ProducerFenced
+                    | RDKafkaErrorCode::MessageTimedOut
+                    | RDKafkaErrorCode::Fatal
+            )
+        )
 }
 
 impl Publisher for KafkaPublisher {
@@ -1018,7 +1262,8 @@ impl Publisher for KafkaPublisher {
             .key(key)
             .payload(&message.payload)
             .headers(headers);
-        match self.producer.send(record, Duration::from_secs(30)).await {
+        let producer = lock(&self.producer).clone();
+        match producer.send(record, Duration::from_secs(30)).await {
             Ok(_) => Ok(()),
             Err((KafkaError::MessageProduction(code), _))
                 if matches!(
@@ -1035,7 +1280,68 @@ impl Publisher for KafkaPublisher {
                     message.destination
                 )))
             }
-            Err((error, _)) => Err(PublishError::Unavailable(error.into())),
+            Err((error, _)) => {
+                if broken(&producer, &error) {
+                    self.replace(&producer, &error);
+                }
+                Err(PublishError::Unavailable(error.into()))
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn configured(settings: &[(&str, &str)]) -> Result<ClientConfig, StartError> {
+        let mut config = ClientConfig::new();
+        for (key, value) in settings {
+            config.set(*key, *value);
+        }
+        consumer_config(&mut config).map(|()| config)
+    }
+
+    #[test]
+    fn the_classic_protocol_gets_a_session_timeout_unless_one_is_set() {
+        let config = configured(&[]).unwrap();
+        assert_eq!(config.get("session.timeout.ms"), Some("10000"));
+        assert_eq!(config.get("enable.auto.commit"), Some("false"));
+        let config = configured(&[("session.timeout.ms", "6000")]).unwrap();
+        assert_eq!(config.get("session.timeout.ms"), Some("6000"));
+    }
+
+    #[test]
+    fn kip_848_gets_no_session_timeout_and_refuses_what_it_leaves_to_the_broker() {
+        let config = configured(&[("group.protocol", "consumer")]).unwrap();
+        assert_eq!(config.get("session.timeout.ms"), None);
+        assert_eq!(config.get("enable.auto.offset.store"), Some("false"));
+        for setting in CLASSIC_ONLY {
+            let refused = configured(&[("group.protocol", "consumer"), (setting, "1")]);
+            match refused {
+                Err(StartError::Setting { setting: named, .. }) => assert_eq!(named, setting),
+                other => panic!("{setting}: {:?}", other.map(|_| ())),
+            }
+        }
+    }
+
+    /// librdkafka itself refuses the session timeout under KIP-848: what
+    /// the adapter used to set made the protocol unusable.
+    #[test]
+    fn librdkafka_accepts_the_kip_848_configuration() {
+        let mut config = configured(&[
+            ("group.protocol", "consumer"),
+            ("group.id", "ledger"),
+            ("bootstrap.servers", "127.0.0.1:1"),
+        ])
+        .unwrap();
+        let created: Result<BaseConsumer, _> = config.create();
+        assert!(created.is_ok(), "{:?}", created.err());
+        config.set("session.timeout.ms", "10000");
+        let refused: Result<BaseConsumer, _> = config.create();
+        assert!(
+            refused.is_err(),
+            "librdkafka refuses it, as the adapter must not set it"
+        );
     }
 }

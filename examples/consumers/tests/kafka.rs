@@ -16,9 +16,12 @@ use support::{
     kafka::{KafkaServer, TestTopic},
     mysql::TestDatabase as MySqlDatabase,
     postgres::TestDatabase,
-    process::run_example_to_exit,
+    process::{run_example_to_exit, run_example_to_exit_within},
     sqlite::TestFile,
 };
+
+/// The poison record's timestamp (ms): a fixed one, not the producer's clock.
+const POISON_AT: i64 = 1_796_000_000_000;
 
 const POSITIONS: &str = "SELECT coalesce(sum(next_offset), 0) FROM idempotency_kafka_positions";
 
@@ -90,7 +93,9 @@ async fn duplicates_across_partitions_charge_once_and_what_can_never_succeed_is_
     topic.produce("acct-b", &order("order-1", 500)).await;
     topic.produce("acct-c", &order("order-1", 500)).await;
     topic.produce("acct-a", &order("order-1", 900)).await;
-    topic.produce("acct-b", "{not json").await;
+    topic
+        .produce_with("acct-b", "{not json", &[("trace-id", "t-1")], POISON_AT)
+        .await;
     topic.produce("acct-c", &order("order-2", 500)).await;
     let c = consumer(&server, &topic, "g1", &file.url(), &[]).await;
     c.wait_for(|l| l == "executed order-2").await;
@@ -113,6 +118,9 @@ async fn duplicates_across_partitions_charge_once_and_what_can_never_succeed_is_
     assert_eq!(dead.len(), 2, "{dead:?}");
     assert_eq!(dead[0].headers["dead-letter-kind"], "invalid");
     assert_eq!(dead[0].value, "{not json", "byte for byte");
+    assert_eq!(dead[0].key.as_deref(), Some("acct-b"));
+    assert_eq!(dead[0].headers["trace-id"], "t-1", "its own headers kept");
+    assert_eq!(dead[0].timestamp, Some(POISON_AT), "its timestamp kept");
     assert_eq!(dead[1].headers["dead-letter-kind"], "mismatch");
     assert!(dead[1].headers["dead-letter-reason"].contains("another payload"));
     assert_eq!(dead[1].headers["original-topic"], topic.name);
@@ -228,4 +236,121 @@ async fn an_unknown_database_and_unreachable_brokers_are_told_at_start_up() {
     let (status, output) = run_example_to_exit("kafka_orders", &[("DATABASE_URL", "oracle://x")]);
     assert_eq!(status.code(), Some(2), "{output}");
     assert!(output.contains("oracle"), "{output}");
+}
+
+/// The broker loses its log (tansu on memory storage restarted, as a topic
+/// deleted and created again or a move to a new cluster would): the new
+/// log's offsets start again below the stored positions. The consumer takes
+/// none of its records for decided — it stops, exit 2, saying what happened
+/// and which positions to delete — and once they are deleted as it says,
+/// every new order is charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_that_restarts_below_the_stored_positions_stops_the_consumer_and_loses_nothing() {
+    let mut server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 1).await;
+    let db = TestDatabase::create();
+    produce_orders(&topic, 6).await;
+    let mut c = consumer(&server, &topic, "g1", db.url(), &[]).await;
+    all_decided(&[&c], 6, Duration::from_secs(60)).await;
+    c.terminate();
+    c.exited(Duration::from_secs(30)).await;
+    assert_eq!(
+        db.count("SELECT max(next_offset) FROM idempotency_kafka_positions")
+            .await,
+        6
+    );
+
+    server.restart_empty();
+    let topic = TestTopic::create_named(&server, topic.name.clone(), 1).await;
+    for i in 0..3 {
+        topic
+            .produce("acct-0", &order(&format!("new-order-{i}"), 500))
+            .await;
+    }
+    // A bound on a wait for an event (the exit), generous for a loaded machine.
+    let (status, output) = run_example_to_exit_within(
+        "kafka_orders",
+        &[
+            ("KAFKA_BROKERS", server.brokers()),
+            ("KAFKA_TOPIC", topic.name.as_str()),
+            ("KAFKA_GROUP", "g1"),
+            ("KAFKA_SESSION_TIMEOUT_MS", "6000"),
+            ("DATABASE_URL", db.url()),
+        ],
+        Duration::from_secs(60),
+    );
+    assert_eq!(status.code(), Some(2), "{output}");
+    assert!(
+        output.contains("ends at offset 3, below the position stored")
+            && output.contains("DELETE FROM idempotency_kafka_positions"),
+        "{output}"
+    );
+    assert_eq!(db.count(CHARGES).await, 6, "nothing of the new log taken");
+
+    tower_idempotency::sqlx::query(
+        "DELETE FROM idempotency_kafka_positions WHERE consumer = 'kafka_orders' AND topic = $1",
+    )
+    .bind(&topic.name)
+    .execute(&mut db.connect().await)
+    .await
+    .unwrap();
+    let c = consumer(&server, &topic, "g1", db.url(), &[]).await;
+    for i in 0..3 {
+        let line = format!("executed new-order-{i}");
+        c.wait_for_within(|l| l == line, Duration::from_secs(60))
+            .await;
+    }
+    assert_eq!(db.count(CHARGES).await, 9);
+}
+
+/// The outbox's Kafka publisher across a broker that restarts with its
+/// log and producer state lost: a delivery is bounded (it answers
+/// unavailable rather than wait librdkafka's five minutes), and a producer
+/// whose idempotent session the broker no longer knows is replaced, so a
+/// message published after the restart is delivered — by the same
+/// publisher, as a relay that keeps running would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_publisher_delivers_again_after_the_broker_lost_its_producer_state() {
+    use tower_idempotency::outbox::{OutboxMessage, Publisher};
+    use tower_idempotency_kafka::{KafkaPublisher, rdkafka::ClientConfig};
+
+    let mut server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 1).await;
+    let publisher =
+        KafkaPublisher::new(ClientConfig::new().set("bootstrap.servers", server.brokers()))
+            .unwrap();
+    let message =
+        |id: &str| OutboxMessage::new(id, topic.name.clone(), order(id, 500).into_bytes());
+    publisher.publish(&message("before")).await.unwrap();
+
+    server.restart_empty();
+    let topic = TestTopic::create_named(&server, topic.name.clone(), 1).await;
+    // As the relay does: publish, and on an unavailable broker try again.
+    // A bound on a wait for an event (a delivery), generous for a loaded
+    // machine, and far below librdkafka's own 300 s per attempt.
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    let mut failures = Vec::new();
+    loop {
+        match tokio::time::timeout(
+            Duration::from_secs(30),
+            publisher.publish(&message("after")),
+        )
+        .await
+        {
+            Ok(Ok(())) => break,
+            Ok(Err(error)) => failures.push(error.to_string()),
+            Err(_) => panic!("a delivery waited more than 30 s: unbounded"),
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never delivered after the restart: {failures:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let values: Vec<String> = topic
+        .read(&topic.name)
+        .into_iter()
+        .map(|r| r.value)
+        .collect();
+    assert_eq!(values, [order("after", 500)], "{failures:?}");
 }

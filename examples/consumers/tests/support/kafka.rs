@@ -14,7 +14,7 @@ use tower_idempotency_kafka::rdkafka::{
     admin::{AdminClient, AdminOptions, NewTopic, TopicReplication},
     client::DefaultClientContext,
     consumer::{BaseConsumer, Consumer},
-    message::Headers,
+    message::{Header, Headers, OwnedHeaders},
     producer::{FutureProducer, FutureRecord},
 };
 
@@ -37,6 +37,23 @@ impl KafkaServer {
             };
         }
         let port = free_port();
+        Self {
+            brokers: format!("127.0.0.1:{port}"),
+            child: Some(Self::spawn(port)),
+        }
+    }
+
+    /// Kills the broker and starts a new one on its port, with empty
+    /// storage: the broker lost its log (a move to a new cluster, say).
+    pub fn restart_empty(&mut self) {
+        let mut child = self.child.take().expect("a tansu of the test's own");
+        let _ = child.kill();
+        let _ = child.wait();
+        let port: u16 = self.brokers.rsplit(':').next().unwrap().parse().unwrap();
+        self.child = Some(Self::spawn(port));
+    }
+
+    fn spawn(port: u16) -> Child {
         let url = format!("tcp://127.0.0.1:{port}");
         let child = Command::new("tansu")
             .args([
@@ -60,10 +77,7 @@ impl KafkaServer {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        Self {
-            brokers: format!("127.0.0.1:{port}"),
-            child: Some(child),
-        }
+        child
     }
 
     /// `bootstrap.servers`.
@@ -104,6 +118,7 @@ pub struct Record {
     pub key: Option<String>,
     pub value: String,
     pub headers: HashMap<String, String>,
+    pub timestamp: Option<i64>,
 }
 
 impl TestTopic {
@@ -113,6 +128,11 @@ impl TestTopic {
             std::process::id(),
             NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         );
+        Self::create_named(server, name, partitions).await
+    }
+
+    /// The topic `name`, created on `server`.
+    pub async fn create_named(server: &KafkaServer, name: String, partitions: i32) -> Self {
         let admin: AdminClient<DefaultClientContext> = server.config().create().unwrap();
         let created = admin
             .create_topics(
@@ -143,6 +163,30 @@ impl TestTopic {
         self.producer
             .send(
                 FutureRecord::to(topic).key(key).payload(value),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produce");
+    }
+
+    /// Produces `value` with `key`, `headers` and the timestamp `at` (ms),
+    /// acknowledged.
+    pub async fn produce_with(&self, key: &str, value: &str, headers: &[(&str, &str)], at: i64) {
+        let mut owned = OwnedHeaders::new();
+        for (name, value) in headers {
+            owned = owned.insert(Header {
+                key: name,
+                value: Some(*value),
+            });
+        }
+        self.producer
+            .send(
+                FutureRecord::to(&self.name)
+                    .key(key)
+                    .payload(value)
+                    .headers(owned)
+                    .timestamp(at),
                 Duration::from_secs(10),
             )
             .await
@@ -212,6 +256,7 @@ impl TestTopic {
                     .map(|k| String::from_utf8_lossy(k).into_owned()),
                 value: String::from_utf8_lossy(message.payload().unwrap_or_default()).into_owned(),
                 headers,
+                timestamp: message.timestamp().to_millis(),
             });
         }
         assert!(
