@@ -20,7 +20,7 @@ use tower_idempotency::{
     sqlx,
     store::{
         LeaseToken, Store,
-        sql::{Dialect, SqlTx},
+        sql::{Dialect, SqlTx, is_transient},
     },
 };
 
@@ -465,46 +465,35 @@ pub(crate) async fn after_recording(
     created(charge)
 }
 
-/// A charge that could not be recorded: `503` with `Retry-After` when the
-/// database could not be reached (the connection lost mid-statement, the
-/// pool exhausted — the key is released, a retry executes), `500` when the
-/// database refused the handler's own statement.
+/// A charge that could not be recorded: see [`write_failed`].
 fn not_recorded(error: &sqlx::Error) -> Response {
-    if !database_unreachable(error) {
-        return problem(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "Charge failed",
-            "The charge could not be recorded; nothing was charged.",
-        );
+    write_failed(
+        error,
+        "Charge failed",
+        "The charge could not be recorded; nothing was charged.",
+    )
+}
+
+/// A write of the handler's own that failed: `503` with `Retry-After` when
+/// it can pass (`is_transient`: the database busy — SQLite's `database is
+/// locked` —, in conflict, or out of reach; nothing was done, and a `503`
+/// is never stored, so a retry with the key executes); else `500` with
+/// `title` and `detail`, the request's own failure. A transient failure
+/// answered `500` would be kept by a lease store and replayed to every
+/// retry, for a charge that never happened.
+fn write_failed(error: &sqlx::Error, title: &'static str, detail: &str) -> Response {
+    if !is_transient(error) {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, title, detail);
     }
     let mut response = problem(
         StatusCode::SERVICE_UNAVAILABLE,
         "Database unavailable",
-        "The database could not be reached; nothing was charged. Retry with the same key.",
+        "The database is busy or could not be reached; nothing was done. Retry with the same key.",
     );
     response
         .headers_mut()
         .insert(header::RETRY_AFTER, http::HeaderValue::from_static("1"));
     response
-}
-
-/// Whether `error` says the database was out of reach — the connection
-/// lost or refused, the pool closed or exhausted; SQLSTATE class `08`
-/// (connection exception) or `57P` (the server shutting down) — rather
-/// than refusing the statement.
-fn database_unreachable(error: &sqlx::Error) -> bool {
-    match error {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(error) => error
-            .code()
-            .is_some_and(|code| code.starts_with("08") || code.starts_with("57P")),
-        _ => false,
-    }
 }
 
 /// A valid charge for this account, or the `400` that says what is wrong.
@@ -602,8 +591,8 @@ fn received(event: Event, recorded: Result<(), sqlx::Error>) -> Response {
         Ok(()) => Json(serde_json::json!({ "received": event.id })).into_response(),
         Err(e) => {
             tracing::error!(error = %e, "cannot record the event");
-            problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
+            write_failed(
+                &e,
                 "Event not recorded",
                 "The event could not be recorded; deliver it again.",
             )
@@ -710,6 +699,37 @@ mod tests {
         assert_eq!(exhausted.status(), StatusCode::SERVICE_UNAVAILABLE);
         let refused = not_recorded(&sqlx::Error::RowNotFound);
         assert_eq!(refused.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        // SQLite's write lock held by another connection: `database is
+        // locked` is busy, never the charge's failure (a lease store would
+        // keep a 500 and replay it to every retry).
+        let file = std::env::temp_dir().join(format!("payments-busy-{}.db", std::process::id()));
+        let url = format!("sqlite://{}?mode=rwc", file.display());
+        let mut holder = <sqlx::SqliteConnection as sqlx::Connection>::connect(&url)
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE IF NOT EXISTS t (x INTEGER); BEGIN IMMEDIATE; INSERT INTO t VALUES (1)",
+        )
+        .execute(&mut holder)
+        .await
+        .unwrap();
+        let mut writer = <sqlx::SqliteConnection as sqlx::Connection>::connect(&url)
+            .await
+            .unwrap();
+        let locked = sqlx::raw_sql("PRAGMA busy_timeout = 0; INSERT INTO t VALUES (2)")
+            .execute(&mut writer)
+            .await
+            .unwrap_err();
+        assert!(
+            locked.to_string().contains("database is locked"),
+            "{locked}"
+        );
+        assert_eq!(
+            not_recorded(&locked).status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+        drop((holder, writer));
+        let _ = std::fs::remove_file(&file);
         // Through a store whose database is gone: the charge's own
         // statement fails on a closed pool.
         let file = std::env::temp_dir().join(format!("payments-lost-{}.db", std::process::id()));

@@ -45,6 +45,7 @@ mod lease;
 pub(crate) mod outbox;
 mod records;
 mod transactional;
+mod transient;
 mod tx;
 mod tx_engine;
 mod upkeep;
@@ -69,6 +70,7 @@ pub use dialect::Dialect;
 pub use lease::SqlStore;
 pub use records::SqlRecords;
 pub use transactional::SqlTxStore;
+pub use transient::is_transient;
 pub use tx::SqlTx;
 pub use upkeep::DeleteExpired;
 
