@@ -19,8 +19,11 @@
 //! (default 30000: the bound on the work's transaction); `QUEUE_TYPE`
 //! (`classic` or `quorum`: how missing queues are declared; an existing
 //! queue is used as it is, whatever its type); `DELIVERY_LIMIT` (a quorum
-//! queue's `delivery-limit`: its last delivery, undecided, is
-//! dead-lettered as `undecided <order_id>` rather than dropped).
+//! queue's delivery limit where a policy or the broker's default sets it —
+//! one the queue carries as `x-delivery-limit` is learnt, and a quorum
+//! queue whose limit is neither is refused at start-up: its last delivery,
+//! undecided, is dead-lettered as `undecided <order_id>` rather than
+//! dropped).
 //!
 //! A message is JSON `{"order_id": string, "amount": integer > 0, "currency":
 //! string}`; the order id is the business key. Each execution inserts one row

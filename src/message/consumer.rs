@@ -131,6 +131,16 @@ pub trait Broker: Send + Sync + 'static {
         false
     }
 
+    /// Called at shutdown, before the loop's last receive, where the
+    /// receive is [cancel safe](Self::receive_is_cancel_safe): stop the
+    /// broker's deliveries (RabbitMQ: `basic.cancel`). What the broker
+    /// delivered before that — counted by it as delivered — is then taken
+    /// by one last receive (`within` zero) and in hand, never left in a
+    /// buffer that the connection's close would give back.
+    fn stop_receiving(&self) -> impl Future<Output = ()> + Send {
+        async {}
+    }
+
     /// How often a delivery in hand must be extended (a third of SQS's
     /// visibility timeout, of JetStream's `AckWait`); `None` where the
     /// broker cannot extend one (RabbitMQ) or needs nothing (Kafka).
@@ -475,8 +485,13 @@ where
                     stopping.store(true, Ordering::SeqCst);
                     self.processor.drain();
                     if self.broker.receive_is_cancel_safe() {
-                        // Nothing taken from the broker yet: it stays there.
+                        // The receive in flight took nothing yet: dropped.
+                        // What the broker delivered before it stopped is
+                        // taken once more, and in hand.
                         receive.set(Fuse::terminated());
+                        self.broker.stop_receiving().await;
+                        let room = self.in_hand.saturating_sub(jobs.len()).max(1);
+                        receive.set(self.broker.receive(room, Duration::ZERO).fuse());
                     }
                 }
                 Some(()) = jobs.next(), if !jobs.is_empty() => {}

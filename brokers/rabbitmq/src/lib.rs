@@ -11,9 +11,12 @@
 //! `basic.ack`. RabbitMQ cannot extend a delivery: its `consumer_timeout`
 //! (30 minutes by default) closes the channel of a consumer holding one
 //! longer, so give the processor [`RabbitMq::budget`]. A quorum queue's
-//! `x-delivery-count` tells its last delivery (with
-//! [`delivery_limit`](RabbitMqBuilder::delivery_limit)): undecided then, a
-//! message is dead-lettered as undecided rather than dropped by the broker.
+//! `x-delivery-count` tells its last delivery, against its delivery limit
+//! (learnt from its `x-delivery-limit` argument at start-up; one a policy or
+//! the broker's default sets is given with
+//! [`delivery_limit`](RabbitMqBuilder::delivery_limit), or the adapter
+//! refuses to start): undecided then, a message is dead-lettered as
+//! undecided rather than dropped by the broker.
 //!
 //! # Examples
 //!
@@ -57,7 +60,12 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
-use std::{borrow::Cow, fmt, time::Duration};
+use std::{
+    borrow::Cow,
+    fmt,
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
 use futures_util::{FutureExt, StreamExt};
 pub use lapin;
@@ -65,8 +73,8 @@ use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, Consumer,
     message::Delivery,
     options::{
-        BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions,
-        BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
+        BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
+        BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
     },
     types::{AMQPValue, FieldTable, LongString, ShortString},
 };
@@ -83,6 +91,12 @@ pub struct RabbitMq {
     queue: String,
     dead_letters: String,
     consumer: Mutex<Consumer>,
+    /// The consumer's channel and tag, to cancel it at shutdown.
+    channel: Channel,
+    consumer_tag: String,
+    /// Set once the consumer is cancelled: its stream's end is then no
+    /// failure.
+    cancelled: AtomicBool,
     /// Dead letters are published with confirms, on a channel of their own.
     confirms: Channel,
     delivery_limit: Option<u64>,
@@ -132,6 +146,24 @@ pub enum StartError {
         /// What the broker said.
         #[source]
         source: lapin::Error,
+    },
+    /// The queue is a quorum queue (or may be one) whose delivery limit
+    /// could not be learnt from its arguments — it comes from a policy, or
+    /// from RabbitMQ 4's default of 20 — and none was given: its last
+    /// delivery could not be told, and one given back then would be
+    /// dropped by the broker. Give the limit with
+    /// [`delivery_limit`](RabbitMqBuilder::delivery_limit).
+    #[error(
+        "the queue {queue} is a quorum queue whose delivery limit is not one of its arguments \
+         ({why}): give the limit its policy sets (RabbitMQ 4's default is 20) with \
+         RabbitMqBuilder::delivery_limit, or declare the queue with x-delivery-limit, so that its \
+         last delivery is dead-lettered as undecided rather than dropped by the broker"
+    )]
+    UnknownDeliveryLimit {
+        /// The queue.
+        queue: String,
+        /// What was learnt of it.
+        why: String,
     },
 }
 
@@ -214,6 +246,14 @@ impl RabbitMqBuilder<'_> {
     /// undecided one is dead-lettered as undecided instead of being given
     /// back (the broker would drop it). Declared on a queue this creates.
     ///
+    /// A quorum queue's `x-delivery-limit` argument is learnt at start-up
+    /// (the lower of it and this one counts). A limit the queue does not
+    /// carry as an argument — set by a policy, or RabbitMQ 4's default of
+    /// 20 — cannot be learnt over AMQP: give it here, or the adapter
+    /// refuses to start ([`StartError::UnknownDeliveryLimit`]). (A quorum
+    /// queue of RabbitMQ 3 without any limit: give one no delivery count
+    /// reaches, `u64::MAX`.)
+    ///
     /// # Examples
     ///
     /// See [`queue_type`](Self::queue_type).
@@ -266,6 +306,7 @@ impl RabbitMqBuilder<'_> {
         for queue in [&self.queue, &self.dead_letters] {
             self.ensure_queue(queue).await?;
         }
+        let delivery_limit = self.learn_delivery_limit().await?;
         let channel = self
             .connection
             .create_channel()
@@ -297,10 +338,69 @@ impl RabbitMqBuilder<'_> {
             queue: self.queue,
             dead_letters: self.dead_letters,
             consumer: Mutex::new(consumer),
+            channel,
+            consumer_tag: self.consumer_tag,
+            cancelled: AtomicBool::new(false),
             confirms,
-            delivery_limit: self.delivery_limit,
+            delivery_limit,
             ordering_header: self.ordering_header,
         })
+    }
+
+    /// The queue's delivery limit: `None` for a queue that has none (a
+    /// classic queue); a quorum queue's `x-delivery-limit` argument (the
+    /// lower of it and the one given); else the one given, or
+    /// [`StartError::UnknownDeliveryLimit`].
+    async fn learn_delivery_limit(&self) -> Result<Option<u64>, StartError> {
+        let given = self.delivery_limit;
+        let unknown = |why: String| match given {
+            Some(limit) => Ok(Some(limit)),
+            None => Err(StartError::UnknownDeliveryLimit {
+                queue: self.queue.clone(),
+                why,
+            }),
+        };
+        match self.probe_quorum().await {
+            Probe::NotQuorum => Ok(given),
+            Probe::Limit(limit) => Ok(Some(given.map_or(limit, |given| given.min(limit)))),
+            Probe::NoLimitArgument => unknown(
+                "it has no x-delivery-limit argument: a policy or the broker's default sets it"
+                    .into(),
+            ),
+            Probe::Unknown(why) => unknown(why),
+        }
+    }
+
+    /// What the queue is, learnt by declaring it as a quorum queue with no
+    /// other argument, on a channel of its own: the broker accepts that of
+    /// a quorum queue without `x-delivery-limit`, and names the argument
+    /// that differs otherwise — `x-queue-type` for a classic or stream
+    /// queue, `x-delivery-limit` (with its value) for a quorum queue that
+    /// has one. Nothing about the queue changes either way.
+    async fn probe_quorum(&self) -> Probe {
+        let channel = match self.connection.create_channel().await {
+            Ok(channel) => channel,
+            Err(error) => return Probe::Unknown(format!("a channel could not be opened: {error}")),
+        };
+        let mut quorum = FieldTable::default();
+        quorum.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        let declared = channel
+            .queue_declare(
+                self.queue.as_str().into(),
+                QueueDeclareOptions::durable(),
+                quorum,
+            )
+            .await;
+        match declared {
+            Ok(_) => {
+                let _ = channel.close(200, "probed".into()).await;
+                Probe::NoLimitArgument
+            }
+            Err(error) => Probe::of_refusal(&error.to_string()),
+        }
     }
 
     /// `queue` as it is (a passive declare, whatever its type), or
@@ -345,6 +445,41 @@ impl RabbitMqBuilder<'_> {
             .map_err(failed)?;
         let _ = channel.close(200, "declared".into()).await;
         Ok(())
+    }
+}
+
+/// What declaring a queue as a plain quorum queue said of it.
+#[derive(Debug, PartialEq, Eq)]
+enum Probe {
+    /// A classic or stream queue: no delivery limit.
+    NotQuorum,
+    /// A quorum queue with this `x-delivery-limit` argument.
+    Limit(u64),
+    /// A quorum queue without one.
+    NoLimitArgument,
+    /// Nothing could be told (another argument differs, no permission).
+    Unknown(String),
+}
+
+impl Probe {
+    /// From the broker's refusal: `inequivalent arg 'x-delivery-limit' for
+    /// queue … received none but current is the value '5' of type …`.
+    fn of_refusal(refusal: &str) -> Self {
+        if refusal.contains("inequivalent arg 'x-queue-type'") {
+            return Self::NotQuorum;
+        }
+        if refusal.contains("inequivalent arg 'x-delivery-limit'") {
+            let limit = refusal
+                .split_once("current is")
+                .and_then(|(_, current)| current.split('\'').nth(1))
+                .and_then(|value| value.parse().ok());
+            if let Some(limit) = limit {
+                return Self::Limit(limit);
+            }
+        }
+        Self::Unknown(format!(
+            "declaring it as a quorum queue was refused: {refusal}"
+        ))
     }
 }
 
@@ -438,6 +573,7 @@ impl Broker for RabbitMq {
                 Some(Err(error)) => {
                     return Err(format!("the broker connection failed: {error}").into());
                 }
+                None if self.cancelled.load(Ordering::SeqCst) => return Ok(deliveries),
                 None => {
                     return Err(format!(
                         "the broker ended the consumer of {} (queue deleted or consumer cancelled)",
@@ -460,6 +596,24 @@ impl Broker for RabbitMq {
     /// a receive dropped at shutdown leaves them there.
     fn receive_is_cancel_safe(&self) -> bool {
         true
+    }
+
+    /// `basic.cancel`: the broker delivers nothing more, and what it
+    /// delivered before (the prefetch) is taken by the loop's last receive —
+    /// never given back by the connection's close, which on a quorum queue
+    /// spends a delivery and could drop a message on its last.
+    async fn stop_receiving(&self) {
+        self.cancelled.store(true, Ordering::SeqCst);
+        if let Err(error) = self
+            .channel
+            .basic_cancel(
+                self.consumer_tag.as_str().into(),
+                BasicCancelOptions::default(),
+            )
+            .await
+        {
+            tracing::warn!(%error, queue = %self.queue, "rabbitmq: the consumer could not be cancelled; deliveries not taken go back with the connection");
+        }
     }
 
     /// RabbitMQ cannot extend a delivery.
@@ -557,10 +711,10 @@ impl RabbitMq {
             Some(AMQPValue::ShortInt(n)) => u64::try_from(*n).ok(),
             _ => None,
         };
-        let last = match (self.delivery_limit, count) {
-            (Some(limit), Some(count)) => count >= limit,
-            _ => false,
-        };
+        // No count: its first delivery.
+        let last = self
+            .delivery_limit
+            .is_some_and(|limit| count.unwrap_or(0) >= limit);
         RabbitMqDelivery { delivery, last }
     }
 }
@@ -709,5 +863,33 @@ impl Publisher for RabbitMqPublisher {
                 Err(unavailable(error.to_string()))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Probe;
+
+    /// RabbitMQ 3.10's refusals, as the broker words them.
+    #[test]
+    fn a_refused_quorum_declaration_says_what_the_queue_is() {
+        assert_eq!(
+            Probe::of_refusal(
+                "PRECONDITION_FAILED - inequivalent arg 'x-delivery-limit' for queue 'q' in vhost '/': received none but current is the value '2' of type 'signedint'"
+            ),
+            Probe::Limit(2)
+        );
+        assert_eq!(
+            Probe::of_refusal(
+                "PRECONDITION_FAILED - inequivalent arg 'x-queue-type' for queue 'q' in vhost '/': received the value 'quorum' of type 'longstr' but current is none"
+            ),
+            Probe::NotQuorum
+        );
+        assert!(matches!(
+            Probe::of_refusal(
+                "PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue 'q' in vhost '/': received none but current is the value '10' of type 'signedint'"
+            ),
+            Probe::Unknown(_)
+        ));
     }
 }

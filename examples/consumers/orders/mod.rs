@@ -319,6 +319,10 @@ impl<B: Broker> Broker for AckDelay<B> {
         self.broker.receive_is_cancel_safe()
     }
 
+    fn stop_receiving(&self) -> impl Future<Output = ()> + Send {
+        self.broker.stop_receiving()
+    }
+
     fn hold_interval(&self) -> Option<Duration> {
         self.broker.hold_interval()
     }

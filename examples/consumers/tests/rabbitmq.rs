@@ -13,6 +13,7 @@ use support::{
     amqp::TestQueue,
     consumer::{CHARGES, OrdersConsumer, count, order},
     postgres::TestDatabase,
+    relay::Relay,
     sqlite::TestFile,
 };
 
@@ -197,4 +198,82 @@ async fn consumers_started_together_on_a_new_database_all_come_up() {
     }
     assert_eq!(charges(&db).await, 1);
     queue.delete().await;
+}
+
+/// A quorum queue with an `x-delivery-limit` of 1 (RabbitMQ 4 gives every
+/// quorum queue a limit, 20 by default), the consumers given none: they
+/// learn the queue's. The order is held undecided through a database
+/// outage by two consumers in turn, each stopped by SIGTERM: the first
+/// gives it back; on the broker's last delivery the second dead-letters it
+/// as undecided — never gives it back for the broker to drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_quorum_queue_the_last_delivery_is_dead_lettered_never_dropped() {
+    let db = TestDatabase::create();
+    let (first_relay, second_relay) = (
+        Relay::start(&db.host_port()).await,
+        Relay::start(&db.host_port()).await,
+    );
+    let queue = TestQueue::declare_quorum(1).await;
+    let via = |relay: &Relay| db.url_via(relay.port());
+    let (first_url, second_url) = (via(&first_relay), via(&second_relay));
+    let mut first =
+        OrdersConsumer::start(&[("DATABASE_URL", &first_url), ("QUEUE", &queue.name)]).await;
+    first_relay.cut();
+    queue.publish(&order("order-1", 500)).await;
+    drained(&queue).await;
+    // The second one starts while the first holds the order, then loses
+    // its database too.
+    let mut second =
+        OrdersConsumer::start(&[("DATABASE_URL", &second_url), ("QUEUE", &queue.name)]).await;
+    second_relay.cut();
+    first.terminate();
+    assert!(first.exited(Duration::from_secs(60)).await.success());
+    // The broker gives the order back as it lets go of the first consumer,
+    // then delivers it to the second: its last delivery.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while queue.consumers().await != 1 || queue.ready().await != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never delivered to the second"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    second.terminate();
+    assert!(second.exited(Duration::from_secs(60)).await.success());
+    assert_eq!(
+        queue.dead_letters().await,
+        [(order("order-1", 500), Some("undecided".into()))],
+        "{:?} {:?}",
+        first.lines(),
+        second.lines()
+    );
+    assert_eq!(
+        second.lines().last().map(String::as_str),
+        Some("undecided order-1")
+    );
+    assert_eq!(db.count(CHARGES).await, 0);
+    queue.delete().await;
+}
+
+/// A quorum queue without an `x-delivery-limit` argument: its limit comes
+/// from a policy or the broker's default, which AMQP cannot read — the
+/// consumer refuses to start, naming the setting, unless it is given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quorum_queue_whose_limit_cannot_be_learnt_needs_it_given() {
+    let file = TestFile::create();
+    let name = format!("orders_test_quorum_{}", std::process::id());
+    let url = file.url();
+    let env = [
+        ("DATABASE_URL", url.as_str()),
+        ("QUEUE", name.as_str()),
+        ("QUEUE_TYPE", "quorum"),
+    ];
+    let (status, output) = support::process::run_example_to_exit("orders_consumer", &env);
+    assert_eq!(status.code(), Some(2), "{output}");
+    assert!(output.contains("delivery_limit"), "{output}");
+    let given = OrdersConsumer::start(&[env[0], env[1], env[2], ("DELIVERY_LIMIT", "20")]).await;
+    drop(given);
+    for queue in [name.clone(), format!("{name}.dead")] {
+        support::amqp::delete_queue(&queue).await;
+    }
 }

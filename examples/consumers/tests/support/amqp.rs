@@ -40,6 +40,22 @@ pub struct TestQueue {
 
 impl TestQueue {
     pub async fn declare() -> Self {
+        Self::declare_with(FieldTable::default()).await
+    }
+
+    /// A quorum queue whose `x-delivery-limit` is `limit`: its message is
+    /// delivered at most `limit + 1` times, then dropped by the broker.
+    pub async fn declare_quorum(limit: i64) -> Self {
+        let mut arguments = FieldTable::default();
+        arguments.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        arguments.insert("x-delivery-limit".into(), AMQPValue::LongLongInt(limit));
+        Self::declare_with(arguments).await
+    }
+
+    async fn declare_with(arguments: FieldTable) -> Self {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let url = broker_url();
         let connection = Connection::connect(&url, ConnectionProperties::default())
@@ -61,7 +77,7 @@ impl TestQueue {
             .queue_declare(
                 name.as_str().into(),
                 QueueDeclareOptions::durable(),
-                FieldTable::default(),
+                arguments,
             )
             .await
             .unwrap();
@@ -99,6 +115,19 @@ impl TestQueue {
             .await
             .unwrap()
             .message_count()
+    }
+
+    /// Consumers of the queue.
+    pub async fn consumers(&self) -> u32 {
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..QueueDeclareOptions::default()
+        };
+        self.channel
+            .queue_declare(self.name.as_str().into(), passive, FieldTable::default())
+            .await
+            .unwrap()
+            .consumer_count()
     }
 
     /// The name of the dead-letter queue the `orders_consumer` example
@@ -157,4 +186,15 @@ impl TestQueue {
                 .await;
         }
     }
+}
+
+/// Deletes `queue`, if it is there.
+pub async fn delete_queue(queue: &str) {
+    let connection = Connection::connect(&broker_url(), ConnectionProperties::default())
+        .await
+        .unwrap();
+    let channel = connection.create_channel().await.unwrap();
+    let _ = channel
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await;
 }
