@@ -709,6 +709,24 @@ async fn mistakes_and_outages_say_so() {
     let port = tower_idempotency_harness::redis_server::free_port();
     let down = cli(&["--store", &format!("redis://127.0.0.1:{port}"), "stats"]).await;
     assert_eq!(down.code, 3, "{down:?}");
+
+    // A Redis that wants a password, given none (NOAUTH) or a wrong one
+    // (WRONGPASS): the URL's mistake, not an outage.
+    let locked = RedisServer::start();
+    locked.command(&["CONFIG", "SET", "requirepass", "s3cret"]);
+    let port = locked.port();
+    for url in [
+        format!("redis://127.0.0.1:{port}"),
+        format!("redis://:wrong@127.0.0.1:{port}"),
+    ] {
+        for command in [&["stats"][..], &["inspect", "--scope", "a", "k"]] {
+            let mut args = vec!["--store", url.as_str()];
+            args.extend_from_slice(command);
+            let run = cli(&args).await;
+            assert_eq!(run.code, 2, "{url} {command:?}: {run:?}");
+            assert!(run.stderr.contains("password"), "{run:?}");
+        }
+    }
 }
 
 /// A relay's publisher whose broker has no queue `missing`.

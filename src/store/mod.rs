@@ -737,6 +737,36 @@ pub enum StoreError {
     Unsupported(&'static str),
 }
 
+impl StoreError {
+    /// Whether the failure can pass with time: the store out of reach or
+    /// failing ([`Unavailable`](Self::Unavailable): a restart, a failover, a
+    /// busy database) or slow ([`Timeout`](Self::Timeout)). A process that
+    /// meets one while it starts should connect again with back-off, for a
+    /// bound; every other failure says what to fix — a
+    /// [`Misconfigured`](Self::Misconfigured) store, a read-only database,
+    /// a missing table or a refused user never come right by waiting.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tower_idempotency::store::StoreError;
+    ///
+    /// assert!(StoreError::Timeout(Duration::from_secs(1)).is_transient());
+    /// assert!(!StoreError::Misconfigured("maxmemory-policy is allkeys-lru".into()).is_transient());
+    /// ```
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Timeout(_) => true,
+            #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+            Self::Unavailable(why) => !why.is::<sql::UntilFixed>(),
+            #[cfg(not(any(feature = "postgres", feature = "sqlite", feature = "mysql")))]
+            Self::Unavailable(_) => true,
+            _ => false,
+        }
+    }
+}
+
 /// `work`, or [`StoreError::Timeout`] once `timeout` has passed: the bound
 /// every networked store (and the outbox) puts on one call.
 #[cfg(any(

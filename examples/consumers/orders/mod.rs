@@ -6,6 +6,9 @@
 //! (`message::Consumer`); each broker's adapter is its crate's.
 #![allow(dead_code)]
 
+#[path = "../../support/startup.rs"]
+mod startup;
+
 use std::{borrow::Cow, env, io::Write, time::Duration};
 
 use serde::{Deserialize, Serialize};
@@ -154,27 +157,39 @@ pub async fn with_ledger<C: OnLedger>(consumer: C, settings: Settings) {
     let bound = settings.tx_timeout;
     let ended = match Database::of(&url).unwrap_or_else(|why| exit_with(&why)) {
         Database::Sqlite => {
-            let store = SqliteStore::builder()
-                .transactional()
-                .create_table_if_missing()
-                .transaction_timeout(bound);
-            let store = open(store.connect(&url).await).await;
+            let store = open(async || {
+                SqliteStore::builder()
+                    .transactional()
+                    .create_table_if_missing()
+                    .transaction_timeout(bound)
+                    .connect(&url)
+                    .await
+            })
+            .await;
             consumer.run(store, settings).await
         }
         Database::MySql => {
-            let store = MySqlStore::builder()
-                .transactional()
-                .create_table_if_missing()
-                .transaction_timeout(bound);
-            let store = open(store.connect(&url).await).await;
+            let store = open(async || {
+                MySqlStore::builder()
+                    .transactional()
+                    .create_table_if_missing()
+                    .transaction_timeout(bound)
+                    .connect(&url)
+                    .await
+            })
+            .await;
             consumer.run(store, settings).await
         }
         Database::Postgres => {
-            let store = PostgresStore::builder()
-                .transactional()
-                .create_table_if_missing()
-                .transaction_timeout(bound);
-            let store = open(store.connect(&url).await).await;
+            let store = open(async || {
+                PostgresStore::builder()
+                    .transactional()
+                    .create_table_if_missing()
+                    .transaction_timeout(bound)
+                    .connect(&url)
+                    .await
+            })
+            .await;
             consumer.run(store, settings).await
         }
     };
@@ -368,13 +383,19 @@ impl<B: Broker> Broker for AckDelay<B> {
     }
 }
 
-/// The idempotency table and `order_charges`, created if missing.
-async fn open<St: Ledger>(store: Result<St, StoreError>) -> St {
-    let store = store.unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")));
-    St::create_tables(&store)
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("creating the tables: {e}")));
-    store
+/// The store `connect` opens, with the idempotency table and
+/// `order_charges` created if missing — connected again with back-off
+/// while the database is out of reach (a restart, a connection dropped
+/// while starting), for a bound; exit 2 on a configuration mistake or once
+/// the bound has passed.
+async fn open<St: Ledger>(connect: impl AsyncFn() -> Result<St, StoreError>) -> St {
+    startup::retrying("DATABASE_URL", async || {
+        let store = connect().await?;
+        St::create_tables(&store).await?;
+        Ok(store)
+    })
+    .await
+    .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")))
 }
 
 /// A transactional store the orders are charged in (and, for Kafka, its

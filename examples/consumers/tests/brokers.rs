@@ -14,6 +14,7 @@
 //! - SIGTERM mid-work: the work in hand finishes and is answered, exit 0;
 //! - SIGTERM while idle: the consumer exits at once, not after the
 //!   broker's long poll;
+//! - the database out of reach at start-up: waited for, not an exit;
 //! - three consumers over concurrent duplicates: each order once.
 //!
 //! What only one broker has (a delivery budget, a visibility timeout, a
@@ -191,6 +192,27 @@ async fn sigterm_finishes_and_answers_the_work_in_hand_then_exits_zero<B: Fixtur
     assert_eq!(db.count(CHARGES).await, 1);
 }
 
+/// The database out of reach while the consumer starts (its relay cut):
+/// it connects again with back-off instead of exiting, and charges the
+/// order once the database is back.
+async fn a_database_out_of_reach_at_start_up_is_waited_for<B: Fixture>() {
+    let broker = B::start().await;
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    relay.cut();
+    let url = db.url_via(relay.port());
+    broker.publish("acct-1", &order("order-1", 500)).await;
+    // Ready only once its store is open: an exit (the old answer to an
+    // outage) never says it.
+    let back_later = async {
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        relay.restore();
+    };
+    let (c, ()) = tokio::join!(broker.consumer(&url, &[]), back_later);
+    said(&[&c], "executed order-1", Duration::from_secs(60)).await;
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
 /// Terminated as soon as it receives — its first poll just begun, the
 /// broker's whole long poll (20 s) ahead of it — an idle consumer exits
 /// within its two-second idle poll. The bound is on an event (the exit),
@@ -269,6 +291,11 @@ macro_rules! broker_cases {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn sigterm() {
                 sigterm_finishes_and_answers_the_work_in_hand_then_exits_zero::<$fixture>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn database_out_of_reach_at_start_up() {
+                a_database_out_of_reach_at_start_up_is_waited_for::<$fixture>().await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -101,6 +101,8 @@ mod app;
 mod dynamo;
 mod ledger;
 mod openapi;
+#[path = "../../support/startup.rs"]
+mod startup;
 
 use std::{env, sync::Arc};
 
@@ -115,6 +117,7 @@ use app::{Emit, Settings, app};
 use ledger::{Charges, create_tables};
 
 /// Where the example keeps charges and records, from the environment.
+#[derive(Clone)]
 enum Database {
     Sqlite(String),
     Postgres(String),
@@ -178,23 +181,27 @@ async fn main() {
         dynamodb(&table, &settings).await
     } else if let Ok(nodes) = env::var("REDIS_CLUSTER_NODES") {
         let nodes: Vec<String> = nodes.split(',').map(|n| n.trim().to_owned()).collect();
-        let store = RedisStore::builder()
-            .connect_cluster(nodes)
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("REDIS_CLUSTER_NODES: {e}")));
+        let store = startup::retrying("REDIS_CLUSTER_NODES", async || {
+            Ok(RedisStore::builder().connect_cluster(nodes.clone()).await?)
+        })
+        .await
+        .unwrap_or_else(|e| exit_with(&format!("REDIS_CLUSTER_NODES: {e}")));
         tracing::info!("store: Redis Cluster (REDIS_CLUSTER_NODES)");
         app(store, charges_apart().await, &settings)
     } else if let Ok(url) = env::var("REDIS_URL") {
-        let store = RedisStore::builder()
-            .connect(&url)
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("REDIS_URL: {e}")));
+        let store = startup::retrying("REDIS_URL", async || {
+            Ok(RedisStore::builder().connect(&url).await?)
+        })
+        .await
+        .unwrap_or_else(|e| exit_with(&format!("REDIS_URL: {e}")));
         tracing::info!("store: Redis (REDIS_URL)");
         app(store, charges_apart().await, &settings)
     } else {
-        transactional(database, &settings)
-            .await
-            .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")))
+        startup::retrying("DATABASE_URL", async || {
+            transactional(database.clone(), &settings).await
+        })
+        .await
+        .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")))
     };
 
     // The store's latency as a histogram with buckets, so dashboards and
@@ -323,7 +330,7 @@ async fn charges_apart() -> Charges {
     let Ok(url) = env::var("DATABASE_URL") else {
         return Charges::Memory(Arc::default());
     };
-    let charges = async {
+    let charges = async || {
         Ok::<_, Box<dyn std::error::Error>>(match Database::from_env()? {
             Database::Sqlite(url) => {
                 let options = url
@@ -345,7 +352,7 @@ async fn charges_apart() -> Charges {
             }
         })
     };
-    charges
+    startup::retrying("DATABASE_URL", async || charges().await)
         .await
         .unwrap_or_else(|e| exit_with(&format!("DATABASE_URL: {e}")))
 }

@@ -456,14 +456,6 @@ fn collect_strings(value: &Value, out: &mut Vec<String>) {
 /// such user, none given where one is required) or lets the user run too
 /// little is a configuration mistake, told with its fix — not an outage.
 fn refused(error: redis::RedisError) -> StoreError {
-    let credentials = error.kind() == redis::ErrorKind::AuthenticationFailed
-        || matches!(error.code(), Some("WRONGPASS" | "NOAUTH"));
-    if credentials {
-        return StoreError::Misconfigured(format!(
-            "Redis refuses the credentials ({error}): give the user and password in the URL \
-             (redis://USER:PASSWORD@HOST:PORT, or redis://:PASSWORD@HOST:PORT for the default user)"
-        ));
-    }
     if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) {
         return StoreError::Misconfigured(format!(
             "the Redis user may not run a command the store needs ({error}): allow it SET, GET, \

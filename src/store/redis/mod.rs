@@ -377,7 +377,19 @@ fn millis(d: Duration, what: &str) -> Result<String, StoreError> {
 }
 
 impl From<redis::RedisError> for StoreError {
+    /// A server that wants credentials it was not given (`NOAUTH`) or
+    /// refuses the ones it was (`WRONGPASS`) is a configuration mistake,
+    /// whichever command meets it first; anything else is unavailable.
     fn from(error: redis::RedisError) -> Self {
+        if error.kind() == redis::ErrorKind::AuthenticationFailed
+            || matches!(error.code(), Some("WRONGPASS" | "NOAUTH"))
+        {
+            return StoreError::Misconfigured(format!(
+                "Redis refuses the connection's credentials ({error}): give the user and password \
+                 in the URL (redis://USER:PASSWORD@HOST:PORT, or redis://:PASSWORD@HOST:PORT for \
+                 the default user)"
+            ));
+        }
         StoreError::Unavailable(Box::new(error))
     }
 }

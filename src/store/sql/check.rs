@@ -30,7 +30,7 @@ use sqlx::ConnectOptions;
 
 use super::{
     base::{Base, EngineCheck, now_ms},
-    decide::store_error,
+    decide::{UntilFixed, store_error},
     dialect::{Args, Connection, Engine, ErrorClass},
 };
 use crate::store::StoreError;
@@ -106,13 +106,10 @@ pub(crate) async fn run<D: Engine>(base: &Base<D>) -> Result<(), StoreError> {
             }
             Attempt::Verdict(engine, why) => return verdict(base.engine_check, &engine, why),
             Attempt::ReadOnly(why) => {
-                return Err(StoreError::Unavailable(
-                    format!(
-                        "the database is read-only, so no claim can be written ({why}); \
-                         make it writable, or point the store at a writable one"
-                    )
-                    .into(),
-                ));
+                return Err(StoreError::Unavailable(Box::new(UntilFixed(format!(
+                    "the database is read-only, so no claim can be written ({why}); \
+                     make it writable, or point the store at a writable one"
+                )))));
             }
             Attempt::Busy(why) if started.elapsed() < BUSY_WAIT => {
                 if said.elapsed() >= SAY_EVERY || said == started {

@@ -59,7 +59,16 @@ pub(crate) fn store_error<D: Engine>(engine: &D, table: &str, error: sqlx::Error
             .explain(class, &error)
             .map(|w| format!(" ({w})"))
             .unwrap_or_default();
-        StoreError::Unavailable(format!("{what}{why}: {error}").into())
+        let said = format!("{what}{why}: {error}");
+        StoreError::Unavailable(match class {
+            // Unavailable now, and until somebody acts: never transient.
+            ErrorClass::ReadOnly
+            | ErrorClass::MissingTable
+            | ErrorClass::PermissionDenied
+            | ErrorClass::BadCredentials
+            | ErrorClass::NoDatabase => Box::new(UntilFixed(said)),
+            _ => said.into(),
+        })
     };
     match class {
         ErrorClass::Refused => StoreError::Refused(Box::new(error)),
@@ -89,6 +98,20 @@ pub(crate) fn store_error<D: Engine>(engine: &D, table: &str, error: sqlx::Error
         }
     }
 }
+
+/// A store unavailable until somebody acts — a read-only database, a
+/// missing table, a refused user — said as such: not
+/// [transient](StoreError::is_transient).
+#[derive(Debug)]
+pub(crate) struct UntilFixed(pub(crate) String);
+
+impl std::fmt::Display for UntilFixed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UntilFixed {}
 
 /// `error` from creating `table` (the records' or the outbox's): a user
 /// without the right to create tables is told so, with both ways out —

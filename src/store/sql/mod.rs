@@ -65,7 +65,7 @@ use std::time::Duration;
 pub(crate) use base::{Base, now_ms};
 pub use base::{EngineCheck, TableStats};
 pub use builder::SqlStoreBuilder;
-pub(crate) use decide::create_error;
+pub(crate) use decide::{UntilFixed, create_error};
 pub use dialect::Dialect;
 pub use lease::SqlStore;
 pub use records::SqlRecords;

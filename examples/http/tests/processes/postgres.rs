@@ -9,6 +9,7 @@ use crate::support::{
     payments::{Payments, charge_request, kill_mid_charge, retry_until_done},
     postgres::TestDatabase,
     redis_server::free_port,
+    relay::Relay,
 };
 
 const CHARGES: &str = "SELECT count(*) FROM charges";
@@ -107,6 +108,33 @@ async fn instances_started_together_on_a_new_database_all_come_up() {
         .collect();
     let client = HttpClient::default();
     let (reply, _) = retry_until_done(&client, &instances[3].addr).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert_eq!(db.count(CHARGES).await, 1);
+}
+
+/// The database out of reach while the example starts (the relay to it
+/// cut: a restart, a failover, a connection dropped mid-start): it connects
+/// again with back-off (for up to a minute) instead of exiting, and serves
+/// once the database is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_out_of_reach_at_start_up_is_waited_for_not_an_exit() {
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    relay.cut();
+    let url = db.url_via(relay.port());
+    let port = free_port();
+    let starting =
+        std::thread::spawn(move || Payments::start(port, &[("DATABASE_URL", url.as_str())]));
+    // Still trying, not exited: the connection is refused for two seconds.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(!starting.is_finished(), "it must wait for its database");
+    relay.restore();
+    let payments = tokio::task::spawn_blocking(move || starting.join().expect("it starts"))
+        .await
+        .unwrap();
+    let reply = HttpClient::default()
+        .send(charge_request(&payments.addr))
+        .await;
     assert_eq!(reply.status, StatusCode::CREATED);
     assert_eq!(db.count(CHARGES).await, 1);
 }
