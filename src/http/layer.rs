@@ -660,6 +660,35 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     }
 }
 
+impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
+    /// Wraps `inner`, as [`Layer::layer`] does — an inherent method, so
+    /// that on a layer whose scope is not chosen the compiler asks for
+    /// [`scope_with`](Self::scope_with) or
+    /// [`single_tenant`](Self::single_tenant) rather than saying only that
+    /// the trait's bounds are not met.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let inner = tower::service_fn(|_: http::Request<axum::body::Body>| async {
+    ///     Ok::<_, std::convert::Infallible>(http::Response::new(axum::body::Body::empty()))
+    /// });
+    /// let service = IdempotencyLayer::new(MemoryStore::new()).single_tenant().layer(inner);
+    /// # let _ = service;
+    /// ```
+    pub fn layer<S>(&self, inner: S) -> IdempotencyService<S, St, Sc, P, F>
+    where
+        St: Store,
+        Sc: ScopeExtractor,
+        P: StorePolicy,
+        F: FingerprintStrategy,
+    {
+        IdempotencyService::new(inner, self.shared.clone())
+    }
+}
+
 impl<S, St, Sc, P, F> Layer<S> for IdempotencyLayer<St, Sc, P, F>
 where
     St: Store,
@@ -670,7 +699,7 @@ where
     type Service = IdempotencyService<S, St, Sc, P, F>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        IdempotencyService::new(inner, self.shared.clone())
+        IdempotencyLayer::layer(self, inner)
     }
 }
 
