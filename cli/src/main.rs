@@ -99,9 +99,11 @@ enum Command {
         #[arg(long, default_value_t = 1000)]
         batch: u32,
     },
-    /// Count what the store holds: live records, claims in flight,
-    /// expired rows not deleted yet (SQL: a scan of the table); keys under
-    /// the prefix and the server's memory (Redis).
+    /// Count what the store holds: live records, claims in flight (a lease
+    /// store's: a transactional store's claim is an uncommitted row, which
+    /// no count sees; `inspect` probes one key), expired rows not deleted
+    /// yet (SQL: a scan of the table); keys under the prefix and the
+    /// server's memory (Redis).
     Stats,
     /// The transactional outbox beside the records (SQL stores): what it
     /// holds, what the broker refused, and putting a refused message back

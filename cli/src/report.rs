@@ -81,12 +81,20 @@ impl Report {
         Self(vec![("deleted", json!(deleted))])
     }
 
-    /// A SQL table's rows.
+    /// A SQL table's rows, and what the count of claims cannot see.
     pub(crate) fn table(stats: TableStats) -> Self {
         Self(vec![
             ("completed", json!(stats.completed)),
             ("in_flight", json!(stats.in_flight)),
             ("expired", json!(stats.expired)),
+            (
+                "in_flight_counts",
+                json!(
+                    "a lease store's claims only: a transactional store's claim is an uncommitted \
+                     row of its request's open transaction, which no count sees (inspect probes \
+                     one key)"
+                ),
+            ),
         ])
     }
 

@@ -431,6 +431,11 @@ async fn transactional_scenario<St: Store>(backend: &Backend, store: St) {
         .await;
     assert_eq!(shown.code, 0, "{shown:?}");
     assert_eq!(shown.json()["state"], "in_flight");
+    // A count cannot see the claim inspect found, and says so.
+    let counted = backend.cli(&["stats"]).await;
+    assert_eq!(counted.code, 0, "{counted:?}");
+    assert!(counted.stdout.contains("in_flight: 0"), "{counted:?}");
+    assert!(counted.stdout.contains("uncommitted"), "{counted:?}");
     let refused = backend
         .cli(&["forget", "--scope", "acct_alice", "order-44"])
         .await;

@@ -312,6 +312,14 @@ where
             // The database refused the handler's transaction (its own
             // statement failed): nothing committed, and the handler's answer
             // is the truth about its request — unless it claims a success.
+            Finished::NotCommitted(StoreError::TooLarge(why)) => {
+                if success {
+                    tracing::warn!(%key, %why, "idempotency: the handler's writes are too large for the store; nothing committed");
+                    shared.rejection(RejectionKind::WritesTooLarge { why }, wire)
+                } else {
+                    executed(response, Completion::Released)
+                }
+            }
             Finished::NotCommitted(StoreError::Refused(error)) => {
                 if success {
                     tracing::warn!(%key, %error, "idempotency: the handler answered a success, but its transaction was refused; withheld");

@@ -382,7 +382,9 @@ const REFUSALS: &[(&str, &str, bool)] = &[
     ),
     (
         "413",
-        "The request body is larger than the idempotency layer buffers. Nothing ran.",
+        "The request body is larger than the idempotency layer buffers (nothing ran), or \
+         what the request writes is more than the store records in one transaction (nothing \
+         committed). The same request is refused again.",
         false,
     ),
     (

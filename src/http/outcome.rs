@@ -100,6 +100,7 @@ impl IdempotencyOutcome {
                 RejectionKind::ResponseBodyFailed => "rejected_response_body_failed",
                 RejectionKind::TransactionHeld => "rejected_transaction_held",
                 RejectionKind::TransactionRefused => "rejected_transaction_refused",
+                RejectionKind::WritesTooLarge { .. } => "rejected_writes_too_large",
                 RejectionKind::NoScope => "rejected_no_scope",
                 RejectionKind::NotAcceptable { .. } => "rejected_not_acceptable",
             },

@@ -83,6 +83,15 @@ pub enum RejectionKind {
     /// released. A handler that answers an error itself has that answer
     /// sent instead.
     TransactionRefused,
+    /// The handler answered with a success, but its writes are more than
+    /// the store takes in one transaction (DynamoDB: 400 KB an item, 100
+    /// items): nothing was committed, the key was released, and the same
+    /// request would be refused again (`413`). A handler that answers an
+    /// error itself has that answer sent instead.
+    WritesTooLarge {
+        /// What the store said of them.
+        why: String,
+    },
 }
 
 /// A response the layer produced itself. Never stored, never replayed.
@@ -163,6 +172,7 @@ impl Rejection {
             | RejectionKind::NoScope
             | RejectionKind::TransactionHeld
             | RejectionKind::TransactionRefused => StatusCode::INTERNAL_SERVER_ERROR,
+            RejectionKind::WritesTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             RejectionKind::ResponseBodyFailed => StatusCode::BAD_GATEWAY,
         }
     }
@@ -205,6 +215,7 @@ impl Rejection {
             | RejectionKind::NotAcceptable { .. }
             | RejectionKind::TransactionHeld
             | RejectionKind::TransactionRefused => GrpcCode::INTERNAL,
+            RejectionKind::WritesTooLarge { .. } => GrpcCode::INVALID_ARGUMENT,
         }
     }
 
@@ -239,6 +250,9 @@ impl Rejection {
             RejectionKind::TransactionRefused => {
                 "urn:tower-idempotency:problem:transaction-refused"
             }
+            RejectionKind::WritesTooLarge { .. } => {
+                "urn:tower-idempotency:problem:writes-too-large"
+            }
             RejectionKind::ResponseBodyFailed => {
                 "urn:tower-idempotency:problem:response-body-failed"
             }
@@ -261,6 +275,7 @@ impl Rejection {
                 "Internal server error"
             }
             RejectionKind::TransactionRefused => "Transaction refused",
+            RejectionKind::WritesTooLarge { .. } => "Request too large to record",
             RejectionKind::NoScope => "Request not attributed to an account",
             RejectionKind::NotAcceptable { .. } => "Stored response not acceptable",
             RejectionKind::ResponseBodyFailed => "Response body failed",
@@ -312,6 +327,9 @@ impl Rejection {
             RejectionKind::TransactionRefused => {
                 "A statement of the request failed, so the database rolled its work back: nothing was committed and nothing was recorded.".into()
             }
+            RejectionKind::WritesTooLarge { why } => format!(
+                "What this request writes is more than the store can record in one transaction ({why}): nothing was committed. The same request will be refused again; send a smaller one."
+            ),
         }
     }
 

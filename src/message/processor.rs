@@ -545,7 +545,9 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
                 Ok(ProcessOutcome::Executed(value))
             }
             Ok(Finished::NotCommitted(
-                error @ (StoreError::Refused(_) | StoreError::TransactionHeld),
+                error @ (StoreError::Refused(_)
+                | StoreError::TooLarge(_)
+                | StoreError::TransactionHeld),
             )) => Err(ProcessError::Refused(error)),
             Ok(Finished::NotCommitted(error)) => Err(ProcessError::NotCommitted(error)),
             Err(panicked) => Err(ProcessError::NotCommitted(StoreError::Unavailable(

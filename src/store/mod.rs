@@ -708,6 +708,12 @@ pub enum StoreError {
     /// committed, and the same request would meet the same refusal.
     #[error("the database refused the transaction: {0}")]
     Refused(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The handler's writes are more than the store takes in one
+    /// transaction (DynamoDB: 400 KB an item, 100 items a transaction):
+    /// nothing committed, and the same request meets the same refusal — an
+    /// answer for the client (`413`), never a server error it would retry.
+    #[error("the handler's writes are too large for the store: {0}")]
+    TooLarge(String),
     /// The transaction that carries the handler's writes outlived the
     /// bound the database enforces on it (a transactional SQL store's
     /// `transaction_timeout`), and the database ended it: nothing

@@ -279,6 +279,18 @@ fn cancelled(error: &SdkError<TransactWriteItemsError>) -> Option<Cancelled> {
     Some(Cancelled::Transient("cancelled without a reason".into()))
 }
 
+/// A transaction DynamoDB refused for the request's own sake: too large
+/// (an item over 400 KB, the request over 4 MB), which the same request
+/// always is, or otherwise refused.
+fn refusal(why: String) -> StoreError {
+    let lower = why.to_ascii_lowercase();
+    if lower.contains("size") && (lower.contains("exceed") || lower.contains("maximum")) {
+        StoreError::TooLarge(why)
+    } else {
+        StoreError::Refused(why.into())
+    }
+}
+
 impl DynamoDbTxStore {
     /// Commits `tx`'s writes and `last` (the record's put, or the claim's
     /// delete) in one transaction, conditional on the claim; retried with
@@ -286,14 +298,11 @@ impl DynamoDbTxStore {
     async fn commit(&self, tx: &mut DynamoTx, last: TransactWriteItem) -> Result<bool, StoreError> {
         let table = &self.table;
         if tx.writes.len() >= MAX_ITEMS {
-            let refused = StoreError::Refused(
-                format!(
-                    "a DynamoDB transaction holds at most {MAX_ITEMS} items: the handler added {} \
+            let refused = StoreError::TooLarge(format!(
+                "a DynamoDB transaction holds at most {MAX_ITEMS} items: the handler added {} \
                      beside the record",
-                    tx.writes.len()
-                )
-                .into(),
-            );
+                tx.writes.len()
+            ));
             tx.settled = true;
             let _ = table.bounded(table.release(&tx.key, tx.token)).await;
             return Err(refused);
@@ -338,14 +347,14 @@ impl DynamoDbTxStore {
                     // Nothing applied: the key is free for a retry.
                     tx.settled = true;
                     let _ = table.bounded(table.release(&tx.key, tx.token)).await;
-                    return Err(StoreError::Refused(why.into()));
+                    return Err(refusal(why));
                 }
                 Some(Cancelled::Transient(_)) if tried < COMMIT_TRIES => {}
                 None if class(&error) == Class::Outage && tried < COMMIT_TRIES => {}
                 None if class(&error) == Class::Invalid => {
                     tx.settled = true;
                     let _ = table.bounded(table.release(&tx.key, tx.token)).await;
-                    return Err(StoreError::Refused(super::errors::describe(&error).into()));
+                    return Err(refusal(super::errors::describe(&error)));
                 }
                 Some(Cancelled::Transient(why)) => {
                     tx.settled = true;

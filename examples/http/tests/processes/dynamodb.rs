@@ -132,3 +132,37 @@ async fn killed_mid_charge_nothing_commits_and_the_retry_charges_once() {
     let (again, _) = retry_until_done(&client, &restarted.addr).await;
     assert!(again.is_replay());
 }
+
+/// A charge whose item is over DynamoDB's 400 KB (a description of half a
+/// megabyte) can never be written: `413` that says why, on every retry —
+/// never a `500` the client would retry for ever — and nothing charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_too_large_for_its_item_is_a_413_that_says_why_on_every_retry() {
+    let server = DynamoServer::start();
+    let table = table_name();
+    let env = env(&server, &table, &[]);
+    let payments = Payments::start(free_port(), &as_env(&env));
+    let client = HttpClient::default();
+    let body = serde_json::json!({
+        "amount": 1999,
+        "currency": "eur",
+        "description": "x".repeat(500 * 1024),
+    })
+    .to_string();
+    for _ in 0..2 {
+        let request = http::Request::post(format!("http://{}/v1/charges", payments.addr))
+            .header("authorization", "Bearer acct_crash")
+            .header("idempotency-key", "too-large-1")
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body.clone()))
+            .unwrap();
+        let reply = client.send(request).await;
+        reply.assert_problem(413);
+        assert!(
+            reply.json()["detail"].as_str().unwrap().contains("size"),
+            "{}",
+            reply.json()
+        );
+    }
+    assert_eq!(charges(&server, &table).await, 0);
+}
