@@ -19,7 +19,7 @@ use grpc_payments::{
 };
 use http_body_util::{BodyExt, Full};
 use tonic::{Code, Status, transport::Channel};
-use tower::{Layer, ServiceExt};
+use tower::ServiceExt;
 use tower_idempotency::{
     IdempotencyKey, IdempotencyLayer, IdempotentTx, MemoryStore, PostgresStore, PostgresTx,
     PostgresTxStore, RedisStore, SqliteStore, SqliteTx, sqlx,
