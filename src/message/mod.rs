@@ -50,8 +50,9 @@
 //!    another consumer, a failure of the work you judge passing: the
 //!    consumer keeps the delivery — its hold extended — and tries again
 //!    after a back-off ([`DeliveryBudget`]). It is never handed back for
-//!    that, so the broker's delivery budget is not spent on a fault that
-//!    heals: an outage of any length dead-letters nothing.
+//!    that, so a running consumer spends none of the broker's delivery
+//!    budget on a fault that heals: an outage of any length, with the
+//!    consumer up throughout, dead-letters nothing.
 //! 2. **Only what can never succeed is dead-lettered, with a true
 //!    reason**: not a valid message, the key reused with another payload,
 //!    a transaction the database refuses, a panic, a work error you judge
@@ -72,7 +73,7 @@
 //! | setting | must be | why |
 //! |---|---|---|
 //! | SQS visibility timeout, JetStream `AckWait` | well above the hold's extension interval (a third of it) | a late extension hands the message to a second consumer, which then waits in hand as a duplicate |
-//! | SQS `maxReceiveCount`, JetStream `MaxDeliver`, a quorum queue's `delivery-limit` | any (JetStream: unlimited is best) | only crashes and shutdowns spend it; undecided on the last, a message is dead-lettered as undecided |
+//! | SQS `maxReceiveCount`, JetStream `MaxDeliver`, a quorum queue's `delivery-limit` | above the stops a message may meet undecided: a crash, a SIGTERM, a restart during an outage each spend one delivery of every message in hand (JetStream: unlimited is best) | only crashes and shutdowns spend it — SQS counts every receive, so a consumer killed holding a message has spent it; undecided on the last, a message is dead-lettered as undecided (SQS moves one received by a consumer that was killed, with no reason, since the consumer never saw its last receive end) |
 //! | RabbitMQ `consumer_timeout` (30 min) | above [`give_back_after`](DeliveryBudget::give_back_after) | RabbitMQ cannot extend a delivery: give it back before the broker closes the channel |
 //! | SQS's 12 hours of visibility | above `give_back_after` | a message's visibility cannot be extended past 12 hours from its receive |
 //! | the transactional store's `transaction_timeout` | above the work's longest duration | work that always outlives it is dead-lettered as timed out |
