@@ -167,6 +167,51 @@ async fn three_consumers_with_joins_and_a_kill_charge_each_order_once() {
     );
 }
 
+/// The work's transaction open (its row inserted, uncommitted) with records
+/// behind it on the partition: no position past the record in hand is
+/// committed — the position commits with the effect, never before it — and
+/// killed (-9) there, the consumer loses nothing: its restart charges every
+/// order once. (A position committed ahead of its effect would show here,
+/// whatever the timing, and lose the record at the kill.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_work_the_position_never_passed_the_record_in_hand() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 1).await;
+    let db = TestDatabase::create();
+    produce_orders(&topic, 3).await;
+    let mut c = consumer(
+        &server,
+        &topic,
+        "g1",
+        db.url(),
+        &[("WORK_DELAY_MS", "10000")],
+    )
+    .await;
+    db.wait_for_count(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'",
+        |n| n == 1,
+        "the work never inserted its row",
+    )
+    .await;
+    assert_eq!(
+        db.count("SELECT coalesce(max(next_offset), 0) FROM idempotency_kafka_positions")
+            .await,
+        0,
+        "a position committed before its record's effect"
+    );
+    c.kill();
+    assert_eq!(db.count(CHARGES).await, 0, "nothing committed");
+    let after = consumer(&server, &topic, "g1", db.url(), &[]).await;
+    all_decided(&[&after], 3, Duration::from_secs(60)).await;
+    assert_eq!(db.count(CHARGES).await, 3);
+    assert_eq!(
+        db.count("SELECT max(next_offset) FROM idempotency_kafka_positions")
+            .await,
+        3
+    );
+}
+
 /// A consumer with a new group id on the same database starts where the
 /// last one stood: nothing executed again, nothing decided delivered again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
