@@ -1,11 +1,14 @@
-//! The consumer chain: a producer sends orders to SQS (moto's server) —
-//! some twice, some invalid, some reusing an order id with another amount —
-//! while M `sqs_orders` processes charge them into PostgreSQL behind a relay
-//! and the nemesis kills, pauses and cuts them, on a queue whose receive
+//! The consumer chains: a producer sends orders to a broker — some twice,
+//! some invalid, some reusing an order id with another amount — while M
+//! consumer processes charge them into PostgreSQL behind a relay and the
+//! nemesis kills (-9), stops (SIGTERM, then starts again), pauses and cuts
+//! them. `sqs-chain`: `sqs_orders` on moto's SQS, on a queue whose receive
 //! budget (`maxReceiveCount` 3) a consumer that spent deliveries on faults
-//! would exhaust. At the end: every valid order charged exactly once, every
-//! message that can never succeed in the dead-letter queue with a reason
-//! that is true, nothing left in the queue.
+//! would exhaust. `kafka-chain`: `kafka_orders` on a private tansu, three
+//! partitions, pauses longer than the session timeout (a zombie whose
+//! partitions move on). At the end: every valid order charged exactly
+//! once, every message that can never succeed dead-lettered with a reason
+//! that is true, nothing left undecided.
 
 use std::{
     collections::HashMap,
@@ -31,7 +34,179 @@ use crate::{
 #[allow(dead_code)]
 mod sqs;
 
+#[path = "../../examples/consumers/tests/support/kafka.rs"]
+#[allow(dead_code)]
+mod kafka;
+
+use kafka::{KafkaServer, TestTopic};
 use sqs::{SqsServer, TestQueue};
+use tower_idempotency_kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+
+/// A broker the chain runs on: its server and destination of the chain's
+/// own, the consumer example that drains it, and what it holds at the end.
+pub trait Line: Sized {
+    /// The family's name (`sqs-chain`).
+    const NAME: &'static str;
+    /// The consumer example.
+    const EXAMPLE: &'static str;
+    /// How long a pause must last to outlive the consumer's hold on what
+    /// it has in hand (a visibility timeout, a session timeout).
+    const HOLD: Duration;
+
+    fn start() -> impl Future<Output = Self>;
+    /// The consumer's environment, besides its database.
+    fn env(&self) -> Vec<(String, String)>;
+    /// A handle the producer sends with.
+    fn sender(&self) -> Sender;
+    /// Messages not settled yet.
+    fn left(&self, db: &TestDatabase) -> impl Future<Output = u64>;
+    /// The dead letters: each body with its kind.
+    fn dead_letters(&self) -> impl Future<Output = Vec<(String, Option<String>)>>;
+}
+
+/// Sends one message (`key`: its order id, Kafka's record key), as the
+/// broker acknowledges it.
+#[derive(Clone)]
+pub enum Sender {
+    Sqs(aws_sdk_sqs::Client, String),
+    Kafka(FutureProducer, String),
+}
+
+impl Sender {
+    async fn send(&self, key: &str, body: String) -> bool {
+        match self {
+            Self::Sqs(client, url) => client
+                .send_message()
+                .queue_url(url)
+                .message_body(body)
+                .send()
+                .await
+                .is_ok(),
+            Self::Kafka(producer, topic) => producer
+                .send(
+                    FutureRecord::to(topic).key(key).payload(&body),
+                    Duration::from_secs(10),
+                )
+                .await
+                .is_ok(),
+        }
+    }
+}
+
+/// SQS (moto): a standard queue, a 3 s visibility timeout, three receives.
+pub struct Sqs {
+    _server: SqsServer,
+    env: Vec<(String, String)>,
+    queue: TestQueue,
+}
+
+impl Line for Sqs {
+    const NAME: &'static str = "sqs-chain";
+    const EXAMPLE: &'static str = "sqs_orders";
+    const HOLD: Duration = Duration::from_secs(3);
+
+    async fn start() -> Self {
+        let server = SqsServer::start();
+        let queue = TestQueue::with_max_receives(&server, 3, 3).await;
+        let mut env: Vec<(String, String)> = server
+            .env()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
+        env.push(("SQS_QUEUE_URL".to_owned(), queue.url.clone()));
+        Self {
+            _server: server,
+            env,
+            queue,
+        }
+    }
+
+    fn env(&self) -> Vec<(String, String)> {
+        self.env.clone()
+    }
+
+    fn sender(&self) -> Sender {
+        Sender::Sqs(self.queue.client.clone(), self.queue.url.clone())
+    }
+
+    async fn left(&self, _: &TestDatabase) -> u64 {
+        self.queue.depth().await
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
+        self.queue.dead_letters_with_reasons().await
+    }
+}
+
+/// Kafka (a private tansu): three partitions, a 6 s session timeout.
+pub struct Kafka {
+    server: KafkaServer,
+    topic: TestTopic,
+    producer: FutureProducer,
+}
+
+/// Written to the dead-letter topic before it is read: tansu 0.6 leaves the
+/// last record of a batch unread until the next write.
+const MARKER: &str = "chain-marker";
+
+impl Line for Kafka {
+    const NAME: &'static str = "kafka-chain";
+    const EXAMPLE: &'static str = "kafka_orders";
+    const HOLD: Duration = Duration::from_secs(6);
+
+    async fn start() -> Self {
+        let server = KafkaServer::start();
+        let topic = TestTopic::create(&server, 3).await;
+        let producer = tower_idempotency_kafka::rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", server.brokers())
+            .set("enable.idempotence", "true")
+            .create()
+            .expect("a producer");
+        Self {
+            server,
+            topic,
+            producer,
+        }
+    }
+
+    fn env(&self) -> Vec<(String, String)> {
+        vec![
+            ("KAFKA_BROKERS".to_owned(), self.server.brokers().to_owned()),
+            ("KAFKA_TOPIC".to_owned(), self.topic.name.clone()),
+            ("KAFKA_GROUP".to_owned(), "chain".to_owned()),
+            ("KAFKA_SESSION_TIMEOUT_MS".to_owned(), "6000".to_owned()),
+        ]
+    }
+
+    fn sender(&self) -> Sender {
+        Sender::Kafka(self.producer.clone(), self.topic.name.clone())
+    }
+
+    /// The records past the consumers' stored positions.
+    async fn left(&self, db: &TestDatabase) -> u64 {
+        let end: i64 = self.topic.ends().values().sum();
+        let stored = db
+            .count("SELECT coalesce(sum(next_offset), 0)::bigint FROM idempotency_kafka_positions")
+            .await;
+        end.saturating_sub(stored).max(0) as u64
+    }
+
+    async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
+        let topic = format!("{}.dead", self.topic.name);
+        self.topic.produce_to(&topic, MARKER, MARKER).await;
+        self.topic
+            .dead_letters()
+            .into_iter()
+            .filter(|record| record.key.as_deref() != Some(MARKER))
+            .map(|record| {
+                (
+                    record.value,
+                    record.headers.get("dead-letter-kind").cloned(),
+                )
+            })
+            .collect()
+    }
+}
 
 /// What the chain is asked to do.
 #[derive(Clone, Debug)]
@@ -40,7 +215,7 @@ pub struct Plan {
     pub duration: Duration,
     pub consumers: usize,
     pub out: PathBuf,
-    /// The `sqs_orders` example binary.
+    /// The consumer example's binary ([`Line::EXAMPLE`]).
     pub binary: PathBuf,
 }
 
@@ -81,6 +256,22 @@ impl Chain {
             child: Some(child),
             paused: false,
         };
+    }
+
+    /// SIGTERM, as a supervisor stops it: it finishes what it has in hand
+    /// and exits (killed after 60 s, a bound for a loaded machine).
+    fn terminate(&mut self, i: usize) {
+        if let Some(mut child) = self.consumers[i].child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while matches!(child.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
     }
 
     fn kill(&mut self, i: usize) {
@@ -130,21 +321,15 @@ enum Expect {
     DeadLetter(&'static str),
 }
 
-/// Runs the chain; its report, as the HTTP runs'.
-pub async fn run(plan: &Plan) -> (Report, Vec<Event>) {
+/// Runs the chain on `L`; its report, as the HTTP runs'.
+pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
     std::fs::create_dir_all(&plan.out).expect("create the output folder");
     let recorder = Recorder::create(&plan.out.join("history.jsonl")).expect("create the history");
-    let server = SqsServer::start();
-    let queue = TestQueue::with_max_receives(&server, 3, 3).await;
+    let line = L::start().await;
     let db = TestDatabase::create();
     let relay = Relay::start(&db.host_port()).await;
-    let mut env: Vec<(String, String)> = server
-        .env()
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v))
-        .collect();
+    let mut env = line.env();
     env.extend([
-        ("SQS_QUEUE_URL".to_owned(), queue.url.clone()),
         ("DATABASE_URL".to_owned(), db.url_via(relay.port())),
         ("WORK_DELAY_MS".to_owned(), "50".to_owned()),
         ("IDEMPOTENCY_TX_TIMEOUT_MS".to_owned(), "5000".to_owned()),
@@ -167,8 +352,7 @@ pub async fn run(plan: &Plan) -> (Report, Vec<Event>) {
     let stop = Arc::new(AtomicBool::new(false));
     let expected: Arc<Mutex<HashMap<String, Vec<Expect>>>> = Arc::default();
     let producer = tokio::spawn(produce(
-        queue.client.clone(),
-        queue.url.clone(),
+        line.sender(),
         recorder.clone(),
         plan.seed,
         stop.clone(),
@@ -182,7 +366,7 @@ pub async fn run(plan: &Plan) -> (Report, Vec<Event>) {
         let i = rng.usize(..plan.consumers);
         let hold = Duration::from_millis(rng.u64(500..3000));
         let start = recorder.now();
-        let (kind, target) = match rng.u32(..4) {
+        let (kind, target) = match rng.u32(..5) {
             0 => {
                 chain.kill(i);
                 tokio::time::sleep(hold / 2).await;
@@ -190,14 +374,21 @@ pub async fn run(plan: &Plan) -> (Report, Vec<Event>) {
                 ("kill", format!("consumer {i}"))
             }
             1 => {
-                // Longer than the visibility timeout (3 s): its messages'
-                // holds lapse while it is stopped.
+                // Longer than the broker's hold (a visibility or session
+                // timeout): what it has in hand moves on while it is
+                // stopped, and it wakes a zombie.
                 chain.pause(i, true);
-                tokio::time::sleep(Duration::from_secs(3) + hold).await;
+                tokio::time::sleep(L::HOLD + hold).await;
                 chain.pause(i, false);
                 ("pause", format!("consumer {i}"))
             }
             2 => {
+                tokio::task::block_in_place(|| chain.terminate(i));
+                tokio::time::sleep(hold / 2).await;
+                chain.spawn(i);
+                ("sigterm", format!("consumer {i}"))
+            }
+            3 => {
                 relay.cut();
                 tokio::time::sleep(hold * 2).await;
                 relay.restore();
@@ -222,30 +413,28 @@ pub async fn run(plan: &Plan) -> (Report, Vec<Event>) {
     producer.await.expect("the producer");
     relay.restore();
     chain.heal();
-    // The quiet phase: until the queue is empty (every message settled),
-    // at most a minute.
+    // The quiet phase: until nothing is left unsettled, at most a minute.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while queue.depth().await > 0 && Instant::now() < deadline {
+    while line.left(&db).await > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let left = queue.depth().await;
+    let left = line.left(&db).await;
     let charged: Vec<(String, i64)> = sqlx::query_as("SELECT order_id, amount FROM order_charges")
         .fetch_all(&mut db.connect().await)
         .await
         .unwrap_or_default();
-    let dead = queue.dead_letters_with_reasons().await;
+    let dead = line.dead_letters().await;
     let expected = expected.lock().unwrap().clone();
     let report = check(&expected, &charged, &dead, left, &faults);
     let events = recorder.events();
-    crate::run::write(&plan.out, "sqs-chain", plan.seed, &report, &events, &faults);
+    crate::run::write(&plan.out, L::NAME, plan.seed, &report, &events, &faults);
     (report, events)
 }
 
 /// Sends orders until `stop`: each valid, sometimes sent twice, sometimes
 /// followed by its id with another amount; some not orders at all.
 async fn produce(
-    client: aws_sdk_sqs::Client,
-    url: String,
+    sender: Sender,
     recorder: Recorder,
     seed: u64,
     stop: Arc<AtomicBool>,
@@ -290,13 +479,7 @@ async fn produce(
                 via: via.into(),
                 ..Event::default()
             });
-            let sent = client
-                .send_message()
-                .queue_url(&url)
-                .message_body(body)
-                .send()
-                .await;
-            if sent.is_ok() {
+            if sender.send(&key, body).await {
                 expected
                     .lock()
                     .unwrap()
@@ -423,8 +606,8 @@ fn check(
     if left > 0 {
         report.stuck += left as usize;
         report.violations.push(Violation::Stuck {
-            key: "queue".into(),
-            last: format!("{left} messages still in the queue after the heal"),
+            key: "broker".into(),
+            last: format!("{left} messages still undecided after the heal"),
         });
     }
     report.violations.sort();

@@ -5,10 +5,11 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 use tower_idempotency_verify::{chain, deploy::StoreKind, run, workload::Workload};
 
 const USAGE: &str =
-    "usage: verify [--store sqlite|postgres|mysql|redis|redis-cluster|redis-no-downstream-key|dynamodb|sqs-chain] \
+    "usage: verify [--store sqlite|postgres|mysql|redis|redis-cluster|redis-no-downstream-key|dynamodb|sqs-chain|kafka-chain] \
 [--seed N] [--secs N] [--instances N] [--workers N] [--out DIR]
 
-Runs the payments example (or, with sqs-chain, the SQS order consumers)
+Runs the payments example (or, with sqs-chain and kafka-chain, the SQS or
+Kafka order consumers)
 under random faults, records every attempt in DIR/history.jsonl, checks
 it, and writes DIR/report.txt and DIR/timeline.svg. Exits 1 when the
 checker found a violation, 2 on a usage error. The example binaries are
@@ -54,15 +55,23 @@ async fn main() -> ExitCode {
         "verify: {store}, seed {seed}, {secs} s; output in {}",
         out.display()
     );
+    let chain_plan = |name: &str| chain::Plan {
+        seed,
+        duration,
+        consumers: instances,
+        out: out.clone(),
+        binary: example(name),
+    };
     let report = if store == "sqs-chain" {
-        let plan = chain::Plan {
-            seed,
-            duration,
-            consumers: instances,
-            out: out.clone(),
-            binary: example("sqs_orders"),
-        };
-        chain::run(&plan).await.0
+        use chain::Line;
+        chain::run::<chain::Sqs>(&chain_plan(chain::Sqs::EXAMPLE))
+            .await
+            .0
+    } else if store == "kafka-chain" {
+        use chain::Line;
+        chain::run::<chain::Kafka>(&chain_plan(chain::Kafka::EXAMPLE))
+            .await
+            .0
     } else {
         let kind =
             StoreKind::parse(&store).unwrap_or_else(|| usage(&format!("unknown store {store}")));

@@ -266,6 +266,30 @@ impl TestTopic {
         records
     }
 
+    /// Each partition's end (its high watermark).
+    pub fn ends(&self) -> HashMap<i32, i64> {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.brokers)
+            .create()
+            .unwrap();
+        let metadata = consumer
+            .fetch_metadata(Some(&self.name), Duration::from_secs(10))
+            .unwrap();
+        let Some(described) = metadata.topics().iter().find(|t| t.name() == self.name) else {
+            return HashMap::new();
+        };
+        described
+            .partitions()
+            .iter()
+            .map(|partition| {
+                let (_, high) = consumer
+                    .fetch_watermarks(&self.name, partition.id(), Duration::from_secs(10))
+                    .unwrap();
+                (partition.id(), high)
+            })
+            .collect()
+    }
+
     /// The dead-letter topic's records.
     pub fn dead_letters(&self) -> Vec<Record> {
         self.read(&format!("{}.dead", self.name))
