@@ -17,7 +17,7 @@
 //! `sqlite://PATH`, `postgres://…` or `mysql://…`; the tables are created
 //! if missing, the positions table `idempotency_kafka_positions` too);
 //! `WORK_DELAY_MS`, `IDEMPOTENCY_LEASE_MS`,
-//! `IDEMPOTENCY_TX_TIMEOUT_MS` as in `orders_consumer`.
+//! `IDEMPOTENCY_TX_TIMEOUT_MS`, `STARTUP_RETRY_S` as in `orders_consumer`.
 //!
 //! A record's value is JSON `{"order_id", "amount", "currency"}`; the order
 //! id is the business key. Each execution inserts one row into

@@ -17,7 +17,7 @@
 //! subject a stream captures, checked at start-up); `DATABASE_URL`
 //! (required: `sqlite://PATH`, `postgres://…` or `mysql://…`; the tables are created if
 //! missing); `WORK_DELAY_MS`, `ACK_DELAY_MS`, `IDEMPOTENCY_LEASE_MS`,
-//! `IDEMPOTENCY_TX_TIMEOUT_MS` as in `orders_consumer`.
+//! `IDEMPOTENCY_TX_TIMEOUT_MS`, `STARTUP_RETRY_S` as in `orders_consumer`.
 //!
 //! A message is JSON `{"order_id", "amount", "currency"}`; the order id is
 //! the business key — never the `Nats-Msg-Id`, which a producer's retry may

@@ -15,7 +15,9 @@
 //! (default 0: how long the work takes after inserting its row, before its
 //! commit — the payment processor); `ACK_DELAY_MS` (default 0: a pause
 //! between the commit and the acknowledgement, to widen that crash window);
-//! `IDEMPOTENCY_LEASE_MS` (default 30000); `IDEMPOTENCY_TX_TIMEOUT_MS`
+//! `IDEMPOTENCY_LEASE_MS` (default 30000); `STARTUP_RETRY_S` (default 60:
+//! how long a database out of reach at start-up is connected to again,
+//! with back-off, before exit 2); `IDEMPOTENCY_TX_TIMEOUT_MS`
 //! (default 30000: the bound on the work's transaction); `QUEUE_TYPE`
 //! (`classic` or `quorum`: how missing queues are declared; an existing
 //! queue is used as it is, whatever its type); `DELIVERY_LIMIT` (a quorum

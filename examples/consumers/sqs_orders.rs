@@ -18,7 +18,8 @@
 //! work takes inside its transaction); `ACK_DELAY_MS` (default 0: a pause
 //! between the commit and the delete); `IDEMPOTENCY_LEASE_MS` (default
 //! 30000); `IDEMPOTENCY_TX_TIMEOUT_MS` (default 30000: the bound on the
-//! work's transaction).
+//! work's transaction); `STARTUP_RETRY_S` (default 60: how long a database
+//! out of reach at start-up is connected to again before exit 2).
 //!
 //! A message body is JSON `{"order_id", "amount", "currency"}`; the order id
 //! is the business key — never the SQS message id, which is new on every

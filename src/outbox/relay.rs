@@ -450,7 +450,19 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
                 Err(error) => {
                     if failing.is_none() {
                         failing = Some(Instant::now());
-                        tracing::warn!(%error, "idempotency: the outbox relay cannot reach its table; trying again");
+                        match &error {
+                            // Reached, but a round's statement outlived its
+                            // bound: not an outage, a slow statement.
+                            StoreError::Timeout(bound) => tracing::warn!(
+                                ?bound,
+                                "idempotency: an outbox relay statement outlived its bound (OutboxBuilder::timeout); \
+                                 the table was reached but the statement was slow — a loaded database, or a plan \
+                                 that reads the whole backlog; trying again"
+                            ),
+                            _ => {
+                                tracing::warn!(%error, "idempotency: the outbox relay cannot reach its table; trying again")
+                            }
+                        }
                     }
                     false
                 }

@@ -26,7 +26,10 @@
 //! in the request's own `TransactWriteItems`; the tables are created if
 //! missing);
 //! `IDEMPOTENCY_STORE=memory` (records and charges in memory: nothing
-//! persisted); `OUTBOX_DESTINATION` (a SQL store only: each execution
+//! persisted); `STARTUP_RETRY_S` (default 60: how long a store out of
+//! reach at start-up is connected to again, with back-off, before the
+//! example exits 2 — a configuration mistake exits at once);
+//! `OUTBOX_DESTINATION` (a SQL store only: each execution
 //! enqueues `charge.created` for that destination — a queue URL, a
 //! subject, a queue name — in the charge's own transaction, into the
 //! outbox table `idempotency_outbox`; the `outbox_relay` example of
