@@ -509,6 +509,41 @@ macro_rules! outbox_suite {
                 assert_published_once_in_order(&broker, &enqueued);
             }
 
+            /// A claim reads a window of the oldest due messages, never a hot
+            /// key's whole backlog: with 200 messages of one account ahead of
+            /// another account's one, a round of 16 (a window of 64) does not
+            /// reach the other — its cost is bounded by the batch — and the
+            /// rounds after it drain everything, each key in order.
+            async fn a_claim_reads_a_window_not_a_hot_keys_whole_backlog(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                let mut enqueued = enqueue_many(&store, &outbox, 200, 1).await;
+                let key = storage_key("other");
+                let mut tx = claim(&store, &key).await;
+                let other = outbox
+                    .enqueue(
+                        &mut tx,
+                        OutgoingMessage::new("charges", "other").ordering_key("acct_other"),
+                    )
+                    .await
+                    .unwrap();
+                commit(&store, &key, tx).await;
+                enqueued.insert("acct_other".into(), vec![other.clone()]);
+                let broker = Broker::default();
+                let relay = OutboxRelay::new(outbox.clone(), broker.clone()).batch(16);
+                let first = relay.run_once().await.unwrap();
+                assert!(first.published > 0, "{first:?}");
+                assert!(
+                    !broker.got.lock().unwrap().iter().any(|m| m.id == other),
+                    "the first claim walked past its window to the other account"
+                );
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+                while outbox.stats().await.unwrap().pending > 0 {
+                    assert!(tokio::time::Instant::now() < deadline, "drained");
+                    relay.run_once().await.unwrap();
+                }
+                assert_published_once_in_order(&broker, &enqueued);
+            }
+
             /// A message of a run the broker cannot take stops the run there:
             /// the rest is given back behind it, and goes out after it, in order.
             async fn a_failure_mid_run_stops_the_run_and_keeps_the_order(b: B) {
@@ -753,6 +788,11 @@ macro_rules! outbox_suite {
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn hot_key() {
                 a_hot_keys_backlog_drains_a_batch_a_round_in_order(backend()).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn claim_window() {
+                a_claim_reads_a_window_not_a_hot_keys_whole_backlog(backend()).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

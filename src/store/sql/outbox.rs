@@ -129,8 +129,16 @@ pub(crate) enum OutboxParam {
     /// A duration in milliseconds.
     Ms,
     Batch,
+    /// How far a claim looks for heads: [`CLAIM_WINDOW`] batches.
+    Window,
     Id,
 }
+
+/// How many batches of the oldest due messages a claim reads, at most, to
+/// find its batch of heads: its cost is bounded by the batch, whatever one
+/// ordering key holds (a hot account's thousands of messages are not
+/// walked, each one probed, to reach another account's).
+pub(crate) const CLAIM_WINDOW: i64 = 4;
 
 /// The values an outbox statement may bind.
 #[derive(Default)]
@@ -174,6 +182,7 @@ where
             OutboxParam::Now => query.bind(args.now),
             OutboxParam::Ms => query.bind(args.ms),
             OutboxParam::Batch => query.bind(args.batch),
+            OutboxParam::Window => query.bind(args.batch.saturating_mul(CLAIM_WINDOW)),
             OutboxParam::Id => query.bind(args.id),
         };
     }
@@ -340,6 +349,7 @@ fn stmt(table: &str, template: &str, engine: &OutboxSql) -> OutboxStmt {
             "token" => OutboxParam::Token,
             "ms" => OutboxParam::Ms,
             "batch" => OutboxParam::Batch,
+            "window" => OutboxParam::Window,
             "id" => OutboxParam::Id,
             other => unreachable!("no placeholder {other}"),
         };
@@ -398,14 +408,21 @@ pub(crate) fn statements(table: &str, engine: &'static OutboxSql) -> OutboxState
         // Each message claimed is the head of its ordering key (its oldest
         // pending message): whoever holds a key's head holds the key, so
         // the rest of its run is claimed behind it (`Settle::claim_runs`)
-        // by that claimer alone. Pending rows are indexed by `seq`, so a
-        // claim walks the oldest first and stops at the batch.
+        // by that claimer alone. The heads are looked for among the oldest
+        // due messages only — a window of `CLAIM_WINDOW` batches, read from
+        // the pending index by `seq` — each probed for its key's first
+        // pending message, in the key's order (the ordering index, or the
+        // pending rows before it, never the whole table): a claim's cost
+        // is bounded by the batch, whatever one key holds. (The window is
+        // a derived table: MySQL takes no `LIMIT` in an `IN` subquery.)
         claim: s(&format!(
             "UPDATE {{t}} SET claimed_by = {{token}}, next_at = {{now}} + {{ms}}, attempts = attempts + 1 \
              WHERE state = 0 AND next_at <= {{now}} AND seq IN (SELECT seq FROM (\
-             SELECT o.seq FROM {{t}} o WHERE o.state = 0 AND o.next_at <= {{now}} \
-             AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {{t}} e \
-             WHERE e.state = 0 AND e.ordering_key = o.ordering_key AND e.seq < o.seq)) \
+             SELECT o.seq FROM {{t}} o WHERE o.seq IN (SELECT seq FROM (SELECT w.seq FROM {{t}} w \
+             WHERE w.state = 0 AND w.next_at <= {{now}} ORDER BY w.seq LIMIT {{window}}) AS due) \
+             AND o.state = 0 AND o.next_at <= {{now}} \
+             AND (o.ordering_key IS NULL OR o.seq = (SELECT e.seq FROM {{t}} e \
+             WHERE e.state = 0 AND e.ordering_key = o.ordering_key ORDER BY e.ordering_key, e.seq LIMIT 1)) \
              ORDER BY o.seq LIMIT {{batch}} {}) AS pick){}",
             engine.claim_lock,
             if engine.returning {
