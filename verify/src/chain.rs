@@ -145,10 +145,6 @@ pub struct Kafka {
     producer: FutureProducer,
 }
 
-/// Written to the dead-letter topic before it is read: tansu 0.6 leaves the
-/// last record of a batch unread until the next write.
-const MARKER: &str = "chain-marker";
-
 impl Line for Kafka {
     const NAME: &'static str = "kafka-chain";
     const EXAMPLE: &'static str = "kafka_orders";
@@ -192,19 +188,7 @@ impl Line for Kafka {
     }
 
     async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
-        let topic = format!("{}.dead", self.topic.name);
-        self.topic.produce_to(&topic, MARKER, MARKER).await;
-        self.topic
-            .dead_letters()
-            .into_iter()
-            .filter(|record| record.key.as_deref() != Some(MARKER))
-            .map(|record| {
-                (
-                    record.value,
-                    record.headers.get("dead-letter-kind").cloned(),
-                )
-            })
-            .collect()
+        self.topic.dead_letters_with_kinds().await
     }
 }
 

@@ -106,19 +106,16 @@ impl TestQueue {
 
     /// Messages ready in the queue (not counting unacknowledged deliveries).
     pub async fn ready(&self) -> u32 {
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
-        };
-        self.channel
-            .queue_declare(self.name.as_str().into(), passive, FieldTable::default())
-            .await
-            .unwrap()
-            .message_count()
+        self.passive().await.message_count()
     }
 
     /// Consumers of the queue.
     pub async fn consumers(&self) -> u32 {
+        self.passive().await.consumer_count()
+    }
+
+    /// The queue as the broker describes it (a passive declare).
+    async fn passive(&self) -> lapin::Queue {
         let passive = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
@@ -127,7 +124,6 @@ impl TestQueue {
             .queue_declare(self.name.as_str().into(), passive, FieldTable::default())
             .await
             .unwrap()
-            .consumer_count()
     }
 
     /// The name of the dead-letter queue the `orders_consumer` example

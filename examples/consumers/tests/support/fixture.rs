@@ -197,24 +197,7 @@ impl Fixture for Kafka {
     /// Kafka keeps what was read: the cases' lines and rows tell.
     async fn drained(&self) {}
 
-    /// tansu 0.6's in-memory storage leaves the last record of a batch of
-    /// several (two dead letters produced at once) unread until the next
-    /// write: a marker of the test's own is written first, and left out.
     async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
-        let topic = format!("{}.dead", self.topic.name);
-        self.topic.produce_to(&topic, MARKER, MARKER).await;
-        self.topic
-            .dead_letters()
-            .into_iter()
-            .filter(|record| record.key.as_deref() != Some(MARKER))
-            .map(|record| {
-                (
-                    record.value,
-                    record.headers.get("dead-letter-kind").cloned(),
-                )
-            })
-            .collect()
+        self.topic.dead_letters_with_kinds().await
     }
 }
-
-const MARKER: &str = "test-marker";
