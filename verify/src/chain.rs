@@ -157,8 +157,10 @@ impl Line for Kafka {
     /// again within seconds, beside others of their group, were seen to
     /// leave the group with no partition assigned to anyone from then on
     /// (seed 31: no assignment after the second stop, every later order
-    /// undecided). Until that is traced to tansu's coordinator or to the
-    /// consumer's leave, the family runs kills, pauses and database
+    /// undecided) — also with 12 s between the stop and the restart, 20 s
+    /// after the group formed, and with the consumer as it was before its
+    /// stop was made fast. Until that is traced to tansu's coordinator or
+    /// to the consumer's leave, the family runs kills, pauses and database
     /// faults; the SIGTERM cases of the broker tests run one consumer.
     const SIGTERM: bool = false;
 
