@@ -676,16 +676,15 @@ impl<St: Positions> Poller<St> {
             let consumer = self.consumer.clone();
             let topic = self.topic.clone();
             let watermarks = tokio::task::spawn_blocking(move || {
-                consumer.fetch_watermarks(&topic, partition, REACH)
+                consumer
+                    .fetch_watermarks(&topic, partition, REACH)
+                    .map_err(|e| e.to_string())
             })
-            .await;
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()));
             match watermarks {
-                Ok(Ok((_, high))) if high >= next => return Ok(()),
-                Ok(Ok((_, high))) => end = Some(high),
-                Ok(Err(error)) => {
-                    tracing::warn!(%error, partition, "kafka: the partition's end could not be read; seeking to its stored position");
-                    return Ok(());
-                }
+                Ok((_, high)) if high >= next => return Ok(()),
+                Ok((_, high)) => end = Some(high),
                 Err(error) => {
                     tracing::warn!(%error, partition, "kafka: the partition's end could not be read; seeking to its stored position");
                     return Ok(());

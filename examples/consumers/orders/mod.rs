@@ -155,43 +155,21 @@ pub async fn with_ledger<C: OnLedger>(consumer: C, settings: Settings) {
     // The URLs may carry passwords: they are never logged.
     let url = settings.database_url.clone();
     let bound = settings.tx_timeout;
+    // The ledger on `$store`'s engine: one transaction per order, bounded.
+    macro_rules! on {
+        ($store:ty) => {{
+            let builder = <$store>::builder()
+                .transactional()
+                .create_table_if_missing()
+                .transaction_timeout(bound);
+            let store = open(async || builder.clone().connect(&url).await).await;
+            consumer.run(store, settings).await
+        }};
+    }
     let ended = match Database::of(&url).unwrap_or_else(|why| exit_with(&why)) {
-        Database::Sqlite => {
-            let store = open(async || {
-                SqliteStore::builder()
-                    .transactional()
-                    .create_table_if_missing()
-                    .transaction_timeout(bound)
-                    .connect(&url)
-                    .await
-            })
-            .await;
-            consumer.run(store, settings).await
-        }
-        Database::MySql => {
-            let store = open(async || {
-                MySqlStore::builder()
-                    .transactional()
-                    .create_table_if_missing()
-                    .transaction_timeout(bound)
-                    .connect(&url)
-                    .await
-            })
-            .await;
-            consumer.run(store, settings).await
-        }
-        Database::Postgres => {
-            let store = open(async || {
-                PostgresStore::builder()
-                    .transactional()
-                    .create_table_if_missing()
-                    .transaction_timeout(bound)
-                    .connect(&url)
-                    .await
-            })
-            .await;
-            consumer.run(store, settings).await
-        }
+        Database::Sqlite => on!(SqliteStore),
+        Database::MySql => on!(MySqlStore),
+        Database::Postgres => on!(PostgresStore),
     };
     if let Err(error) = ended {
         exit_with(&error.to_string());

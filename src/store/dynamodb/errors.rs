@@ -50,6 +50,14 @@ pub(super) fn class<E: ProvideErrorMetadata, R>(error: &SdkError<E, R>) -> Class
     }
 }
 
+/// Whether DynamoDB's refusal `message` says the request is too large (an
+/// item over 400 KB: "Item size has exceeded the maximum allowed size"),
+/// which the same request always is.
+pub(super) fn too_large(message: &str) -> bool {
+    let message = message.to_ascii_lowercase();
+    message.contains("size") && (message.contains("exceed") || message.contains("maximum"))
+}
+
 /// `error` as the store reports it, `table` named.
 pub(super) fn store_error<E, R>(table: &str, error: SdkError<E, R>) -> StoreError
 where

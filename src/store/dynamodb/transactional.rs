@@ -283,8 +283,7 @@ fn cancelled(error: &SdkError<TransactWriteItemsError>) -> Option<Cancelled> {
 /// (an item over 400 KB, the request over 4 MB), which the same request
 /// always is, or otherwise refused.
 fn refusal(why: String) -> StoreError {
-    let lower = why.to_ascii_lowercase();
-    if lower.contains("size") && (lower.contains("exceed") || lower.contains("maximum")) {
+    if super::errors::too_large(&why) {
         StoreError::TooLarge(why)
     } else {
         StoreError::Refused(why.into())
