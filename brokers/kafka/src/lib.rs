@@ -132,9 +132,10 @@ const PER_PARTITION: usize = 100;
 /// How long the start-up waits for the brokers to answer.
 const REACH: Duration = Duration::from_secs(5);
 
-/// How often a partition's end is read, half a second apart, before a log
-/// that ends below its stored position is taken for another log.
-const WATERMARK_TRIES: u32 = 10;
+/// How long the record before a stored position may take to be fetched,
+/// where the partition's watermark is below that position, before the log
+/// is taken for another one.
+const PROBE: Duration = Duration::from_secs(10);
 
 /// A consumer group's topic, as the consumer loop drives it: see the
 /// [crate docs](crate). Built by [`Kafka::builder`], which reaches the
@@ -383,6 +384,7 @@ impl<St: Positions> KafkaBuilder<St> {
             .create_positions_table()
             .await
             .map_err(StartError::Positions)?;
+        let probe = probe_config(&config);
         consumer_config(&mut config)?;
         let (notices, notified) = mpsc::unbounded_channel();
         let consumer: StreamConsumer<Rebalances> = config
@@ -407,6 +409,7 @@ impl<St: Positions> KafkaBuilder<St> {
                 records,
                 stopped: stopped.clone(),
                 dropped: dropped.clone(),
+                probe,
             }
             .run(notified),
         );
@@ -501,6 +504,19 @@ fn admin_config(config: &ClientConfig) -> ClientConfig {
     admin
 }
 
+/// The configuration of a consumer that reads one partition from a given
+/// offset, assigned (librdkafka wants a group id, which it never joins or
+/// commits to), told of an offset out of range rather than reset.
+fn probe_config(config: &ClientConfig) -> ClientConfig {
+    let mut probe = admin_config(config);
+    probe
+        .set("group.id", "tower-idempotency-kafka-probe")
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "error");
+    probe
+}
+
 /// A rebalance, told by librdkafka's callback to the poller.
 enum Notice {
     Assigned(Vec<i32>),
@@ -553,6 +569,8 @@ struct Poller<St> {
     records: mpsc::UnboundedSender<KafkaRecord>,
     stopped: Arc<Mutex<Option<String>>>,
     dropped: Arc<AtomicU64>,
+    /// The configuration of [`served`]'s consumer.
+    probe: ClientConfig,
 }
 
 impl<St: Positions> Poller<St> {
@@ -652,54 +670,76 @@ impl<St: Positions> Poller<St> {
             }
             let mut resume = TopicPartitionList::new();
             resume.add_partition(&self.topic, *partition);
-            if let Err(error) = self.consumer.resume(&resume) {
-                tracing::error!(%error, partition, "kafka: a partition could not resume");
+            match self.consumer.resume(&resume) {
+                Ok(()) => match stored.get(partition) {
+                    Some(next) => tracing::info!(
+                        topic = %self.topic,
+                        "kafka: partition {partition} assigned, fetching from its stored position {next}"
+                    ),
+                    None => tracing::info!(
+                        topic = %self.topic,
+                        "kafka: partition {partition} assigned, fetching from its start (no stored position)"
+                    ),
+                },
+                Err(error) => {
+                    tracing::error!(%error, partition, "kafka: a partition could not resume")
+                }
             }
         }
         Ok(())
     }
 
-    /// `Err` when `partition`'s log ends (its high watermark) below `next`,
-    /// the position stored for it, and stays there: the log is not the one
-    /// the position was taken on — the topic deleted and created again, the
-    /// broker's log lost or moved to a new cluster — and every record of
-    /// the new log below `next` would be taken for decided and dropped. A
-    /// watermark that lags the records a broker serves (tansu's can) is
-    /// asked again for a while before that is concluded; one that cannot
+    /// `Err` when `partition`'s log ends below `next`, the position stored
+    /// for it: the log is not the one the position was taken on — the
+    /// topic deleted and created again, the broker's log lost or moved to
+    /// a new cluster — and every record of the new log below `next` would
+    /// be taken for decided and dropped. Its high watermark is read first;
+    /// only one below `next` is looked at again, by fetching the record
+    /// just before `next` (the last one decided): a broker whose watermark
+    /// lags the records it serves (tansu 0.6 reports its last batch's
+    /// first offset + 1) still serves it, a new log does not. What cannot
     /// be read leaves the seek to go on.
     async fn ends_below(&self, partition: i32, next: i64) -> Result<(), String> {
-        let mut end = None;
-        for attempt in 0..WATERMARK_TRIES {
-            if attempt > 0 {
-                tokio::time::sleep(Duration::from_millis(500)).await;
+        let consumer = self.consumer.clone();
+        let topic = self.topic.clone();
+        let watermarks = tokio::task::spawn_blocking(move || {
+            consumer
+                .fetch_watermarks(&topic, partition, REACH)
+                .map_err(|e| e.to_string())
+        })
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()));
+        let end = match watermarks {
+            Ok((_, high)) if high >= next => return Ok(()),
+            Ok((_, high)) => high,
+            Err(error) => {
+                tracing::warn!(%error, partition, "kafka: the partition's end could not be read; seeking to its stored position");
+                return Ok(());
             }
-            let consumer = self.consumer.clone();
-            let topic = self.topic.clone();
-            let watermarks = tokio::task::spawn_blocking(move || {
-                consumer
-                    .fetch_watermarks(&topic, partition, REACH)
-                    .map_err(|e| e.to_string())
-            })
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()));
-            match watermarks {
-                Ok((_, high)) if high >= next => return Ok(()),
-                Ok((_, high)) => end = Some(high),
-                Err(error) => {
-                    tracing::warn!(%error, partition, "kafka: the partition's end could not be read; seeking to its stored position");
-                    return Ok(());
-                }
+        };
+        let probe = self.probe.clone();
+        let topic = self.topic.clone();
+        let served =
+            tokio::task::spawn_blocking(move || served(&probe, &topic, partition, next - 1))
+                .await
+                .unwrap_or_else(|e| Err(e.to_string()));
+        match served {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(error) => {
+                tracing::warn!(%error, partition, "kafka: the record before the stored position could not be fetched; seeking to it");
+                return Ok(());
             }
         }
-        let end = end.unwrap_or_default();
         Err(format!(
             "partition {partition} of topic {topic} ends at offset {end}, below the position stored for \
-             consumer {name} ({next}): the topic's log is not the one that position was taken on \
-             (the topic deleted and created again, or the broker's log lost). Nothing was consumed \
-             from it. If this log is the one to consume from its start, delete the consumer's stored \
-             positions — DELETE FROM {TABLE} WHERE consumer = '{name}' AND topic = '{topic}' — \
-             and start again: records already decided under their keys are duplicates, never \
-             executed twice",
+             consumer {name} ({next}), and no record {last} is served: the topic's log is not the one \
+             that position was taken on (the topic deleted and created again, or the broker's log \
+             lost). Nothing was consumed from it. If this log is the one to consume from its start, \
+             delete the consumer's stored positions — DELETE FROM {TABLE} WHERE consumer = '{name}' \
+             AND topic = '{topic}' — and start again: records already decided under their keys are \
+             duplicates, never executed twice",
+            last = next - 1,
             topic = self.topic,
             name = self.name,
         ))
@@ -741,6 +781,29 @@ impl<St: Positions> Poller<St> {
             generation,
         });
     }
+}
+
+/// Whether the broker serves the record at `offset` of `partition`, asked
+/// by a consumer assigned there alone (never in a group): `false` when the broker
+/// answers that the offset is out of range, or no record comes within
+/// [`PROBE`].
+fn served(config: &ClientConfig, topic: &str, partition: i32, offset: i64) -> Result<bool, String> {
+    let consumer: BaseConsumer = config.create().map_err(|e| e.to_string())?;
+    let mut at = TopicPartitionList::new();
+    at.add_partition_offset(topic, partition, Offset::Offset(offset))
+        .map_err(|e| e.to_string())?;
+    consumer.assign(&at).map_err(|e| e.to_string())?;
+    let deadline = std::time::Instant::now() + PROBE;
+    while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
+        match consumer.poll(left.min(Duration::from_millis(500))) {
+            Some(Ok(message)) if message.offset() >= offset => return Ok(true),
+            Some(Err(KafkaError::MessageConsumption(
+                RDKafkaErrorCode::OffsetOutOfRange | RDKafkaErrorCode::AutoOffsetReset,
+            ))) => return Ok(false),
+            _ => {}
+        }
+    }
+    Ok(false)
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

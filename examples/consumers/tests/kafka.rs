@@ -263,6 +263,87 @@ async fn sigterm_finishes_the_work_in_hand_exits_zero_and_nothing_runs_twice() {
     assert_eq!(count(&[&after], |l| l.starts_with("executed order-0")), 0);
 }
 
+/// Orders produced together share a batch per partition, and tansu 0.6
+/// then reports a partition's end (its high watermark) as its last
+/// batch's first offset + 1 — below the positions its consumers stored.
+/// Three consumers, one stopped by SIGTERM and another started while the
+/// rest rebalance, twice: each partition is fetched again from its stored
+/// position before anything new is produced (none is taken for a new log
+/// while its last decided record is still served), and every order is
+/// charged once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumers_stopped_by_sigterm_beside_others_hand_their_partitions_on_and_all_is_charged_once()
+ {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 3).await;
+    let db = TestDatabase::create();
+    let logged = [("RUST_LOG", "tower_idempotency_kafka=info")];
+    let together = |from: usize, to: usize| {
+        (from..to)
+            .map(|i| (format!("acct-{}", i % 6), order(&format!("order-{i}"), 500)))
+            .collect::<Vec<_>>()
+    };
+    let mut consumers = Vec::new();
+    for _ in 0..3 {
+        consumers.push(consumer(&server, &topic, "g1", db.url(), &logged).await);
+    }
+    topic.produce_together(&together(0, 30)).await;
+    all_decided(
+        &consumers.iter().collect::<Vec<_>>(),
+        30,
+        Duration::from_secs(60),
+    )
+    .await;
+    let mut stopped = Vec::new();
+    for round in 1..=2 {
+        let mut leaving = consumers.remove(0);
+        let marks: Vec<usize> = consumers.iter().map(|c| c.log().len()).collect();
+        leaving.terminate();
+        let status = leaving.exited(Duration::from_secs(30)).await;
+        assert!(status.success(), "{status}");
+        stopped.push(leaving);
+        consumers.push(consumer(&server, &topic, "g1", db.url(), &logged).await);
+        // Every partition fetched again after the stop, by a consumer still
+        // running — before new records could lift the watermarks.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let fetching: std::collections::HashSet<String> = consumers
+                .iter()
+                .enumerate()
+                .flat_map(|(i, c)| c.log().into_iter().skip(*marks.get(i).unwrap_or(&0)))
+                .filter_map(|line| {
+                    let at = line.find("kafka: partition ")?;
+                    let rest = &line[at + "kafka: partition ".len()..];
+                    let (partition, rest) = rest.split_once(' ')?;
+                    rest.starts_with("assigned, fetching from")
+                        .then(|| partition.to_owned())
+                })
+                .collect();
+            if fetching.len() == 3 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "round {round}: partitions fetched again: {fetching:?}; logs: {:?}",
+                consumers.iter().map(|c| c.log()).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        topic
+            .produce_together(&together(30 * round, 30 * (round + 1)))
+            .await;
+        let all: Vec<_> = consumers.iter().chain(&stopped).collect();
+        all_decided(&all, 30 * (round + 1), Duration::from_secs(90)).await;
+    }
+    assert_eq!(db.count(CHARGES).await, 90);
+    assert_eq!(
+        db.count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
+            .await,
+        0,
+        "no order charged twice"
+    );
+}
+
 /// Mistakes and outages at start-up say so, within a bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_database_and_unreachable_brokers_are_told_at_start_up() {

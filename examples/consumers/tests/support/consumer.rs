@@ -13,6 +13,9 @@ use std::{
 pub struct OrdersConsumer {
     pub child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    /// Its stderr (its log, `RUST_LOG` as the test sets it; off unless),
+    /// also passed on to the test's.
+    log: Arc<Mutex<Vec<String>>>,
 }
 
 impl OrdersConsumer {
@@ -47,10 +50,11 @@ impl OrdersConsumer {
             .env("RUST_LOG", "off")
             .envs(env.iter().copied())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::piped())
             .spawn()
             .expect("start the orders_consumer example");
         let stdout = BufReader::new(child.stdout.take().unwrap());
+        let stderr = BufReader::new(child.stderr.take().unwrap());
         let lines = Arc::new(Mutex::new(Vec::new()));
         std::thread::spawn({
             let lines = lines.clone();
@@ -60,7 +64,17 @@ impl OrdersConsumer {
                 }
             }
         });
-        let consumer = Self { child, lines };
+        let log = Arc::new(Mutex::new(Vec::new()));
+        std::thread::spawn({
+            let log = log.clone();
+            move || {
+                for line in stderr.lines().map_while(Result::ok) {
+                    eprintln!("{line}");
+                    log.lock().unwrap().push(line);
+                }
+            }
+        });
+        let consumer = Self { child, lines, log };
         consumer.wait_for(|l| l.starts_with(ready)).await;
         consumer
     }
@@ -91,6 +105,11 @@ impl OrdersConsumer {
 
     pub fn lines(&self) -> Vec<String> {
         self.lines.lock().unwrap().clone()
+    }
+
+    /// Its stderr lines so far.
+    pub fn log(&self) -> Vec<String> {
+        self.log.lock().unwrap().clone()
     }
 
     /// Waits (up to 20 s) for a line that satisfies `f`.

@@ -159,6 +159,27 @@ impl TestTopic {
         self.produce_to(&self.name, key, value).await
     }
 
+    /// Produces each `(key, value)` at once, acknowledged, by a producer
+    /// that lingers: the records share a batch per partition, as a busy
+    /// producer's do.
+    pub async fn produce_together(&self, records: &[(String, String)]) {
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", &self.brokers)
+            .set("enable.idempotence", "true")
+            .set("linger.ms", "200")
+            .create()
+            .unwrap();
+        let sends = records.iter().map(|(key, value)| {
+            producer.send(
+                FutureRecord::to(&self.name).key(key).payload(value),
+                Duration::from_secs(10),
+            )
+        });
+        for sent in futures_util::future::join_all(sends).await {
+            sent.map_err(|(e, _)| e).expect("produce");
+        }
+    }
+
     pub async fn produce_to(&self, topic: &str, key: &str, value: &str) {
         self.producer
             .send(
