@@ -6,8 +6,8 @@
 //! consumer that spent deliveries on faults would exhaust, consumers also
 //! stopped by SIGTERM and started again. `kafka-chain`: `kafka_orders` on a
 //! private tansu, three partitions, pauses longer than the session timeout
-//! (a zombie whose partitions move on); no SIGTERM yet (see
-//! [`Kafka`]'s `SIGTERM`). At the end: every valid order charged exactly
+//! (a zombie whose partitions move on), consumers also stopped by SIGTERM and
+//! started again beside the rest of their group. At the end: every valid order charged exactly
 //! once, every message that can never succeed dead-lettered with a reason
 //! that is true, nothing left undecided.
 
@@ -53,9 +53,11 @@ pub trait Line: Sized {
     /// How long a pause must last to outlive the consumer's hold on what
     /// it has in hand (a visibility timeout, a session timeout).
     const HOLD: Duration;
-    /// Whether the nemesis stops consumers with SIGTERM (and starts them
-    /// again).
-    const SIGTERM: bool = true;
+    /// Partitions a consumer group shares, whose rebalance the nemesis
+    /// lets finish — every partition fetched again — after each change of
+    /// the group's members (a start, a kill, a SIGTERM, a zombie's wake)
+    /// before the next; `None` where nothing is shared.
+    const SETTLES: Option<usize> = None;
 
     fn start() -> impl Future<Output = Self>;
     /// The consumer's environment, besides its database.
@@ -153,16 +155,12 @@ impl Line for Kafka {
     const NAME: &'static str = "kafka-chain";
     const EXAMPLE: &'static str = "kafka_orders";
     const HOLD: Duration = Duration::from_secs(6);
-    /// Not yet: on tansu 0.6, consumers stopped by SIGTERM and started
-    /// again within seconds, beside others of their group, were seen to
-    /// leave the group with no partition assigned to anyone from then on
-    /// (seed 31: no assignment after the second stop, every later order
-    /// undecided) — also with 12 s between the stop and the restart, 20 s
-    /// after the group formed, and with the consumer as it was before its
-    /// stop was made fast. Until that is traced to tansu's coordinator or
-    /// to the consumer's leave, the family runs kills, pauses and database
-    /// faults; the SIGTERM cases of the broker tests run one consumer.
-    const SIGTERM: bool = false;
+    /// tansu 0.6's group coordinator can be wedged by members that leave,
+    /// join or stop answering while it rebalances: from then on it
+    /// assigns nothing, to plain librdkafka consumers as well (see
+    /// RELIABILITY.md). The nemesis therefore changes the group only once
+    /// it has settled.
+    const SETTLES: Option<usize> = Some(3);
 
     async fn start() -> Self {
         let server = KafkaServer::start();
@@ -227,14 +225,23 @@ struct Chain {
     consumers: Vec<Consumer>,
     env: Vec<(String, String)>,
     binary: PathBuf,
+    /// Where each consumer process's log goes (`consumer-<i>-<start>.log`).
+    logs: PathBuf,
+    started: usize,
 }
 
 impl Chain {
     fn spawn(&mut self, i: usize) {
+        self.started += 1;
+        let log = std::fs::File::create(self.logs.join(format!(
+            "consumer-{i}-{started}.log",
+            started = self.started
+        )))
+        .expect("a consumer's log file");
         let mut child = Command::new(&self.binary)
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::piped())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .unwrap_or_else(|e| panic!("start {}: {e}", self.binary.display()));
         let mut stdout = BufReader::new(child.stdout.take().unwrap());
@@ -269,6 +276,48 @@ impl Chain {
             }
             let _ = child.kill();
             let _ = child.wait();
+        }
+    }
+
+    /// How far each consumer log has been written so far.
+    fn logged(&self) -> HashMap<PathBuf, u64> {
+        std::fs::read_dir(&self.logs)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("consumer-"))
+            .map(|e| (e.path(), e.metadata().map(|m| m.len()).unwrap_or(0)))
+            .collect()
+    }
+
+    /// Waits, at most a minute, until the consumers' logs since `mark` say
+    /// every one of [`Line::SETTLES`] partitions was assigned and fetched.
+    async fn settled<L: Line>(&self, mark: &HashMap<PathBuf, u64>) {
+        let Some(partitions) = L::SETTLES else {
+            return;
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            let mut fetched = std::collections::HashSet::new();
+            for path in self.logged().into_keys() {
+                let Ok(text) = std::fs::read(&path) else {
+                    continue;
+                };
+                let from = mark.get(&path).copied().unwrap_or(0) as usize;
+                let text = String::from_utf8_lossy(text.get(from..).unwrap_or_default());
+                for line in text.lines() {
+                    if let Some((_, rest)) = line.split_once("kafka: partition ")
+                        && let Some((partition, rest)) = rest.split_once(' ')
+                        && rest.starts_with("assigned, fetching from")
+                    {
+                        fetched.insert(partition.to_owned());
+                    }
+                }
+            }
+            if fetched.len() >= partitions {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
@@ -331,7 +380,8 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
         ("DATABASE_URL".to_owned(), db.url_via(relay.port())),
         ("WORK_DELAY_MS".to_owned(), "50".to_owned()),
         ("IDEMPOTENCY_TX_TIMEOUT_MS".to_owned(), "5000".to_owned()),
-        ("RUST_LOG".to_owned(), "off".to_owned()),
+        ("RUST_LOG".to_owned(), "info".to_owned()),
+        ("NO_COLOR".to_owned(), "1".to_owned()),
     ]);
     let mut chain = Chain {
         consumers: (0..plan.consumers)
@@ -342,10 +392,13 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
             .collect(),
         env,
         binary: plan.binary.clone(),
+        logs: plan.out.clone(),
+        started: 0,
     };
     for i in 0..plan.consumers {
         chain.spawn(i);
     }
+    chain.settled::<L>(&HashMap::new()).await;
 
     let stop = Arc::new(AtomicBool::new(false));
     let expected: Arc<Mutex<HashMap<String, Vec<Expect>>>> = Arc::default();
@@ -364,12 +417,13 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
         let i = rng.usize(..plan.consumers);
         let hold = Duration::from_millis(rng.u64(500..3000));
         let start = recorder.now();
-        let menu = if L::SIGTERM { 5 } else { 4 };
-        let (kind, target) = match rng.u32(..menu) {
+        let (kind, target) = match rng.u32(..5) {
             0 => {
+                let mark = chain.logged();
                 chain.kill(i);
                 tokio::time::sleep(hold / 2).await;
                 chain.spawn(i);
+                chain.settled::<L>(&mark).await;
                 ("kill", format!("consumer {i}"))
             }
             1 => {
@@ -378,7 +432,9 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
                 // stopped, and it wakes a zombie.
                 chain.pause(i, true);
                 tokio::time::sleep(L::HOLD + hold).await;
+                let mark = chain.logged();
                 chain.pause(i, false);
+                chain.settled::<L>(&mark).await;
                 ("pause", format!("consumer {i}"))
             }
             2 => {
@@ -394,9 +450,13 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
                 ("stall-database", "database".into())
             }
             _ => {
+                let mark = chain.logged();
                 tokio::task::block_in_place(|| chain.terminate(i));
+                chain.settled::<L>(&mark).await;
                 tokio::time::sleep(hold / 2).await;
+                let mark = chain.logged();
                 chain.spawn(i);
+                chain.settled::<L>(&mark).await;
                 ("sigterm", format!("consumer {i}"))
             }
         };

@@ -8,6 +8,10 @@ use std::{
     os::unix::process::CommandExt,
     path::PathBuf,
     process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
     time::Duration,
 };
 
@@ -95,6 +99,9 @@ pub struct Instance {
     pub relay: Relay,
     child: Option<Child>,
     pub paused: bool,
+    /// How many answers it held after their commit (`committed <key>` on
+    /// its stdout, while [`Deployment::hold_answers`] is on).
+    committed: Arc<AtomicUsize>,
 }
 
 pub struct Deployment {
@@ -111,6 +118,9 @@ pub struct Deployment {
     pub lease: Duration,
     /// What the last instance that would not start said last.
     last_start_error: String,
+    /// While this file exists, the instances hold each first execution's
+    /// answer after its commit (the example's `ANSWER_HOLD_FILE`).
+    answer_hold: PathBuf,
 }
 
 impl Deployment {
@@ -156,7 +166,16 @@ impl Deployment {
             None => None,
         };
         let via = store_relay.as_ref().map(Relay::port);
+        let answer_hold = std::env::temp_dir().join(format!(
+            "tower-idempotency-verify-answer-hold-{}-{}",
+            std::process::id(),
+            listen_port()
+        ));
         let mut env = vec![
+            (
+                "ANSWER_HOLD_FILE".to_owned(),
+                answer_hold.display().to_string(),
+            ),
             ("RUST_LOG".to_owned(), "off".to_owned()),
             ("PROCESSOR_LATENCY_MS".to_owned(), "30".to_owned()),
             (
@@ -215,6 +234,7 @@ impl Deployment {
             binary,
             lease,
             last_start_error: String::new(),
+            answer_hold,
         };
         // The first creates the tables; the others start together.
         for _ in 0..instances {
@@ -225,6 +245,7 @@ impl Deployment {
                 relay,
                 child: None,
                 paused: false,
+                committed: Arc::new(AtomicUsize::new(0)),
             });
         }
         for i in 0..instances {
@@ -295,11 +316,36 @@ impl Deployment {
                 break;
             }
         }
-        std::thread::spawn(move || for _ in stdout.lines() {});
+        let committed = self.instances[i].committed.clone();
+        std::thread::spawn(move || {
+            for line in stdout.lines().map_while(Result::ok) {
+                if line.starts_with("committed ") {
+                    committed.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
         std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
         self.instances[i].child = Some(child);
         self.instances[i].paused = false;
         true
+    }
+
+    /// Whether the instances hold each first execution's answer after its
+    /// commit (for 3 s, saying so on their stdout).
+    pub fn hold_answers(&self, on: bool) {
+        if on {
+            std::fs::write(&self.answer_hold, b"").expect("the answer-hold file");
+        } else {
+            let _ = std::fs::remove_file(&self.answer_hold);
+        }
+    }
+
+    /// How many answers each instance has held after their commit so far.
+    pub fn committed(&self) -> Vec<usize> {
+        self.instances
+            .iter()
+            .map(|i| i.committed.load(Ordering::Relaxed))
+            .collect()
     }
 
     /// `kill -9` instance `i` (its process group: the example, and the
@@ -400,11 +446,6 @@ impl Deployment {
         }
     }
 
-    /// How many charges the ledger holds now.
-    pub async fn charges(&self) -> usize {
-        self.effects().await.len()
-    }
-
     /// The SQLite file's URL.
     fn sqlite_url(&self) -> String {
         self.env
@@ -488,6 +529,7 @@ async fn dynamodb_effects(server: &dynamodb::DynamoServer, table: &str) -> Vec<E
 
 impl Drop for Deployment {
     fn drop(&mut self) {
+        self.hold_answers(false);
         for i in 0..self.instances.len() {
             self.pause(i, false);
             self.kill(i);

@@ -22,8 +22,9 @@ use crate::{
 pub enum Fault {
     /// `kill -9` an instance, restart it a moment later.
     Kill,
-    /// `kill -9` an instance right after a charge committed, before its
-    /// answer left: the retry must replay, not execute again.
+    /// `kill -9` the instance that just committed a charge, before its
+    /// answer left (held back after the commit): the retry must replay,
+    /// not execute again.
     KillAtCommit,
     /// `SIGSTOP` an instance for longer than the lease, then `SIGCONT`.
     Pause,
@@ -162,17 +163,30 @@ async fn inject(
             instance
         }
         Fault::KillAtCommit => {
-            // The next committed charge, then at once the instance that
-            // most likely committed it.
-            let before = deployment.charges().await;
+            // The instances hold each answer after its commit; the first
+            // that says it committed one is killed while it holds it.
+            let before = deployment.committed();
+            deployment.hold_answers(true);
             let deadline = tokio::time::Instant::now() + hold * 2;
-            while deployment.charges().await == before && tokio::time::Instant::now() < deadline {
+            let committed = loop {
+                let now = deployment.committed();
+                if let Some(j) = (0..now.len()).find(|&j| now[j] > before[j]) {
+                    break Some(j);
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    break None;
+                }
                 tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            deployment.kill(i);
+            };
+            let j = committed.unwrap_or(i);
+            deployment.kill(j);
+            deployment.hold_answers(false);
             tokio::time::sleep(hold / 2).await;
-            deployment.spawn(i, None);
-            format!("instance {i}")
+            deployment.spawn(j, None);
+            match committed {
+                Some(_) => format!("instance {j}"),
+                None => format!("instance {j} (no commit within {:?})", hold * 2),
+            }
         }
         Fault::Pause => {
             deployment.pause(i, true);

@@ -50,7 +50,15 @@ pub struct Settings {
     /// transaction (a transactional SQL store only); the `outbox_relay`
     /// example publishes it.
     pub outbox_destination: Option<String>,
+    /// `ANSWER_HOLD_FILE`, for fault tests: while that file exists, a
+    /// charge's answer, once committed, is announced on stdout
+    /// (`committed <Idempotency-Key>`) and held back 3 s — long enough to
+    /// kill the instance that committed before its answer leaves.
+    answer_hold: Option<std::path::PathBuf>,
 }
+
+/// How long an answer is held under [`Settings::answer_hold`].
+const ANSWER_HOLD: Duration = Duration::from_secs(3);
 
 impl Settings {
     /// The settings, or a message that names the variable to fix.
@@ -117,6 +125,9 @@ impl Settings {
             outbox_destination: env::var("OUTBOX_DESTINATION")
                 .ok()
                 .filter(|d| !d.is_empty()),
+            answer_hold: env::var_os("ANSWER_HOLD_FILE")
+                .filter(|f| !f.is_empty())
+                .map(Into::into),
         })
     }
 }
@@ -170,6 +181,11 @@ where
         .route("/v1/charges", create.get(list_charges))
         // Only on routes that matched; `GET` passes through it untouched.
         .route_layer(idempotency)
+        // Outside the layer: what it holds, it holds after the commit.
+        .route_layer(middleware::from_fn_with_state(
+            settings.answer_hold.clone(),
+            hold_answer,
+        ))
         // Authenticate first, so the account is the idempotency scope.
         .layer(middleware::from_fn(authenticate))
         // The operators' routes, outside both: they check `ADMIN_TOKEN`.
@@ -198,6 +214,35 @@ where
                 )),
         )
         .with_state(state)
+}
+
+/// [`Settings::answer_hold`]: a first execution's answer (not a replay's),
+/// announced and held while the file exists.
+async fn hold_answer(
+    State(file): State<Option<std::path::PathBuf>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let key = request
+        .headers()
+        .get("idempotency-key")
+        .and_then(|k| k.to_str().ok())
+        .map(str::to_owned);
+    let response = next.run(request).await;
+    let executed =
+        response.status().is_success() && !response.headers().contains_key("idempotent-replayed");
+    if let (Some(file), Some(key), true) = (file, key, executed)
+        && file.exists()
+    {
+        {
+            use std::io::Write as _;
+            let mut out = std::io::stdout().lock();
+            let _ = writeln!(out, "committed {key}");
+            let _ = out.flush();
+        }
+        tokio::time::sleep(ANSWER_HOLD).await;
+    }
+    response
 }
 
 /// A refusal made below the handlers with an empty body — no such route
@@ -663,6 +708,7 @@ mod tests {
             request_timeout: Duration::from_secs(10),
             downstream_key: true,
             outbox_destination: None,
+            answer_hold: None,
         }
     }
 
