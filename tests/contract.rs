@@ -12,7 +12,7 @@ use std::{
 };
 
 use tower_idempotency::{
-    CompletedRecord, Fingerprint,
+    CompletedRecord, CorruptRecord, Fingerprint,
     store::{
         Claim, FailedCompletion, Forgotten, Granted, Held, KeyState, LeaseToken, StorageKey, Store,
         StoreError,
@@ -30,9 +30,11 @@ where
     B::Store: Store<Granted = LeaseToken>,
 {
     let store = backend.store().await;
-    StoreContract::new(|| async { store.clone() })
-        .assert()
-        .await;
+    let mut contract = StoreContract::new(|| async { store.clone() });
+    if let Some(corrupt) = backend.corrupter(&store) {
+        contract = contract.corrupting(move |key| corrupt(key));
+    }
+    contract.assert().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,6 +108,9 @@ enum Bug {
     CapsRetention,
     /// A release is not fenced: a stranger's token frees the key.
     ReleaseUnfenced,
+    /// The fingerprint is compared before the record is read: an
+    /// unreadable record under another fingerprint is a mismatch.
+    ComparesBeforeReading,
 }
 
 type Entry = (
@@ -120,6 +125,8 @@ type Entry = (
 struct Toy {
     bug: Bug,
     map: Arc<Mutex<HashMap<String, Entry>>>,
+    /// The slots whose record was made unreadable.
+    garbled: Arc<Mutex<std::collections::HashSet<String>>>,
 }
 
 impl Toy {
@@ -127,7 +134,12 @@ impl Toy {
         Self {
             bug,
             map: Arc::default(),
+            garbled: Arc::default(),
         }
+    }
+
+    fn garble(&self, key: &StorageKey) {
+        self.garbled.lock().unwrap().insert(self.slot(key));
     }
 
     /// Where a key's record lives: its storage key, unless a bug says
@@ -171,6 +183,14 @@ impl Store for Toy {
         let found = self.live(key);
         if self.bug == Bug::RacyClaim {
             tokio::task::yield_now().await;
+        }
+        if let Some((stored, ..)) = &found
+            && self.garbled.lock().unwrap().contains(&self.slot(key))
+        {
+            if self.bug == Bug::ComparesBeforeReading && stored != fp {
+                return Ok(Claim::Mismatch);
+            }
+            return Err(CorruptRecord("garbled").into());
         }
         let slot = self.slot(key);
         let grant = |map: &mut HashMap<String, Entry>| {
@@ -289,14 +309,25 @@ impl Store for Toy {
 }
 
 async fn broken_rules(bug: Bug) -> Vec<&'static str> {
-    StoreContract::new(|| async move { Toy::new(bug) })
-        .time_unit(Duration::from_millis(100))
-        .model_cases(24, 1)
-        .check()
-        .await
-        .into_iter()
-        .map(|v| v.rule)
-        .collect()
+    // One toy for every rule (each uses keys of its own), so that the
+    // corrupter reaches the store the rule holds.
+    let toy = Toy::new(bug);
+    let garbling = toy.clone();
+    StoreContract::new(move || {
+        let toy = toy.clone();
+        async move { toy }
+    })
+    .corrupting(move |key| {
+        garbling.garble(&key);
+        async {}
+    })
+    .time_unit(Duration::from_millis(100))
+    .model_cases(24, 1)
+    .check()
+    .await
+    .into_iter()
+    .map(|v| v.rule)
+    .collect()
 }
 
 /// The toy store without bugs keeps the contract; each planted bug breaks
@@ -324,6 +355,10 @@ async fn each_rule_fails_against_a_store_with_its_bug_planted() {
         (Bug::FoldsCase, "keys_compare_byte_for_byte"),
         (Bug::CapsRetention, "retention_is_kept_as_long_as_asked"),
         (Bug::ReleaseUnfenced, "behaves_as_the_model"),
+        (
+            Bug::ComparesBeforeReading,
+            "an_unreadable_record_is_an_error_under_any_fingerprint",
+        ),
     ];
     each_rule_is_caught(&planted, broken_rules, RULES).await;
 }

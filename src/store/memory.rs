@@ -9,7 +9,10 @@ use std::{
 
 use tokio::time::Instant;
 
-use super::{Claim, Forgotten, KeyState, LeaseToken, MAX_TTL, StorageKey, Store, StoreError};
+use super::{
+    Claim, Forgotten, Found, FoundState, KeyState, LeaseToken, MAX_TTL, StorageKey, Store,
+    StoreError,
+};
 use crate::{fingerprint::Fingerprint, lock::lock, record::CompletedRecord};
 
 /// Enough shards that cores rarely wait for each other's lock, and that the
@@ -178,19 +181,21 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let mut shard = self.shard(key);
         if let Some(entry) = shard.entries.get(key).filter(|e| e.expires_at > now) {
-            return Ok(if entry.fingerprint != *fingerprint {
-                Claim::Mismatch
-            } else {
-                match &entry.state {
-                    State::InFlight(_) => Claim::InFlight {
-                        retry_after: entry.expires_at - now,
+            let left = entry.expires_at - now;
+            return Found {
+                fingerprint: Ok(entry.fingerprint),
+                state: match &entry.state {
+                    State::InFlight(_) => FoundState::InFlight {
+                        retry_after: left,
+                        ours: None,
                     },
-                    State::Completed(record) => Claim::Completed {
-                        record: record.clone(),
-                        expires_in: entry.expires_at - now,
+                    State::Completed(record) => FoundState::Completed {
+                        record: Ok(record.clone()),
+                        expires_in: left,
                     },
-                }
-            });
+                },
+            }
+            .decide(fingerprint);
         }
         let token = LeaseToken::generate();
         let entry = Entry {

@@ -97,6 +97,7 @@ mod claim_within;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
 pub mod dynamodb;
+mod found;
 #[cfg(feature = "memory")]
 mod memory;
 #[cfg(feature = "redis")]
@@ -114,6 +115,7 @@ pub mod sql;
 #[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
 pub use cached::CachedStore;
 pub use claim_within::claim_within;
+pub use found::{Found, FoundState};
 #[cfg(feature = "memory")]
 #[cfg_attr(docsrs, doc(cfg(feature = "memory")))]
 pub use memory::MemoryStore;

@@ -4,7 +4,9 @@
 //! after its retention counted from the completion — and not sooner than
 //! asked — a release frees the key, the same key under two scopes is two
 //! keys, keys compare byte for byte, inspect and forget tell the truth,
-//! concurrent claims grant the key once; and, model-based, random
+//! concurrent claims grant the key once, an unreadable record is an error
+//! under any fingerprint (given [`StoreContract::corrupting`]); and,
+//! model-based, random
 //! sequences of claims, extensions, completions, releases, forgets,
 //! inspects and waits keep to a reference model of each key's states
 //! (absent; claimed, with its token and lease; completed, with its
@@ -100,11 +102,17 @@ pub use transactional::{TX_RULES, TxEffects, TxStoreContract};
 /// [module docs](self).
 pub struct StoreContract<M> {
     make: M,
+    /// Overwrites a key's stored record with bytes its store cannot read.
+    corrupt: Option<Corrupter>,
     inspect: bool,
     unit: Duration,
     cases: usize,
     seed: u64,
 }
+
+/// What [`StoreContract::corrupting`] is given.
+type Corrupter =
+    Arc<dyn Fn(StorageKey) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync>;
 
 /// Panics, listing each broken rule, unless `broken` is empty.
 fn assert_kept(store: &str, broken: &[Violation]) {
@@ -155,6 +163,7 @@ rules! {
         scopes_keep_keys_apart,
         keys_compare_byte_for_byte,
         retention_is_kept_as_long_as_asked,
+        an_unreadable_record_is_an_error_under_any_fingerprint,
         behaves_as_the_model,
     }
 }
@@ -185,6 +194,7 @@ where
     pub fn new(make: M) -> Self {
         Self {
             make,
+            corrupt: None,
             inspect: true,
             unit: Duration::from_millis(200),
             cases: 8,
@@ -207,6 +217,32 @@ where
     pub fn model_cases(mut self, cases: usize, seed: u64) -> Self {
         self.cases = cases;
         self.seed = seed;
+        self
+    }
+
+    /// How to overwrite the record a store holds under a key with bytes
+    /// it cannot read (a truncated or garbled value, written to its table,
+    /// key or item directly), for the rule that an unreadable record is an
+    /// error under any fingerprint — never a mismatch, never a claim
+    /// granted over it to run the work again. Without it that rule is
+    /// skipped: only the store's own tests know where its bytes live.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{MemoryStore, testing::StoreContract};
+    ///
+    /// // A real store's tests write garbage where the key's record is.
+    /// let contract = StoreContract::new(|| async { MemoryStore::new() })
+    ///     .corrupting(|key| async move { let _ = key; /* UPDATE … SET record = x'00' … */ });
+    /// # let _ = contract;
+    /// ```
+    pub fn corrupting<C, CFut>(mut self, corrupt: C) -> Self
+    where
+        C: Fn(StorageKey) -> CFut + Send + Sync + 'static,
+        CFut: Future<Output = ()> + Send + 'static,
+    {
+        self.corrupt = Some(Arc::new(move |key| Box::pin(corrupt(key))));
         self
     }
 
@@ -260,7 +296,11 @@ where
     /// ```
     pub async fn check(&self) -> Vec<Violation> {
         self.run_rules(
-            |rule| rule == "inspect_and_forget_tell_the_truth" && !self.inspect,
+            |rule| {
+                (rule == "inspect_and_forget_tell_the_truth" && !self.inspect)
+                    || (rule == "an_unreadable_record_is_an_error_under_any_fingerprint"
+                        && self.corrupt.is_none())
+            },
             |rule| {
                 let store = (self.make)();
                 async move { (store.await, key(rule)) }
@@ -313,6 +353,35 @@ where
                 show(&other)
             )),
         }
+    }
+
+    /// A completed record made unreadable: a claim under its fingerprint
+    /// and under another are errors, never a replay, a mismatch or a
+    /// grant; and so they stay (nothing was taken over to run again).
+    async fn an_unreadable_record_is_an_error_under_any_fingerprint(
+        &self,
+        (store, key): (St, StorageKey),
+    ) -> Outcome {
+        let Some(corrupt) = &self.corrupt else {
+            return Ok(());
+        };
+        let store = &store;
+        let lease = self.unit * 2;
+        let mut token = acquire(store, &key, &FP, lease).await?;
+        complete(store, &key, &mut token, day()).await?;
+        corrupt(key.clone()).await;
+        for (asked, fingerprint) in [("its own", &FP), ("another", &OTHER), ("its own", &FP)] {
+            match store.claim(&key, fingerprint, lease).await {
+                Err(_) => {}
+                other => {
+                    return Err(format!(
+                        "a claim with {asked} fingerprint met an unreadable record and got {}, not an error",
+                        show(&other)
+                    ));
+                }
+            }
+        }
+        Ok(())
     }
 
     async fn release_frees_the_key(&self, (store, key): (St, StorageKey)) -> Outcome {

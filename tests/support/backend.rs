@@ -12,7 +12,9 @@ use std::{
 use tower_idempotency::{
     DynamoDbStore, DynamoDbTxStore, MemoryStore, MySqlStore, MySqlTxStore, PostgresStore,
     PostgresTxStore, RedisStore, SqliteStore, SqliteTxStore, sqlx,
-    store::{CachedStore, Granted, Store, dynamodb::TransactWrites, sql::DeleteExpired},
+    store::{
+        CachedStore, Granted, StorageKey, Store, dynamodb::TransactWrites, sql::DeleteExpired,
+    },
     testing::TxEffects,
 };
 
@@ -26,6 +28,50 @@ pub trait Backend {
     /// Whether the store's claims are transactions the handler writes in.
     const TRANSACTIONS: bool = false;
     fn store(&self) -> impl Future<Output = Self::Store>;
+    /// Overwrites what `store` holds under a key with bytes it cannot
+    /// read, written where its bytes live (the contract's rule on
+    /// unreadable records); `None` where a store keeps no bytes.
+    fn corrupter(&self, _store: &Self::Store) -> Option<Corrupter> {
+        None
+    }
+}
+
+/// What [`Backend::corrupter`] gives.
+pub type Corrupter = std::sync::Arc<
+    dyn Fn(StorageKey) -> std::pin::Pin<Box<dyn Future<Output = ()> + Send>> + Send + Sync,
+>;
+
+/// Bytes no store of the crate can read as a record.
+const GARBAGE: &[u8] = b"\x00 not a record";
+
+/// Overwrites the record of `key` in every `records_*` table of the
+/// database at `url` (each contract store has a table of its own).
+macro_rules! sql_corrupter {
+    ($connection:ty, $url:expr, $tables:literal, $update:literal) => {{
+        let url: String = $url;
+        Some(std::sync::Arc::new(move |key: StorageKey| {
+            let url = url.clone();
+            Box::pin(async move {
+                use sqlx::Connection as _;
+                let mut on = <$connection>::connect(&url)
+                    .await
+                    .expect("connect to corrupt");
+                let tables: Vec<String> = sqlx::query_scalar($tables)
+                    .fetch_all(&mut on)
+                    .await
+                    .expect("list the records tables");
+                for table in tables {
+                    // The names come from the database's own catalogue.
+                    sqlx::query(sqlx::AssertSqlSafe(format!($update, table = table)))
+                        .bind(GARBAGE)
+                        .bind(key.as_str().to_owned())
+                        .execute(&mut on)
+                        .await
+                        .expect("corrupt a record");
+                }
+            }) as std::pin::Pin<Box<dyn Future<Output = ()> + Send>>
+        }) as Corrupter)
+    }};
 }
 
 pub struct Memory;
@@ -58,6 +104,30 @@ impl Backend for SingleRedis {
             .connect(&self.0.url())
             .await
             .expect("connect to the test redis-server")
+    }
+
+    /// The value cut in half, its TTL kept.
+    fn corrupter(&self, store: &RedisStore) -> Option<Corrupter> {
+        let (store, url) = (store.clone(), self.0.url());
+        Some(std::sync::Arc::new(move |key: StorageKey| {
+            let (name, url) = (store.redis_key(&key), url.clone());
+            Box::pin(async move {
+                let client = redis::Client::open(url).unwrap();
+                let mut redis = client.get_multiplexed_async_connection().await.unwrap();
+                let value: Vec<u8> = redis::cmd("GET")
+                    .arg(&name)
+                    .query_async(&mut redis)
+                    .await
+                    .unwrap();
+                let () = redis::cmd("SET")
+                    .arg(&name)
+                    .arg(&value[..value.len() / 2])
+                    .arg("KEEPTTL")
+                    .query_async(&mut redis)
+                    .await
+                    .unwrap();
+            }) as std::pin::Pin<Box<dyn Future<Output = ()> + Send>>
+        }))
     }
 }
 
@@ -117,6 +187,15 @@ impl Backend for Postgres {
             .await
             .expect("connect to the test database")
     }
+
+    fn corrupter(&self, _: &PostgresStore) -> Option<Corrupter> {
+        sql_corrupter!(
+            sqlx::PgConnection,
+            self.0.url().to_owned(),
+            "SELECT table_name::text FROM information_schema.tables WHERE table_name LIKE 'records%'",
+            "UPDATE {table} SET record = $1 WHERE key = $2"
+        )
+    }
 }
 
 /// PostgreSQL, transactional: a throwaway database, a fresh table per store.
@@ -165,6 +244,15 @@ impl Backend for Sqlite {
             .connect(&self.0.url())
             .await
             .expect("open the test database")
+    }
+
+    fn corrupter(&self, _: &SqliteStore) -> Option<Corrupter> {
+        sql_corrupter!(
+            sqlx::SqliteConnection,
+            self.0.url(),
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'records%'",
+            "UPDATE {table} SET record = ?1 WHERE key = ?2"
+        )
     }
 }
 
@@ -215,6 +303,15 @@ impl Backend for MySql {
             .connect(self.0.url())
             .await
             .expect("connect to the test database")
+    }
+
+    fn corrupter(&self, _: &MySqlStore) -> Option<Corrupter> {
+        sql_corrupter!(
+            sqlx::MySqlConnection,
+            self.0.url().to_owned(),
+            "SELECT CAST(table_name AS CHAR) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE 'records%'",
+            "UPDATE {table} SET record = ? WHERE `key` = ?"
+        )
     }
 }
 
@@ -409,6 +506,33 @@ impl Backend for Dynamo {
             .build()
             .await
             .expect("open the test table")
+    }
+
+    /// The item's record attribute (`rec`) garbled, in every table that
+    /// holds the key.
+    fn corrupter(&self, _: &DynamoDbStore) -> Option<Corrupter> {
+        use tower_idempotency::aws_sdk_dynamodb::{primitives::Blob, types::AttributeValue};
+        let client = self.0.client();
+        Some(std::sync::Arc::new(move |key: StorageKey| {
+            let client = client.clone();
+            Box::pin(async move {
+                let tables = client.list_tables().send().await.expect("list the tables");
+                for table in tables.table_names() {
+                    let _ = client
+                        .update_item()
+                        .table_name(table)
+                        .key("pk", AttributeValue::S(key.as_str().to_owned()))
+                        .update_expression("SET rec = :garbage")
+                        .condition_expression("attribute_exists(rec)")
+                        .expression_attribute_values(
+                            ":garbage",
+                            AttributeValue::B(Blob::new(GARBAGE)),
+                        )
+                        .send()
+                        .await;
+                }
+            }) as std::pin::Pin<Box<dyn Future<Output = ()> + Send>>
+        }))
     }
 }
 

@@ -100,7 +100,8 @@ use self::{
     item::{Item, Stored},
 };
 use super::{
-    Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError, claim_within, ttl_millis,
+    Claim, Forgotten, Found, FoundState, KeyState, LeaseToken, StorageKey, Store, StoreError,
+    claim_within, ttl_millis,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -230,7 +231,7 @@ impl Table {
                     None => self.get(key).await?,
                 };
                 match old {
-                    Some(old) => self.met(&Stored::read(&old)?, fingerprint, now),
+                    Some(old) => self.met(Stored::read(&old)?, fingerprint, now),
                     // Gone between the two: a retry claims it.
                     None => Ok(Claim::InFlight {
                         retry_after: Duration::from_millis(100),
@@ -241,32 +242,40 @@ impl Table {
         }
     }
 
-    /// What a refused claim met, for requests with `fingerprint`.
+    /// What a refused claim met, for requests with `fingerprint`, decided
+    /// by the one rule.
     fn met(
         &self,
-        stored: &Stored,
+        stored: Stored,
         fingerprint: &Fingerprint,
         now: u64,
     ) -> Result<Claim<LeaseToken>, StoreError> {
-        Ok(match stored {
-            Stored::InFlight { fingerprint: f, .. } | Stored::Completed { fingerprint: f, .. }
-                if f != fingerprint =>
-            {
-                Claim::Mismatch
-            }
-            Stored::InFlight { deadline_ms, .. } => Claim::InFlight {
-                retry_after: Duration::from_millis(deadline_ms.saturating_sub(now).max(1)),
+        match stored {
+            Stored::InFlight {
+                fingerprint: stored,
+                deadline_ms,
+                ..
+            } => Found {
+                fingerprint: Ok(stored),
+                state: FoundState::InFlight {
+                    retry_after: Duration::from_millis(deadline_ms.saturating_sub(now).max(1)),
+                    ours: None,
+                },
             },
             Stored::Completed {
-                record, expires_ms, ..
-            } => {
-                let (_, record) = codec::decode_with(record.clone(), &self.compression)?;
-                Claim::Completed {
-                    record: Arc::new(record),
+                fingerprint: stored,
+                record,
+                expires_ms,
+            } => Found {
+                fingerprint: Ok(stored),
+                state: FoundState::Completed {
+                    record: codec::decode_with(record, &self.compression)
+                        .map(|(_, record)| Arc::new(record)),
                     expires_in: Duration::from_millis(expires_ms.saturating_sub(now)),
-                }
-            }
-        })
+                },
+            },
+        }
+        .decide(fingerprint)
     }
 
     /// The item of `key`, read consistently.

@@ -26,7 +26,7 @@ use crate::{
     fingerprint::Fingerprint,
     record::codec::{self, Compression},
     record::{CompletedRecord, CorruptRecord},
-    store::{Claim, KeyState, LeaseToken},
+    store::{Claim, Found, FoundState, KeyState, LeaseToken, StoreError},
 };
 
 const IN_FLIGHT: u8 = b'i';
@@ -114,47 +114,55 @@ fn split_completed(found: Vec<u8>) -> Result<(Option<u64>, Bytes), CorruptRecord
 }
 
 /// What a claim found: the value `SET … NX GET` returned (`None`: the key
-/// was free and is now ours).
+/// was free and is now ours), decided by the one rule.
 pub(super) fn decode_claim(
     found: Option<Vec<u8>>,
     fingerprint: &Fingerprint,
     token: LeaseToken,
     lease: Duration,
     compression: &Compression,
-) -> Result<Claim, CorruptRecord> {
-    let Some(found) = found else {
-        return Ok(Claim::Acquired(token));
-    };
+) -> Result<Claim, StoreError> {
+    match found {
+        None => Ok(Claim::Acquired(token)),
+        Some(found) => met(found, token, lease, compression)?.decide(fingerprint),
+    }
+}
+
+/// A value a claim met, as [`Found::decide`] reads it.
+fn met(
+    found: Vec<u8>,
+    token: LeaseToken,
+    lease: Duration,
+    compression: &Compression,
+) -> Result<Found, CorruptRecord> {
     if found.first() == Some(&IN_FLIGHT) {
         let stored = found.get(1..HEAD).ok_or(CorruptRecord("truncated claim"))?;
-        if stored != fingerprint.as_bytes() {
-            return Ok(Claim::Mismatch);
-        }
         let held = found
             .get(HEAD..DEADLINE_AT)
             .ok_or(CorruptRecord("truncated claim"))?;
-        if held == token.to_bytes() {
-            // Our own claim, sent twice (a client-side retry): ours.
-            return Ok(Claim::Acquired(token));
-        }
-        return Ok(Claim::InFlight {
-            retry_after: until(lease_deadline(&found)?).min(lease),
+        return Ok(Found {
+            fingerprint: Ok(Fingerprint::from_bytes(
+                stored.try_into().expect("32 bytes"),
+            )),
+            state: FoundState::InFlight {
+                retry_after: until(lease_deadline(&found)?).min(lease),
+                // Our own claim, sent twice (a client-side retry).
+                ours: (held == token.to_bytes()).then_some(token),
+            },
         });
     }
     let (expiry, record) = split_completed(found)?;
-    // Decoded first: a truncated or corrupt record is an error, never a
-    // mismatch.
-    let (stored, record) = codec::decode_with(record, compression)?;
-    if stored != *fingerprint {
-        return Ok(Claim::Mismatch);
-    }
+    let decoded = codec::decode_with(record, compression);
     // Not cacheable when the expiry is unknown.
     let expires_in = expiry.map_or(Duration::ZERO, |e| {
         until(e).saturating_sub(CLOCK_SKEW_MARGIN)
     });
-    Ok(Claim::Completed {
-        record: Arc::new(record),
-        expires_in,
+    Ok(Found {
+        fingerprint: decoded.as_ref().map(|(stored, _)| *stored).map_err(|e| *e),
+        state: FoundState::Completed {
+            record: decoded.map(|(_, record)| Arc::new(record)),
+            expires_in,
+        },
     })
 }
 

@@ -260,13 +260,7 @@ impl Store for RedisStore {
                 Value::BulkString(bytes) => Some(bytes),
                 _ => return Err(CorruptRecord("claim reply is not a string").into()),
             };
-            Ok(blob::decode_claim(
-                found,
-                &fingerprint,
-                token,
-                lease,
-                &compression,
-            )?)
+            blob::decode_claim(found, &fingerprint, token, lease, &compression)
         };
         claim_within(self, key, Instant::now(), self.inner.timeout, lease, claim).await
     }

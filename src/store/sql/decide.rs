@@ -6,34 +6,38 @@ use std::{sync::Arc, time::Duration};
 use super::dialect::{Engine, ErrorClass, KeyRow};
 use crate::{
     fingerprint::Fingerprint,
-    record::codec::{self, Compression},
-    store::{Claim, KeyState, StoreError},
+    record::{
+        CorruptRecord,
+        codec::{self, Compression},
+    },
+    store::{Claim, Found, FoundState, KeyState, StoreError},
 };
 
-/// What a live row tells a claim: another fingerprint is a mismatch; a row
-/// without a record yet (a lease's claim, or a transaction's row committed
-/// without its record) is in flight; a record is a replay. The record is
-/// decoded first, so that a corrupt one is an error, never a mismatch.
+/// A live row as the rule reads it ([`Found::decide`]): a row without a
+/// record yet (a lease's claim, or a transaction's row committed without
+/// its record) is in flight, a record is completed.
 pub(crate) fn decide<G>(
     fingerprint: &Fingerprint,
     row: KeyRow,
     compression: &Compression,
 ) -> Result<Claim<G>, StoreError> {
     let left = Duration::from_millis(row.ms_left.max(0) as u64);
-    let record = match row.record {
-        Some(bytes) => Some(codec::decode_with(bytes, compression)?.1),
-        None => None,
-    };
-    if row.fingerprint != fingerprint.as_bytes() {
-        return Ok(Claim::Mismatch);
-    }
-    Ok(match record {
-        None => Claim::InFlight { retry_after: left },
-        Some(record) => Claim::Completed {
-            record: Arc::new(record),
-            expires_in: left,
+    Found {
+        fingerprint: <[u8; 32]>::try_from(row.fingerprint.as_slice())
+            .map(Fingerprint::from_bytes)
+            .map_err(|_| CorruptRecord("a fingerprint that is not 32 bytes")),
+        state: match row.record {
+            None => FoundState::InFlight {
+                retry_after: left,
+                ours: None,
+            },
+            Some(bytes) => FoundState::Completed {
+                record: codec::decode_with(bytes, compression).map(|(_, r)| Arc::new(r)),
+                expires_in: left,
+            },
         },
-    })
+    }
+    .decide(fingerprint)
 }
 
 /// What a live row tells an operator: a record is completed, none yet is a
