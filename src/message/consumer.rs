@@ -220,7 +220,9 @@ pub struct Parsed<M> {
 pub struct Report<'a, R, M, T, E> {
     /// The delivery.
     pub received: &'a R,
-    /// Its business key and message, unless it was not a valid message.
+    /// Its business key and message, unless it was not a valid message or
+    /// was given back unread at shutdown (its disposition then says
+    /// [`Disposition::Retry`]).
     pub parsed: Option<&'a Parsed<M>>,
     /// What the broker was told.
     pub disposition: &'a Disposition,
@@ -587,6 +589,19 @@ where
             tracing::debug!(message = ?received.message_id(), "idempotency: no longer this consumer's (a rebalance); left to its new owner");
             return;
         }
+        if unstarted && !received.last() {
+            // Unstarted at shutdown: back at once, read or not. Not even an
+            // invalid message is dead-lettered now: behind a record given
+            // back on its partition, its acknowledgement would move a
+            // position past that record (Kafka's is the partition's).
+            let disposition = Disposition::Retry {
+                after: Duration::ZERO,
+            };
+            self.answer(received, &disposition, Acked::Decided, stopping)
+                .await;
+            self.report(received, None, &disposition, None);
+            return;
+        }
         let parsed = match parse(received) {
             Ok(parsed) => parsed,
             Err(reason) => {
@@ -600,10 +615,10 @@ where
             }
         };
         if unstarted {
-            // Unstarted at shutdown: back at once (or, on its last
-            // delivery, dead-lettered as undecided).
+            // Unstarted at shutdown on its last delivery: dead-lettered as
+            // undecided.
             let disposition = super::processor::handed_back(
-                received.last(),
+                true,
                 "received, not started when the consumer stopped",
                 0,
             );

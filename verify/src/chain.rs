@@ -68,6 +68,9 @@ pub trait Line: Sized {
     fn left(&self, db: &TestDatabase) -> impl Future<Output = u64>;
     /// The dead letters: each body with its kind.
     fn dead_letters(&self) -> impl Future<Output = Vec<(String, Option<String>)>>;
+    /// Writes what the broker holds at the end into `out`, where the
+    /// broker keeps it (a log), to trace a failing seed.
+    fn dump(&self, _out: &std::path::Path) {}
 }
 
 /// Sends one message (`key`: its order id, Kafka's record key), as the
@@ -202,6 +205,23 @@ impl Line for Kafka {
     async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
         self.topic.dead_letters_with_kinds().await
     }
+
+    /// `records.txt`: each record's partition, offset and key.
+    fn dump(&self, out: &std::path::Path) {
+        let records = tokio::task::block_in_place(|| self.topic.read(&self.topic.name));
+        let lines: String = records
+            .iter()
+            .map(|r| {
+                format!(
+                    "{} {} {}\n",
+                    r.partition,
+                    r.offset,
+                    r.key.as_deref().unwrap_or("-")
+                )
+            })
+            .collect();
+        let _ = std::fs::write(out.join("records.txt"), lines);
+    }
 }
 
 /// What the chain is asked to do.
@@ -256,7 +276,22 @@ impl Chain {
                 break;
             }
         }
-        std::thread::spawn(move || for _ in stdout.lines() {});
+        // Its lines (one per delivery), stamped, beside its log.
+        let mut out = std::fs::File::create(self.logs.join(format!(
+            "consumer-{i}-{started}.out",
+            started = self.started
+        )))
+        .expect("a consumer's output file");
+        std::thread::spawn(move || {
+            use std::io::Write as _;
+            for line in stdout.lines().map_while(Result::ok) {
+                let at = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs_f64();
+                let _ = writeln!(out, "{at:.3} {line}");
+            }
+        });
         self.consumers[i] = Consumer {
             child: Some(child),
             paused: false,
@@ -483,6 +518,7 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
         .await
         .unwrap_or_default();
     let dead = line.dead_letters().await;
+    line.dump(&plan.out);
     let expected = expected.lock().unwrap().clone();
     let report = check(&expected, &charged, &dead, left, &faults);
     let events = recorder.events();

@@ -132,6 +132,10 @@ const PER_PARTITION: usize = 100;
 /// How long the start-up waits for the brokers to answer.
 const REACH: Duration = Duration::from_secs(5);
 
+/// How often a partition's seek is asked, half a second apart, before it
+/// is left paused until its next assignment.
+const SEEK_TRIES: u32 = 6;
+
 /// How long the record before a stored position may take to be fetched,
 /// where the partition's watermark is below that position, before the log
 /// is taken for another one.
@@ -184,9 +188,14 @@ struct PartitionState {
     /// Paused for want of room (not for its seek).
     full: bool,
     /// The stored position it was sought to: every record below it is
-    /// decided. One fetched from below anyway (a seek that failed, or a
-    /// fetch that began before it) is dropped, never handed over again.
+    /// decided. One fetched from below anyway (a fetch that began before
+    /// the seek) is dropped, never handed over again.
     from: i64,
+    /// Sought to its stored position since its assignment. Until then a
+    /// record is one librdkafka fetched from where it stood before (its
+    /// previous fetch position): handed over, it would be worked ahead of
+    /// the records before it and its position stored past them.
+    sought: bool,
 }
 
 /// Builds a [`Kafka`]: see [`Kafka::builder`].
@@ -616,6 +625,7 @@ impl<St: Positions> Poller<St> {
                         state.generation += 1;
                         state.in_hand = 0;
                         state.full = false;
+                        state.sought = false;
                     }
                 }
                 self.seek(&assigned).await
@@ -656,17 +666,19 @@ impl<St: Positions> Poller<St> {
             {
                 continue;
             }
-            let consumer = self.consumer.clone();
-            let sought = tokio::task::spawn_blocking(move || {
-                consumer.seek_partitions(one, Duration::from_secs(10))
-            })
-            .await;
-            match sought {
-                Ok(Ok(_)) => {}
-                Ok(Err(error)) => {
-                    tracing::warn!(%error, partition, "kafka: a partition could not seek to its stored position")
-                }
-                Err(error) => tracing::warn!(%error, partition, "kafka: a seek failed"),
+            if let Err(why) = self.seek_to(&one).await {
+                // Where it would fetch from is unknown: it stays paused,
+                // nothing of it taken, until it is assigned again (a
+                // revocation while it was sought, or a restart).
+                tracing::error!(
+                    topic = %self.topic,
+                    "kafka: partition {partition} could not be sought to its stored position ({why}); \
+                     it stays paused, nothing of it consumed, until it is assigned again"
+                );
+                continue;
+            }
+            if let Some(state) = lock(&self.partitions).get_mut(partition) {
+                state.sought = true;
             }
             let mut resume = TopicPartitionList::new();
             resume.add_partition(&self.topic, *partition);
@@ -687,6 +699,36 @@ impl<St: Positions> Poller<St> {
             }
         }
         Ok(())
+    }
+
+    /// Seeks `one` partition, asked again a few times (a seek can fail
+    /// while librdkafka is still taking the assignment in).
+    async fn seek_to(&self, one: &TopicPartitionList) -> Result<(), String> {
+        let mut why = String::new();
+        for attempt in 0..SEEK_TRIES {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            let (consumer, one) = (self.consumer.clone(), one.clone());
+            let sought = tokio::task::spawn_blocking(move || {
+                consumer.seek_partitions(one, Duration::from_secs(10))
+            })
+            .await;
+            why = match sought {
+                Ok(Ok(sought)) => match sought.elements().iter().find_map(|e| e.error().err()) {
+                    None => return Ok(()),
+                    Some(error) => error.to_string(),
+                },
+                Ok(Err(error)) => error.to_string(),
+                Err(error) => error.to_string(),
+            };
+            tracing::warn!(
+                why,
+                attempt,
+                "kafka: a partition could not seek to its stored position"
+            );
+        }
+        Err(why)
     }
 
     /// `Err` when `partition`'s log ends below `next`, the position stored
@@ -754,6 +796,16 @@ impl<St: Positions> Poller<St> {
                 // takes it from the stored position.
                 return;
             };
+            if !state.sought {
+                // Fetched from where the partition stood before its seek:
+                // fetched again, in order, from the stored position.
+                tracing::debug!(
+                    partition,
+                    offset = message.offset(),
+                    "kafka: a record fetched before its partition's seek is left to the seek"
+                );
+                return;
+            }
             if message.offset() < state.from {
                 // Decided already: the stored position is past it (a fetch
                 // begun before the seek). Counted and said, never silent.

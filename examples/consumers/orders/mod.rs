@@ -248,6 +248,9 @@ pub fn line<R, M, E>(
     report: &Report<'_, R, M, String, E>,
     invalid: fn(&R) -> String,
 ) -> Option<String> {
+    if let Disposition::Retry { .. } = report.disposition {
+        return None;
+    }
     let Some(parsed) = report.parsed else {
         return Some(format!("invalid {}", invalid(report.received)));
     };

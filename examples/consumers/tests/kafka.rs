@@ -344,6 +344,58 @@ async fn consumers_stopped_by_sigterm_beside_others_hand_their_partitions_on_and
     );
 }
 
+/// SIGTERM with an order in its work and another order and an invalid
+/// record behind it on the partition, received: the one in work commits,
+/// the two behind are given back — the invalid one is not dead-lettered
+/// then, for its acknowledgement would be a position past the order given
+/// back before it — and the restart charges that order and dead-letters
+/// the invalid record. (Dead-lettered at the stop, it lost the order.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_sigterm_nothing_behind_a_record_given_back_moves_the_position_past_it() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 1).await;
+    let db = TestDatabase::create();
+    topic.produce("acct-0", &order("order-0", 500)).await;
+    topic.produce("acct-0", &order("order-1", 500)).await;
+    topic.produce("acct-0", "{not an order").await;
+    let mut c = consumer(
+        &server,
+        &topic,
+        "g1",
+        db.url(),
+        &[("WORK_DELAY_MS", "3000")],
+    )
+    .await;
+    db.wait_for_count(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+         AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'",
+        |n| n == 1,
+        "the work never inserted its row",
+    )
+    .await;
+    c.terminate();
+    let status = c.exited(Duration::from_secs(30)).await;
+    assert!(status.success(), "{status}");
+    assert_eq!(db.count(CHARGES).await, 1, "the order in work committed");
+    assert_eq!(
+        db.count("SELECT max(next_offset) FROM idempotency_kafka_positions")
+            .await,
+        1,
+        "no position past the order given back: {:?}",
+        c.lines()
+    );
+
+    let after = consumer(&server, &topic, "g1", db.url(), &[]).await;
+    after
+        .wait_for_within(|l| l == "executed order-1", Duration::from_secs(60))
+        .await;
+    after
+        .wait_for_within(|l| l.starts_with("invalid "), Duration::from_secs(60))
+        .await;
+    assert_eq!(db.count(CHARGES).await, 2);
+    assert_eq!(topic.dead_letters().len(), 1);
+}
+
 /// Mistakes and outages at start-up say so, within a bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unknown_database_and_unreachable_brokers_are_told_at_start_up() {
