@@ -6,7 +6,7 @@
 
 use std::{
     borrow::Cow,
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     fmt,
     future::Future,
     sync::{
@@ -556,14 +556,19 @@ where
                 // with the loop.
                 let _ = turn.await;
             }
-            self.settle(
-                &received,
-                waited && stopping.load(Ordering::SeqCst),
-                stopping,
-                parse,
-                work,
-            )
-            .await;
+            // At a shutdown, nothing behind a delivery given back on its
+            // key is worked either — not even one received after it was
+            // answered: acknowledged, it would pass it (Kafka's
+            // acknowledgement is its partition's position).
+            let stopped = stopping.load(Ordering::SeqCst);
+            let unstarted = stopped && (waited || lanes.gave_back(key.as_deref()));
+            if self
+                .settle(&received, unstarted, stopping, parse, work)
+                .await
+                && stopping.load(Ordering::SeqCst)
+            {
+                lanes.give_back(key.as_deref());
+            }
         })
         .await;
         if let Some(done) = done {
@@ -574,6 +579,7 @@ where
 
     /// Settles one delivery whose turn it is, and answers the broker;
     /// `unstarted`: it waited for its turn, and the loop is stopping.
+    /// Whether it was given back.
     async fn settle<P, W>(
         &self,
         received: &B::Received,
@@ -581,13 +587,14 @@ where
         stopping: &AtomicBool,
         parse: &P,
         work: &W,
-    ) where
+    ) -> bool
+    where
         P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
         W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
     {
         if !self.broker.owns(received) {
             tracing::debug!(message = ?received.message_id(), "idempotency: no longer this consumer's (a rebalance); left to its new owner");
-            return;
+            return false;
         }
         if unstarted && !received.last() {
             // Unstarted at shutdown: back at once, read or not. Not even an
@@ -597,10 +604,11 @@ where
             let disposition = Disposition::Retry {
                 after: Duration::ZERO,
             };
-            self.answer(received, &disposition, Acked::Decided, stopping)
+            let given_back = self
+                .answer(received, &disposition, Acked::Decided, stopping)
                 .await;
             self.report(received, None, &disposition, None);
-            return;
+            return given_back;
         }
         let parsed = match parse(received) {
             Ok(parsed) => parsed,
@@ -608,10 +616,11 @@ where
                 tracing::warn!(%reason, message = ?received.message_id(), "idempotency: not a valid message; dead-lettered");
                 observe::message_settled("dead_letter", reason.kind());
                 let disposition = Disposition::DeadLetter(reason);
-                self.answer(received, &disposition, Acked::Decided, stopping)
+                let given_back = self
+                    .answer(received, &disposition, Acked::Decided, stopping)
                     .await;
                 self.report(received, None, &disposition, None);
-                return;
+                return given_back;
             }
         };
         if unstarted {
@@ -622,10 +631,11 @@ where
                 "received, not started when the consumer stopped",
                 0,
             );
-            self.answer(received, &disposition, Acked::Decided, stopping)
+            let given_back = self
+                .answer(received, &disposition, Acked::Decided, stopping)
                 .await;
             self.report(received, Some(&parsed), &disposition, None);
-            return;
+            return given_back;
         }
         let id = received.message_id();
         let delivery = Delivery::new(&parsed.key, received.payload())
@@ -653,7 +663,8 @@ where
             Ok(ProcessOutcome::Executed(_)) => Acked::Executed,
             _ => Acked::Decided,
         };
-        self.answer(received, &settled.disposition, acked, stopping)
+        let given_back = self
+            .answer(received, &settled.disposition, acked, stopping)
             .await;
         self.report(
             received,
@@ -661,18 +672,21 @@ where
             &settled.disposition,
             Some(&settled.outcome),
         );
+        given_back
     }
 
     /// Tells the broker; a dead letter whose move fails is retried in hand
     /// (with back-off), never given back on the broker's last delivery.
+    /// Whether it was given back.
     async fn answer(
         &self,
         received: &B::Received,
         disposition: &Disposition,
         acked: Acked,
         stopping: &AtomicBool,
-    ) {
+    ) -> bool {
         let broker = &*self.broker;
+        let mut given_back = matches!(disposition, Disposition::Retry { .. });
         let answered = match disposition {
             Disposition::Ack => broker.ack(received, acked).await,
             Disposition::Retry { after } => broker.give_back(received, *after).await,
@@ -686,6 +700,7 @@ where
                         Ok(DeadLettered::Kept) => break Ok(()),
                         Err(error) if stopping.load(Ordering::SeqCst) && !received.last() => {
                             tracing::error!(%error, "idempotency: the dead-letter move failed while stopping; given back, to be moved on its next delivery");
+                            given_back = true;
                             break broker.give_back(received, Duration::ZERO).await;
                         }
                         Err(error) => {
@@ -701,6 +716,7 @@ where
             // Redelivered then: a duplicate, or tried again.
             tracing::warn!(%error, disposition = disposition.name(), "idempotency: the broker's answer failed");
         }
+        given_back
     }
 
     fn report(
@@ -738,9 +754,10 @@ impl<B: Broker> DeliveryLease for Hold<'_, B> {
 }
 
 /// Each ordering key's turn: a delivery waits for the one received before
-/// it on its key. Holds only keys with a delivery in hand.
+/// it on its key. Holds only keys with a delivery in hand, and the keys
+/// with a delivery given back at the shutdown.
 #[derive(Default)]
-struct Lanes(Mutex<HashMap<String, Lane>>);
+struct Lanes(Mutex<HashMap<String, Lane>>, Mutex<HashSet<String>>);
 
 struct Lane {
     /// Resolves once the key's last delivery in hand is answered.
@@ -771,6 +788,18 @@ impl Lanes {
             }
         };
         (turn, Some(done))
+    }
+
+    /// A delivery of `key` was given back at the shutdown.
+    fn give_back(&self, key: Option<&str>) {
+        if let Some(key) = key {
+            lock(&self.1).insert(key.to_owned());
+        }
+    }
+
+    /// Whether a delivery of `key` was given back at the shutdown.
+    fn gave_back(&self, key: Option<&str>) -> bool {
+        key.is_some_and(|key| lock(&self.1).contains(key))
     }
 
     /// A delivery of `key` answered: the lane goes once none is in hand.

@@ -71,6 +71,13 @@ pub trait Line: Sized {
     /// Writes what the broker holds at the end into `out`, where the
     /// broker keeps it (a log), to trace a failing seed.
     fn dump(&self, _out: &std::path::Path) {}
+    /// Whether the nemesis resets the broker's log ([`reset`](Self::reset)).
+    const RESETS: bool = false;
+    /// The broker restarted with its log lost, the destination created
+    /// again (a topic deleted and created, a move to a new cluster).
+    fn reset(&mut self) -> impl Future<Output = ()> {
+        async {}
+    }
 }
 
 /// Sends one message (`key`: its order id, Kafka's record key), as the
@@ -78,7 +85,8 @@ pub trait Line: Sized {
 #[derive(Clone)]
 pub enum Sender {
     Sqs(aws_sdk_sqs::Client, String),
-    Kafka(FutureProducer, String),
+    /// The producer is replaced when the broker restarts empty.
+    Kafka(Arc<Mutex<FutureProducer>>, String),
 }
 
 impl Sender {
@@ -91,13 +99,16 @@ impl Sender {
                 .send()
                 .await
                 .is_ok(),
-            Self::Kafka(producer, topic) => producer
-                .send(
-                    FutureRecord::to(topic).key(key).payload(&body),
-                    Duration::from_secs(10),
-                )
-                .await
-                .is_ok(),
+            Self::Kafka(producer, topic) => {
+                let producer = producer.lock().unwrap().clone();
+                producer
+                    .send(
+                        FutureRecord::to(topic).key(key).payload(&body),
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    .is_ok()
+            }
         }
     }
 }
@@ -151,7 +162,15 @@ impl Line for Sqs {
 pub struct Kafka {
     server: KafkaServer,
     topic: TestTopic,
-    producer: FutureProducer,
+    producer: Arc<Mutex<FutureProducer>>,
+}
+
+fn kafka_producer(server: &KafkaServer) -> FutureProducer {
+    tower_idempotency_kafka::rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", server.brokers())
+        .set("enable.idempotence", "true")
+        .create()
+        .expect("a producer")
 }
 
 impl Line for Kafka {
@@ -168,11 +187,7 @@ impl Line for Kafka {
     async fn start() -> Self {
         let server = KafkaServer::start();
         let topic = TestTopic::create(&server, 3).await;
-        let producer = tower_idempotency_kafka::rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", server.brokers())
-            .set("enable.idempotence", "true")
-            .create()
-            .expect("a producer");
+        let producer = Arc::new(Mutex::new(kafka_producer(&server)));
         Self {
             server,
             topic,
@@ -204,6 +219,16 @@ impl Line for Kafka {
 
     async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
         self.topic.dead_letters_with_kinds().await
+    }
+
+    const RESETS: bool = true;
+
+    /// tansu restarted on memory storage: every topic, record, group and
+    /// producer id gone; the topic created again, a new producer.
+    async fn reset(&mut self) {
+        self.server.restart_empty();
+        self.topic = TestTopic::create_named(&self.server, self.topic.name.clone(), 3).await;
+        *self.producer.lock().unwrap() = kafka_producer(&self.server);
     }
 
     /// `records.txt`: each record's partition, offset and key.
@@ -239,6 +264,8 @@ pub struct Plan {
 struct Consumer {
     child: Option<Child>,
     paused: bool,
+    /// Its log file.
+    log: Option<PathBuf>,
 }
 
 struct Chain {
@@ -253,11 +280,11 @@ struct Chain {
 impl Chain {
     fn spawn(&mut self, i: usize) {
         self.started += 1;
-        let log = std::fs::File::create(self.logs.join(format!(
+        let log_path = self.logs.join(format!(
             "consumer-{i}-{started}.log",
             started = self.started
-        )))
-        .expect("a consumer's log file");
+        ));
+        let log = std::fs::File::create(&log_path).expect("a consumer's log file");
         let mut child = Command::new(&self.binary)
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::piped())
@@ -295,6 +322,7 @@ impl Chain {
         self.consumers[i] = Consumer {
             child: Some(child),
             paused: false,
+            log: Some(log_path),
         };
     }
 
@@ -312,6 +340,35 @@ impl Chain {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+
+    /// Waits, at most `within`, for every consumer to exit; the number
+    /// that exited with status 2 having said, in their log, that a
+    /// partition ends below its stored position.
+    async fn stopped_naming_a_reset(&mut self, within: Duration) -> usize {
+        let deadline = Instant::now() + within;
+        let mut named = 0;
+        while Instant::now() < deadline {
+            for consumer in &mut self.consumers {
+                let exited = consumer
+                    .child
+                    .as_mut()
+                    .and_then(|child| child.try_wait().ok().flatten());
+                if let Some(status) = exited {
+                    consumer.child = None;
+                    let said = consumer.log.as_ref().is_some_and(|log| {
+                        std::fs::read_to_string(log)
+                            .is_ok_and(|log| log.contains("below the position stored"))
+                    });
+                    named += usize::from(status.code() == Some(2) && said);
+                }
+            }
+            if self.consumers.iter().all(|c| c.child.is_none()) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        named
     }
 
     /// How far each consumer log has been written so far.
@@ -407,7 +464,7 @@ enum Expect {
 pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
     std::fs::create_dir_all(&plan.out).expect("create the output folder");
     let recorder = Recorder::create(&plan.out.join("history.jsonl")).expect("create the history");
-    let line = L::start().await;
+    let mut line = L::start().await;
     let db = TestDatabase::create();
     let relay = Relay::start(&db.host_port()).await;
     let mut env = line.env();
@@ -423,6 +480,7 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
             .map(|_| Consumer {
                 child: None,
                 paused: false,
+                log: None,
             })
             .collect(),
         env,
@@ -437,13 +495,19 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
 
     let stop = Arc::new(AtomicBool::new(false));
     let expected: Arc<Mutex<HashMap<String, Vec<Expect>>>> = Arc::default();
+    // Held for writing while the broker is reset: no order in flight.
+    let gate = Arc::new(tokio::sync::RwLock::new(()));
     let producer = tokio::spawn(produce(
         line.sender(),
         recorder.clone(),
         plan.seed,
-        stop.clone(),
+        (stop.clone(), gate.clone()),
         expected.clone(),
     ));
+    // Dead letters the broker lost in a reset, read before it; restarted
+    // consumers that did not stop on it.
+    let mut dead_before_reset = Vec::new();
+    let mut reset_missed = Vec::new();
     let started = Instant::now();
     let mut rng = fastrand::Rng::with_seed(plan.seed ^ 0x5eed);
     let mut faults = Vec::new();
@@ -452,7 +516,8 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
         let i = rng.usize(..plan.consumers);
         let hold = Duration::from_millis(rng.u64(500..3000));
         let start = recorder.now();
-        let (kind, target) = match rng.u32(..5) {
+        let menu = if L::RESETS { 6 } else { 5 };
+        let (kind, target) = match rng.u32(..menu) {
             0 => {
                 let mark = chain.logged();
                 chain.kill(i);
@@ -483,6 +548,41 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
                 tokio::time::sleep(hold).await;
                 relay.restore();
                 ("stall-database", "database".into())
+            }
+            5 => {
+                let quiet = gate.write().await;
+                // What was produced settled first: the broker is about to
+                // lose its log (and what it dead-lettered).
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while line.left(&db).await > 0 && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                dead_before_reset.extend(line.dead_letters().await);
+                line.reset().await;
+                // The consumers running across it end: they stop naming it,
+                // or librdkafka 2.12.1 crashes on the restarted broker's
+                // metadata (see RELIABILITY.md). Restarted, as a supervisor
+                // would, each must stop naming the reset, consuming nothing.
+                chain.stopped_naming_a_reset(Duration::from_secs(60)).await;
+                chain.heal();
+                let named = chain.stopped_naming_a_reset(Duration::from_secs(60)).await;
+                if named < plan.consumers {
+                    reset_missed.push(format!(
+                        "after the broker lost its log, {named} of {} restarted consumers stopped naming it",
+                        plan.consumers
+                    ));
+                }
+                // The operator's step the error names.
+                sqlx::query("DELETE FROM idempotency_kafka_positions WHERE consumer = $1")
+                    .bind(L::EXAMPLE)
+                    .execute(&mut db.connect().await)
+                    .await
+                    .expect("delete the stored positions");
+                let mark = chain.logged();
+                chain.heal();
+                chain.settled::<L>(&mark).await;
+                drop(quiet);
+                ("reset-log", "broker".to_owned())
             }
             _ => {
                 let mark = chain.logged();
@@ -517,10 +617,17 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
         .fetch_all(&mut db.connect().await)
         .await
         .unwrap_or_default();
-    let dead = line.dead_letters().await;
+    let mut dead = line.dead_letters().await;
+    dead.extend(dead_before_reset);
     line.dump(&plan.out);
     let expected = expected.lock().unwrap().clone();
-    let report = check(&expected, &charged, &dead, left, &faults);
+    let mut report = check(&expected, &charged, &dead, left, &faults);
+    for detail in reset_missed {
+        report.violations.push(Violation::Inconsistent {
+            key: "reset-log".to_owned(),
+            detail,
+        });
+    }
     let events = recorder.events();
     crate::run::write(&plan.out, L::NAME, plan.seed, &report, &events, &faults);
     (report, events)
@@ -532,12 +639,13 @@ async fn produce(
     sender: Sender,
     recorder: Recorder,
     seed: u64,
-    stop: Arc<AtomicBool>,
+    (stop, gate): (Arc<AtomicBool>, Arc<tokio::sync::RwLock<()>>),
     expected: Arc<Mutex<HashMap<String, Vec<Expect>>>>,
 ) {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) {
+        let _open = gate.read().await;
         n += 1;
         let id = format!("order-{seed}-{n}");
         let amount = rng.i64(100..100_000);
