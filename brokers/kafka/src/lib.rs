@@ -36,6 +36,12 @@
 //! fetched from below its stored position (a fetch begun before the seek)
 //! is dropped, logged and counted ([`Kafka::dropped_below_position`]).
 //!
+//! # Features
+//!
+//! One is required: the engine of the transactional store the positions
+//! are kept with — `postgres`, `sqlite` or `mysql` (without one the crate
+//! does not build, and says which to enable).
+//!
 //! # Examples
 //!
 //! ```no_run
@@ -78,6 +84,15 @@
 //! [tower-idempotency]: https://docs.rs/tower-idempotency
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+// The positions live beside the records, in the transactional store's own
+// engine: without one, nothing here can work.
+#[cfg(not(any(feature = "postgres", feature = "sqlite", feature = "mysql")))]
+compile_error!(
+    "tower-idempotency-kafka keeps each consumer's positions in the database of its \
+     transactional store: enable the feature of that store's engine — `postgres`, `sqlite` or \
+     `mysql` — e.g. tower-idempotency-kafka = { version = \"0.1\", features = [\"postgres\"] }"
+);
 
 mod positions;
 
