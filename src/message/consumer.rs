@@ -578,8 +578,8 @@ where
     }
 
     /// Settles one delivery whose turn it is, and answers the broker;
-    /// `unstarted`: it waited for its turn, and the loop is stopping.
-    /// Whether it was given back.
+    /// `unstarted`: the loop is stopping, and it waited for its turn or its
+    /// key had a delivery given back. Whether it was given back.
     async fn settle<P, W>(
         &self,
         received: &B::Received,
