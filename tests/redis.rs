@@ -15,6 +15,7 @@ use tower_idempotency::{
 
 use support::{
     app::{Counter, routes},
+    backend::rewrite_redis_value,
     http::{Server, oneshot, post},
     logs::Logs,
     redis_server::{RedisServer, command_calls},
@@ -579,38 +580,14 @@ async fn a_tampered_record_is_a_503_and_never_decompresses_past_the_limit() {
     encoder.set_pledged_src_size(Some(64 << 20)).unwrap();
     std::io::copy(&mut std::io::repeat(0).take(64 << 20), &mut encoder).unwrap();
     let bomb = encoder.finish().unwrap();
-    let mut redis = redis::Client::open(server.url())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
-    let key = redis_key_of(&store, "bomb");
-    let value: Vec<u8> = redis::cmd("GET")
-        .arg(&key)
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    let tampered = [&value[..frame_at(&value)], &bomb[..]].concat();
-    let _: () = redis::cmd("SET")
-        .arg(&key)
-        .arg(tampered)
-        .arg("KEEPTTL")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    let key = redis_key_of(&store, "cut");
-    let value: Vec<u8> = redis::cmd("GET")
-        .arg(&key)
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    let _: () = redis::cmd("SET")
-        .arg(&key)
-        .arg(&value[..value.len() / 2])
-        .arg("KEEPTTL")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
+    rewrite_redis_value(&server.url(), &redis_key_of(&store, "bomb"), |value| {
+        [&value[..frame_at(&value)], &bomb[..]].concat()
+    })
+    .await;
+    rewrite_redis_value(&server.url(), &redis_key_of(&store, "cut"), |value| {
+        value[..value.len() / 2].to_vec()
+    })
+    .await;
     for key in ["bomb", "cut"] {
         let replay = oneshot(&app, post("/charges", key, &body)).await;
         replay.assert_problem(503);

@@ -757,7 +757,10 @@ impl<B: Broker> DeliveryLease for Hold<'_, B> {
 /// it on its key. Holds only keys with a delivery in hand, and the keys
 /// with a delivery given back at the shutdown.
 #[derive(Default)]
-struct Lanes(Mutex<HashMap<String, Lane>>, Mutex<HashSet<String>>);
+struct Lanes {
+    lanes: Mutex<HashMap<String, Lane>>,
+    given_back: Mutex<HashSet<String>>,
+}
 
 struct Lane {
     /// Resolves once the key's last delivery in hand is answered.
@@ -776,7 +779,7 @@ impl Lanes {
             return (None, None);
         };
         let (done, last) = oneshot::channel();
-        let mut lanes = lock(&self.0);
+        let mut lanes = lock(&self.lanes);
         let turn = match lanes.get_mut(key) {
             Some(lane) => {
                 lane.in_hand += 1;
@@ -793,19 +796,19 @@ impl Lanes {
     /// A delivery of `key` was given back at the shutdown.
     fn give_back(&self, key: Option<&str>) {
         if let Some(key) = key {
-            lock(&self.1).insert(key.to_owned());
+            lock(&self.given_back).insert(key.to_owned());
         }
     }
 
     /// Whether a delivery of `key` was given back at the shutdown.
     fn gave_back(&self, key: Option<&str>) -> bool {
-        key.is_some_and(|key| lock(&self.1).contains(key))
+        key.is_some_and(|key| lock(&self.given_back).contains(key))
     }
 
     /// A delivery of `key` answered: the lane goes once none is in hand.
     fn leave(&self, key: Option<&str>) {
         let Some(key) = key else { return };
-        let mut lanes = lock(&self.0);
+        let mut lanes = lock(&self.lanes);
         if let Some(lane) = lanes.get_mut(key) {
             lane.in_hand -= 1;
             if lane.in_hand == 0 {

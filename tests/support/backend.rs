@@ -112,23 +112,31 @@ impl Backend for SingleRedis {
         Some(std::sync::Arc::new(move |key: StorageKey| {
             let (name, url) = (store.redis_key(&key), url.clone());
             Box::pin(async move {
-                let client = redis::Client::open(url).unwrap();
-                let mut redis = client.get_multiplexed_async_connection().await.unwrap();
-                let value: Vec<u8> = redis::cmd("GET")
-                    .arg(&name)
-                    .query_async(&mut redis)
-                    .await
-                    .unwrap();
-                let () = redis::cmd("SET")
-                    .arg(&name)
-                    .arg(&value[..value.len() / 2])
-                    .arg("KEEPTTL")
-                    .query_async(&mut redis)
-                    .await
-                    .unwrap();
+                rewrite_redis_value(&url, &name, |value| value[..value.len() / 2].to_vec()).await;
             }) as std::pin::Pin<Box<dyn Future<Output = ()> + Send>>
         }))
     }
+}
+
+/// Rewrites the value of the Redis key `name` at `url`, its TTL kept.
+pub async fn rewrite_redis_value(url: &str, name: &str, rewrite: impl FnOnce(Vec<u8>) -> Vec<u8>) {
+    let mut redis = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(name)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let () = redis::cmd("SET")
+        .arg(name)
+        .arg(rewrite(value))
+        .arg("KEEPTTL")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
 }
 
 /// One Redis node behind the in-process replay cache.

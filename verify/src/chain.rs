@@ -397,14 +397,7 @@ impl Chain {
                 };
                 let from = mark.get(&path).copied().unwrap_or(0) as usize;
                 let text = String::from_utf8_lossy(text.get(from..).unwrap_or_default());
-                for line in text.lines() {
-                    if let Some((_, rest)) = line.split_once("kafka: partition ")
-                        && let Some((partition, rest)) = rest.split_once(' ')
-                        && rest.starts_with("assigned, fetching from")
-                    {
-                        fetched.insert(partition.to_owned());
-                    }
-                }
+                fetched.extend(text.lines().filter_map(kafka::fetching).map(str::to_owned));
             }
             if fetched.len() >= partitions {
                 return;
@@ -553,10 +546,7 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
                 let quiet = gate.write().await;
                 // What was produced settled first: the broker is about to
                 // lose its log (and what it dead-lettered).
-                let deadline = Instant::now() + Duration::from_secs(60);
-                while line.left(&db).await > 0 && Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
+                settled_all(&line, &db).await;
                 dead_before_reset.extend(line.dead_letters().await);
                 line.reset().await;
                 // The consumers running across it end: they stop naming it,
@@ -607,11 +597,8 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
     producer.await.expect("the producer");
     relay.restore();
     chain.heal();
-    // The quiet phase: until nothing is left unsettled, at most a minute.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while line.left(&db).await > 0 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    // The quiet phase.
+    settled_all(&line, &db).await;
     let left = line.left(&db).await;
     let charged: Vec<(String, i64)> = sqlx::query_as("SELECT order_id, amount FROM order_charges")
         .fetch_all(&mut db.connect().await)
@@ -631,6 +618,14 @@ pub async fn run<L: Line>(plan: &Plan) -> (Report, Vec<Event>) {
     let events = recorder.events();
     crate::run::write(&plan.out, L::NAME, plan.seed, &report, &events, &faults);
     (report, events)
+}
+
+/// Waits until nothing `line` holds is left unsettled, at most a minute.
+async fn settled_all<L: Line>(line: &L, db: &TestDatabase) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while line.left(db).await > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 /// Sends orders until `stop`: each valid, sometimes sent twice, sometimes

@@ -367,20 +367,9 @@ impl<St: Positions> KafkaBuilder<St> {
             .map_err(StartError::Config)?;
         // The brokers, within a bound.
         let probe = producer.clone();
-        let reached = tokio::task::spawn_blocking(move || {
-            probe.client().fetch_metadata(None, REACH).map(drop)
-        })
-        .await
-        .map_err(|e| StartError::Unreachable {
-            brokers: brokers.clone(),
-            why: e.to_string(),
-        })?;
-        if let Err(error) = reached {
-            return Err(StartError::Unreachable {
-                brokers,
-                why: error.to_string(),
-            });
-        }
+        blocking(move || probe.client().fetch_metadata(None, REACH).map(drop))
+            .await
+            .map_err(|why| StartError::Unreachable { brokers, why })?;
         let admin: AdminClient<DefaultClientContext> =
             admin_config(&config).create().map_err(StartError::Config)?;
         let created = admin
@@ -664,15 +653,13 @@ impl<St: Positions> Poller<St> {
             }
         };
         for partition in assigned {
-            if let Some(next) = stored.get(partition) {
-                self.ends_below(*partition, *next).await?;
+            let next = stored.get(partition).copied();
+            if let Some(next) = next {
+                self.ends_below(*partition, next).await?;
             }
-            let offset = match stored.get(partition) {
-                Some(next) => Offset::Offset(*next),
-                None => Offset::Beginning,
-            };
+            let offset = next.map_or(Offset::Beginning, Offset::Offset);
             if let Some(state) = lock(&self.partitions).get_mut(partition) {
-                state.from = stored.get(partition).copied().unwrap_or(0);
+                state.from = next.unwrap_or(0);
             }
             let mut one = TopicPartitionList::new();
             if one
@@ -698,7 +685,7 @@ impl<St: Positions> Poller<St> {
             let mut resume = TopicPartitionList::new();
             resume.add_partition(&self.topic, *partition);
             match self.consumer.resume(&resume) {
-                Ok(()) => match stored.get(partition) {
+                Ok(()) => match next {
                     Some(next) => tracing::info!(
                         topic = %self.topic,
                         "kafka: partition {partition} assigned, fetching from its stored position {next}"
@@ -725,17 +712,14 @@ impl<St: Positions> Poller<St> {
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
             let (consumer, one) = (self.consumer.clone(), one.clone());
-            let sought = tokio::task::spawn_blocking(move || {
-                consumer.seek_partitions(one, Duration::from_secs(10))
-            })
-            .await;
+            let sought =
+                blocking(move || consumer.seek_partitions(one, Duration::from_secs(10))).await;
             why = match sought {
-                Ok(Ok(sought)) => match sought.elements().iter().find_map(|e| e.error().err()) {
+                Ok(sought) => match sought.elements().iter().find_map(|e| e.error().err()) {
                     None => return Ok(()),
                     Some(error) => error.to_string(),
                 },
-                Ok(Err(error)) => error.to_string(),
-                Err(error) => error.to_string(),
+                Err(error) => error,
             };
             tracing::warn!(
                 why,
@@ -757,15 +741,9 @@ impl<St: Positions> Poller<St> {
     /// first offset + 1) still serves it, a new log does not. What cannot
     /// be read leaves the seek to go on.
     async fn ends_below(&self, partition: i32, next: i64) -> Result<(), String> {
-        let consumer = self.consumer.clone();
-        let topic = self.topic.clone();
-        let watermarks = tokio::task::spawn_blocking(move || {
-            consumer
-                .fetch_watermarks(&topic, partition, REACH)
-                .map_err(|e| e.to_string())
-        })
-        .await
-        .unwrap_or_else(|e| Err(e.to_string()));
+        let (consumer, topic) = (self.consumer.clone(), self.topic.clone());
+        let watermarks =
+            blocking(move || consumer.fetch_watermarks(&topic, partition, REACH)).await;
         let end = match watermarks {
             Ok((_, high)) if high >= next => return Ok(()),
             Ok((_, high)) => high,
@@ -774,12 +752,8 @@ impl<St: Positions> Poller<St> {
                 return Ok(());
             }
         };
-        let probe = self.probe.clone();
-        let topic = self.topic.clone();
-        let served =
-            tokio::task::spawn_blocking(move || served(&probe, &topic, partition, next - 1))
-                .await
-                .unwrap_or_else(|e| Err(e.to_string()));
+        let (probe, topic) = (self.probe.clone(), self.topic.clone());
+        let served = blocking(move || served(&probe, &topic, partition, next - 1)).await;
         match served {
             Ok(true) => return Ok(()),
             Ok(false) => {}
@@ -848,6 +822,16 @@ impl<St: Positions> Poller<St> {
             generation,
         });
     }
+}
+
+/// `f` (a librdkafka call that blocks) on a thread for blocking work; its
+/// error, or the thread's, said.
+async fn blocking<T: Send + 'static, E: fmt::Display>(
+    f: impl FnOnce() -> Result<T, E> + Send + 'static,
+) -> Result<T, String> {
+    tokio::task::spawn_blocking(move || f().map_err(|e| e.to_string()))
+        .await
+        .unwrap_or_else(|e| Err(e.to_string()))
 }
 
 /// Whether the broker serves the record at `offset` of `partition`, asked

@@ -248,11 +248,12 @@ pub fn line<R, M, E>(
     report: &Report<'_, R, M, String, E>,
     invalid: fn(&R) -> String,
 ) -> Option<String> {
-    if let Disposition::Retry { .. } = report.disposition {
-        return None;
-    }
     let Some(parsed) = report.parsed else {
-        return Some(format!("invalid {}", invalid(report.received)));
+        // Unread: invalid, or given back at a stop.
+        return match report.disposition {
+            Disposition::Retry { .. } => None,
+            _ => Some(format!("invalid {}", invalid(report.received))),
+        };
     };
     let word = match (report.disposition, report.outcome) {
         (Disposition::Ack, Some(Ok(ProcessOutcome::Executed(_)))) => "executed",

@@ -25,20 +25,12 @@ mod support;
 use std::time::Duration;
 
 use support::{
-    consumer::{CHARGES, OrdersConsumer, count, order},
+    consumer::{CHARGES, IN_TRANSACTION, OrdersConsumer, TWICE, count, order},
     fixture::{Fixture, Kafka, Nats, RabbitMq, Sqs},
     postgres::TestDatabase,
     relay::Relay,
     sqlite::TestFile,
 };
-
-/// The work's row inserted, its transaction open.
-const IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-     AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
-
-/// Orders charged more than once.
-const TWICE: &str = "SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id \
-     HAVING count(*) <> 1) AS twice";
 
 /// Waits until `consumers` have said `line`.
 async fn said(consumers: &[&OrdersConsumer], line: &str, within: Duration) {

