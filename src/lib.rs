@@ -276,7 +276,7 @@ pub use http::service::IdempotencyService;
 pub use http::store_policy::{And, DefaultStorePolicy, StoreAllPolicy, StorePolicy};
 pub use http::transaction::IdempotentTx;
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, InvalidKey};
-pub use protocol::{MAX_LEASE, MAX_RETENTION};
+pub use protocol::{Attempt, Earlier, MAX_LEASE, MAX_RETENTION};
 pub use record::codec;
 pub use record::{CompletedRecord, CorruptRecord, StoredResponse};
 #[cfg(feature = "cache")]

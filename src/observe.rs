@@ -12,6 +12,9 @@ pub(crate) mod names {
     pub(crate) const OUTCOMES: &str = "idempotency_outcomes_total";
     /// Counter: responses sent but not stored, so a retry may execute again.
     pub(crate) const COMPLETIONS_LOST: &str = "idempotency_completions_lost_total";
+    /// Counter: claims granted over earlier ones whose leases lapsed before
+    /// they completed — work that may have taken effect, run again.
+    pub(crate) const TAKEOVERS: &str = "idempotency_takeovers_total";
     /// Counter, label `result` (`stored`, `lost`, `gave_up`): completions retried
     /// in the background.
     pub(crate) const COMPLETION_RETRIES: &str = "idempotency_completion_retries_total";
@@ -67,6 +70,12 @@ pub(crate) use labelled;
 pub(crate) fn completion_lost() {
     #[cfg(feature = "metrics")]
     metrics::counter!(names::COMPLETIONS_LOST).increment(1);
+}
+
+/// A claim was granted over lapsed ones: see [`names::TAKEOVERS`].
+pub(crate) fn takeover() {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(names::TAKEOVERS).increment(1);
 }
 
 /// A background completion retry ended: `stored`, `lost` or `gave_up`.

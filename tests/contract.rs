@@ -8,14 +8,14 @@ mod support;
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime},
 };
 
 use tower_idempotency::{
     CompletedRecord, CorruptRecord, Fingerprint,
     store::{
-        Claim, FailedCompletion, Forgotten, Granted, Held, KeyState, LeaseToken, StorageKey, Store,
-        StoreError,
+        Claim, FailedCompletion, Forgotten, Granted, Held, KeyState, Lapsed, LeaseToken,
+        StorageKey, Store, StoreError,
     },
     testing::{RULES, StoreContract, TX_RULES, TxEffects, TxStoreContract},
 };
@@ -111,6 +111,8 @@ enum Bug {
     /// The fingerprint is compared before the record is read: an
     /// unreadable record under another fingerprint is a mismatch.
     ComparesBeforeReading,
+    /// A claim over a lapsed one is reported as a first claim.
+    TakeoverUntold,
 }
 
 type Entry = (
@@ -127,6 +129,8 @@ struct Toy {
     map: Arc<Mutex<HashMap<String, Entry>>>,
     /// The slots whose record was made unreadable.
     garbled: Arc<Mutex<std::collections::HashSet<String>>>,
+    /// Each slot's last claim: the claims lapsed before it, and since when.
+    traces: Arc<Mutex<HashMap<String, Lapsed>>>,
 }
 
 impl Toy {
@@ -135,6 +139,7 @@ impl Toy {
             bug,
             map: Arc::default(),
             garbled: Arc::default(),
+            traces: Arc::default(),
         }
     }
 
@@ -167,6 +172,7 @@ impl Toy {
 
 impl Store for Toy {
     type Granted = LeaseToken;
+    const REPORTS_TAKEOVERS: bool = true;
 
     async fn claim(
         &self,
@@ -195,8 +201,28 @@ impl Store for Toy {
         let slot = self.slot(key);
         let grant = |map: &mut HashMap<String, Entry>| {
             let token = LeaseToken::generate();
+            let mut traces = self.traces.lock().unwrap();
+            // A claim still there, not live: it lapsed, and is taken over.
+            let lapsed = match map.get(&slot) {
+                Some((_, Err(_), ..)) => traces.get(&slot).map(|trace| Lapsed {
+                    attempts: trace.attempts + 1,
+                    since: trace.since,
+                }),
+                _ => None,
+            };
+            let first = Lapsed {
+                attempts: 0,
+                since: SystemTime::now(),
+            };
+            traces.insert(slot.clone(), lapsed.unwrap_or(first));
             map.insert(slot, (*fp, Err(token), now, expiry));
-            Ok(Claim::Acquired(token))
+            Ok(match lapsed {
+                Some(lapsed) if self.bug != Bug::TakeoverUntold => Claim::TakenOver {
+                    granted: token,
+                    lapsed,
+                },
+                _ => Claim::Acquired(token),
+            })
         };
         let mut map = self.map.lock().unwrap();
         match found {
@@ -359,6 +385,7 @@ async fn each_rule_fails_against_a_store_with_its_bug_planted() {
             Bug::ComparesBeforeReading,
             "an_unreadable_record_is_an_error_under_any_fingerprint",
         ),
+        (Bug::TakeoverUntold, "takeovers_count_the_lapsed_attempts"),
     ];
     each_rule_is_caught(&planted, broken_rules, RULES).await;
 }

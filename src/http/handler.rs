@@ -76,6 +76,7 @@ where
         let mut request = request;
         let claimed = transaction::ClaimedWith::granted::<St::Granted>(hold.is_lent());
         request.extensions_mut().insert(claimed);
+        request.extensions_mut().insert(hold.attempt());
         // A transaction goes to the handler (the `IdempotentTx` extractor),
         // and comes back once it has returned — unless it kept it.
         let lent = hold

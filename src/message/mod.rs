@@ -106,6 +106,7 @@
 //! # Ok(()) }
 //! ```
 
+mod attempt;
 mod budget;
 mod consumer;
 mod delivery;
@@ -113,6 +114,7 @@ mod disposition;
 mod outcome;
 mod processor;
 
+pub use attempt::attempt;
 pub use budget::DeliveryBudget;
 pub use consumer::{Acked, Broker, BrokerError, Consumer, DeadLettered, Parsed, Received, Report};
 pub use delivery::{Delivery, DeliveryLease, ExtendError, ExtendEvery, NoHold, extend_every};

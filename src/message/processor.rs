@@ -15,7 +15,7 @@ use tracing::Instrument;
 
 use super::{
     DeadLetterReason, Delivery, DeliveryBudget, DeliveryLease, Disposition, NoHold, ProcessError,
-    ProcessOutcome, Settled, delivery, disposition::Verdict,
+    ProcessOutcome, Settled, attempt, delivery, disposition::Verdict,
 };
 use crate::{
     fingerprint::{DefaultFingerprint, PayloadFingerprint},
@@ -510,8 +510,10 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         // the claim is released (and a transaction rolled back).
         let outcome = {
             let shown = hold.key().clone();
-            let work =
-                hold.run(async |granted| AssertUnwindSafe(work(granted)).catch_unwind().await);
+            let attempt = hold.attempt();
+            let work = hold.run(async |granted| {
+                attempt::told(attempt, AssertUnwindSafe(work(granted)).catch_unwind()).await
+            });
             delivery::keeping(broker, &shown, work).await
         };
         let value = match outcome {

@@ -1,9 +1,9 @@
-//! Claiming a key: the store's five possible answers, matched once for both
+//! Claiming a key: the store's six possible answers, matched once for both
 //! doors.
 
 use std::{sync::Arc, time::Duration};
 
-use super::Hold;
+use super::{Earlier, Hold};
 use crate::{
     fingerprint::Fingerprint,
     observe,
@@ -58,24 +58,44 @@ pub(crate) async fn claim<St: Store>(
             Wait::InLine => store.claim_patiently(&key, &fingerprint, lease).await,
         }
     };
-    match observe::store_call("claim", claimed).await {
-        Ok(Claim::Acquired(granted)) => {
-            Claimed::Granted(Hold::new(store.clone(), key, granted, fingerprint, lease))
+    let (granted, earlier) = match observe::store_call("claim", claimed).await {
+        // A store that reports takeovers would have said if it was one.
+        Ok(Claim::Acquired(granted)) if St::REPORTS_TAKEOVERS => (granted, Earlier::None),
+        Ok(Claim::Acquired(granted)) => (granted, Earlier::Unknown),
+        Ok(Claim::TakenOver { granted, lapsed }) => {
+            // An earlier attempt began and never completed: it may have
+            // taken effect. The work is told; operators are too.
+            observe::takeover();
+            tracing::warn!(
+                key = %key.logged_as(),
+                attempts = lapsed.attempts,
+                since = ?lapsed.since,
+                "idempotency: claim taken over from an attempt whose lease lapsed; it may have taken effect"
+            );
+            (granted, Earlier::from(lapsed))
         }
         Ok(Claim::Completed { record, expires_in }) => {
             tracing::debug!(%key, "idempotency: completed before, replayed");
-            Claimed::Completed { record, expires_in }
+            return Claimed::Completed { record, expires_in };
         }
         Ok(Claim::InFlight { retry_after }) => {
             tracing::debug!(%key, "idempotency: in flight elsewhere");
-            Claimed::InFlight {
+            return Claimed::InFlight {
                 retry_after: retry_after.min(hint),
-            }
+            };
         }
         Ok(Claim::Mismatch) => {
             tracing::info!(%key, "idempotency: key reused with different parameters");
-            Claimed::Mismatch
+            return Claimed::Mismatch;
         }
-        Err(error) => Claimed::Unavailable(error),
-    }
+        Err(error) => return Claimed::Unavailable(error),
+    };
+    Claimed::Granted(Hold::new(
+        store.clone(),
+        key,
+        granted,
+        fingerprint,
+        lease,
+        earlier,
+    ))
 }

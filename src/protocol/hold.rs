@@ -5,6 +5,7 @@ use std::{future::Future, pin::Pin, time::Duration};
 
 use tokio::time::{Instant, sleep_until};
 
+use super::{Attempt, Earlier};
 use crate::{
     fingerprint::Fingerprint,
     observe,
@@ -35,6 +36,8 @@ pub(crate) struct Hold<St: Store> {
     /// to the completion's retries, so an extension cut short when the work
     /// ends is made up at once rather than a whole interval later.
     pub(super) confirmed: Instant,
+    /// Which attempt of its key this is: told to the work.
+    pub(super) earlier: Earlier,
 }
 
 impl<St: Store> Hold<St> {
@@ -44,6 +47,7 @@ impl<St: Store> Hold<St> {
         granted: St::Granted,
         fingerprint: Fingerprint,
         lease: Duration,
+        earlier: Earlier,
     ) -> Self {
         Self {
             store,
@@ -59,7 +63,13 @@ impl<St: Store> Hold<St> {
             granted: Some(granted),
             held: true,
             confirmed: Instant::now(),
+            earlier,
         }
+    }
+
+    /// Which attempt of its key the work is.
+    pub(crate) fn attempt(&self) -> Attempt {
+        Attempt::new(self.earlier, self.key.clone())
     }
 
     pub(crate) fn key(&self) -> &StorageKey {

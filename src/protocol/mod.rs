@@ -4,12 +4,14 @@
 //! outcome or release the key ([`Hold::finish`], [`Hold::release`]). Also
 //! the one set of duration bounds and defaults both doors configure with.
 
+mod attempt;
 mod claim;
 mod hold;
 mod settle;
 
 use std::time::Duration;
 
+pub use attempt::{Attempt, Earlier};
 pub(crate) use claim::{Claimed, Wait, claim};
 pub(crate) use hold::Hold;
 pub(crate) use settle::Finished;

@@ -202,6 +202,7 @@ impl<St: Store> CachedStore<St> {
 impl<St: Store> Store for CachedStore<St> {
     // A transactional store's transaction is handed on as it is.
     type Granted = St::Granted;
+    const REPORTS_TAKEOVERS: bool = St::REPORTS_TAKEOVERS;
 
     async fn claim(
         &self,

@@ -88,7 +88,9 @@ impl<S: Store> Drop for Pending<S> {
         };
         let (store, key, lease) = (self.store.clone(), self.key.clone(), self.lease);
         runtime.spawn(async move {
-            if let Ok(Ok(Claim::Acquired(granted))) = tokio::time::timeout(lease, claim).await {
+            if let Ok(Ok(Claim::Acquired(granted) | Claim::TakenOver { granted, .. })) =
+                tokio::time::timeout(lease, claim).await
+            {
                 let released = store.release(&key, granted).await;
                 tracing::warn!(%key, ?released, "idempotency: a claim that timed out (or whose caller gave up) was applied late; released");
             }

@@ -4,13 +4,13 @@ use std::{
     collections::HashMap,
     hash::{BuildHasher, RandomState},
     sync::{Arc, Mutex, MutexGuard},
-    time::Duration,
+    time::{Duration, SystemTime},
 };
 
 use tokio::time::Instant;
 
 use super::{
-    Claim, Forgotten, Found, FoundState, KeyState, LeaseToken, MAX_TTL, StorageKey, Store,
+    Claim, Forgotten, Found, FoundState, KeyState, Lapsed, LeaseToken, MAX_TTL, StorageKey, Store,
     StoreError,
 };
 use crate::{fingerprint::Fingerprint, lock::lock, record::CompletedRecord};
@@ -97,9 +97,20 @@ struct Entry {
 }
 
 enum State {
-    InFlight(LeaseToken),
+    InFlight {
+        token: LeaseToken,
+        /// The claims of this key that lapsed before this one, and when
+        /// the first of them began: what a takeover of it reports.
+        lapsed: u32,
+        since: SystemTime,
+    },
     Completed(Arc<CompletedRecord>),
 }
+
+/// How long a lapsed claim is kept past its lease, so that a later claim
+/// of its key is told it takes over (as DynamoDB's items are kept past
+/// their expiry).
+const LAPSED_KEPT: Duration = Duration::from_secs(60 * 60);
 
 impl MemoryStore {
     /// An empty store.
@@ -144,7 +155,7 @@ impl MemoryStore {
         let now = Instant::now();
         let owned = matches!(
             shard.entries.get(key),
-            Some(Entry { state: State::InFlight(t), expires_at, .. }) if *t == token && *expires_at > now
+            Some(Entry { state: State::InFlight { token: t, .. }, expires_at, .. }) if *t == token && *expires_at > now
         );
         if owned {
             f(&mut shard);
@@ -162,7 +173,10 @@ impl std::fmt::Debug for MemoryStore {
 impl Shard {
     fn insert(&mut self, key: StorageKey, entry: Entry, now: Instant) {
         if self.entries.len() >= self.purge_at {
-            self.entries.retain(|_, e| e.expires_at > now);
+            self.entries.retain(|_, e| match e.state {
+                State::InFlight { .. } => e.expires_at + LAPSED_KEPT > now,
+                State::Completed(_) => e.expires_at > now,
+            });
             self.purge_at = (self.entries.len() * 2).max(64);
         }
         self.entries.insert(key, entry);
@@ -171,6 +185,7 @@ impl Shard {
 
 impl Store for MemoryStore {
     type Granted = LeaseToken;
+    const REPORTS_TAKEOVERS: bool = true;
 
     async fn claim(
         &self,
@@ -180,12 +195,13 @@ impl Store for MemoryStore {
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
         let mut shard = self.shard(key);
-        if let Some(entry) = shard.entries.get(key).filter(|e| e.expires_at > now) {
+        let found = shard.entries.get(key);
+        if let Some(entry) = found.filter(|e| e.expires_at > now) {
             let left = entry.expires_at - now;
             return Found {
                 fingerprint: Ok(entry.fingerprint),
                 state: match &entry.state {
-                    State::InFlight(_) => FoundState::InFlight {
+                    State::InFlight { .. } => FoundState::InFlight {
                         retry_after: left,
                         ours: None,
                     },
@@ -197,14 +213,33 @@ impl Store for MemoryStore {
             }
             .decide(fingerprint);
         }
+        // A lapsed claim is taken over: what it carried is reported, and
+        // carried on.
+        let lapsed = match found.map(|e| &e.state) {
+            Some(State::InFlight { lapsed, since, .. }) => Some(Lapsed {
+                attempts: lapsed + 1,
+                since: *since,
+            }),
+            _ => None,
+        };
         let token = LeaseToken::generate();
         let entry = Entry {
             fingerprint: *fingerprint,
             expires_at: deadline(now, lease),
-            state: State::InFlight(token),
+            state: State::InFlight {
+                token,
+                lapsed: lapsed.map_or(0, |l| l.attempts),
+                since: lapsed.map_or_else(SystemTime::now, |l| l.since),
+            },
         };
         shard.insert(key.clone(), entry, now);
-        Ok(Claim::Acquired(token))
+        Ok(match lapsed {
+            Some(lapsed) => Claim::TakenOver {
+                granted: token,
+                lapsed,
+            },
+            None => Claim::Acquired(token),
+        })
     }
 
     async fn extend(
@@ -255,7 +290,7 @@ impl Store for MemoryStore {
             match shard.entries.get(key).filter(|e| e.expires_at > now) {
                 None => KeyState::Absent,
                 Some(entry) => match &entry.state {
-                    State::InFlight(_) => KeyState::InFlight {
+                    State::InFlight { .. } => KeyState::InFlight {
                         retry_after: entry.expires_at - now,
                     },
                     State::Completed(record) => KeyState::Completed {

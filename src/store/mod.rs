@@ -143,6 +143,15 @@ pub trait Store: Clone + Send + Sync + 'static {
     /// transaction rolls back when dropped; the caller releases a lease).
     type Granted: Granted;
 
+    /// Whether this store tells a claim granted over lapsed ones
+    /// ([`Claim::TakenOver`]) from a first claim ([`Claim::Acquired`]) —
+    /// or its granted claims commit nothing unless they complete (a
+    /// transaction), so that no earlier claim can have taken effect. When
+    /// it does not (the default: a lapsed claim that vanishes with its
+    /// lease leaves nothing to tell by), the handler is told it
+    /// [cannot know](crate::Earlier::Unknown).
+    const REPORTS_TAKEOVERS: bool = false;
+
     /// Atomically claims `key` for a request with this fingerprint:
     /// - unknown key: claim it (an in-flight record that expires after
     ///   `lease`, or a row in a new transaction) and return
@@ -427,6 +436,17 @@ impl Granted for LeaseToken {
 pub enum Claim<G = LeaseToken> {
     /// The key was free and is now claimed: the granted claim.
     Acquired(G),
+    /// The key was held by claims that lapsed before they completed, and
+    /// is now claimed over them: the granted claim, and what lapsed —
+    /// which may have taken effect. A store that
+    /// [reports takeovers](Store::REPORTS_TAKEOVERS) answers this, never
+    /// [`Acquired`](Self::Acquired), for a claim taken over.
+    TakenOver {
+        /// The granted claim.
+        granted: G,
+        /// What lapsed.
+        lapsed: Lapsed,
+    },
     /// Another request with the same fingerprint holds the key.
     InFlight {
         /// How long until its lease runs out (an estimate, for a claim that
@@ -443,6 +463,26 @@ pub enum Claim<G = LeaseToken> {
         /// completed records must not keep it longer.
         expires_in: Duration,
     },
+}
+
+/// The earlier attempts a [`Claim::TakenOver`] was granted over: claims of
+/// the key that lapsed, one after another, without completing.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::SystemTime;
+/// use tower_idempotency::{Earlier, store::Lapsed};
+///
+/// let lapsed = Lapsed { attempts: 1, since: SystemTime::now() };
+/// assert!(matches!(Earlier::from(lapsed), Earlier::TakenOver { attempts: 1, .. }));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lapsed {
+    /// How many claims of the key began and lapsed, this one excluded.
+    pub attempts: u32,
+    /// When the first of them began.
+    pub since: std::time::SystemTime,
 }
 
 /// The longest TTL a store keeps: far beyond any retention or lease the

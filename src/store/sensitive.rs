@@ -118,6 +118,33 @@ impl SensitiveKeys {
     }
 }
 
+impl SensitiveKeys {
+    /// `key`'s downstream key (see
+    /// [`Attempt::downstream_key`](crate::Attempt::downstream_key)): keyed
+    /// by its own secret when it has one, in a domain of its own, so it is
+    /// neither a logged digest nor the key.
+    pub(crate) fn downstream_key(key: &super::StorageKey) -> String {
+        const DOMAIN: &[u8] = b"tower-idempotency/downstream-key/v1";
+        let secret = key.sensitive.as_ref().and_then(|how| how.secret.as_deref());
+        let digest: [u8; 32] = match secret {
+            Some(secret) => {
+                let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key");
+                mac.update(DOMAIN);
+                mac.update(key.as_str().as_bytes());
+                mac.finalize().into_bytes().into()
+            }
+            None => {
+                let mut hasher = FingerprintHasher::new("tower-idempotency/downstream-key/v1");
+                hasher.field(key.as_str().as_bytes());
+                *hasher.finish().as_bytes()
+            }
+        };
+        let mut shown = [0; 64];
+        write_hex(&mut shown, &digest);
+        std::str::from_utf8(&shown).expect("hex digits").to_owned()
+    }
+}
+
 // The secret never appears in a log.
 impl fmt::Debug for SensitiveKeys {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -245,6 +245,7 @@ fn injected(op: Op, what: &str) -> StoreError {
 
 impl<S: Store> Store for FaultyStore<S> {
     type Granted = S::Granted;
+    const REPORTS_TAKEOVERS: bool = S::REPORTS_TAKEOVERS;
 
     async fn claim(
         &self,

@@ -5,7 +5,9 @@
 //! asked — a release frees the key, the same key under two scopes is two
 //! keys, keys compare byte for byte, inspect and forget tell the truth,
 //! concurrent claims grant the key once, an unreadable record is an error
-//! under any fingerprint (given [`StoreContract::corrupting`]); and,
+//! under any fingerprint (given [`StoreContract::corrupting`]), a claim
+//! over lapsed ones is a takeover that counts them (for a store that
+//! [reports takeovers](crate::store::Store::REPORTS_TAKEOVERS)); and,
 //! model-based, random
 //! sequences of claims, extensions, completions, releases, forgets,
 //! inspects and waits keep to a reference model of each key's states
@@ -51,7 +53,7 @@ use bytes::Bytes;
 
 use crate::{
     CompletedRecord, Fingerprint, IdempotencyKey,
-    store::{Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError},
+    store::{Claim, Forgotten, KeyState, Lapsed, LeaseToken, StorageKey, Store, StoreError},
 };
 
 /// A contract's rules, listed once: each a name and its check, a method of
@@ -164,6 +166,7 @@ rules! {
         keys_compare_byte_for_byte,
         retention_is_kept_as_long_as_asked,
         an_unreadable_record_is_an_error_under_any_fingerprint,
+        takeovers_count_the_lapsed_attempts,
         behaves_as_the_model,
     }
 }
@@ -300,6 +303,7 @@ where
                 (rule == "inspect_and_forget_tell_the_truth" && !self.inspect)
                     || (rule == "an_unreadable_record_is_an_error_under_any_fingerprint"
                         && self.corrupt.is_none())
+                    || (rule == "takeovers_count_the_lapsed_attempts" && !St::REPORTS_TAKEOVERS)
             },
             |rule| {
                 let store = (self.make)();
@@ -398,10 +402,50 @@ where
         let lease = self.unit * 2;
         let _crashed = acquire(store, &key, &FP, lease).await?;
         tokio::time::sleep(u * 3).await;
-        acquire(store, &key, &FP, lease)
+        take_over(store, &key, lease, 1)
             .await
             .map(drop)
             .map_err(|e| format!("after the lease ran out: {e}"))
+    }
+
+    async fn takeovers_count_the_lapsed_attempts(&self, (store, key): (St, StorageKey)) -> Outcome {
+        let store = &store;
+        let u = self.unit;
+        let lease = self.unit * 2;
+        let began = SystemTime::now();
+        let _first = acquire(store, &key, &FP, lease).await?;
+        tokio::time::sleep(u * 3).await;
+        let (_, lapsed) = take_over(store, &key, lease, 1).await?;
+        // Whose clock: the store's, to within a unit.
+        let since = |lapsed: Lapsed| {
+            let off = lapsed
+                .since
+                .duration_since(began)
+                .unwrap_or_else(|e| e.duration());
+            if off > u {
+                return Err(format!(
+                    "a takeover said the first attempt began {:?}, {off:?} from when it did",
+                    lapsed.since
+                ));
+            }
+            Ok(())
+        };
+        since(lapsed)?;
+        tokio::time::sleep(u * 3).await;
+        let (mut third, lapsed) = take_over(store, &key, lease, 2).await?;
+        since(lapsed)?;
+        // Completed, then expired: a claim over it is a first one again.
+        complete(store, &key, &mut third, u).await?;
+        tokio::time::sleep(u * 2).await;
+        let token = acquire(store, &key, &FP, lease)
+            .await
+            .map_err(|e| format!("over an expired record: {e}"))?;
+        // Released (its work failed, nothing took effect): a first again.
+        truthy(store.release(&key, token).await, "release by the holder")?;
+        acquire(store, &key, &FP, lease)
+            .await
+            .map(drop)
+            .map_err(|e| format!("after a release: {e}"))
     }
 
     async fn a_lost_lease_fences_its_holder_off(&self, (store, key): (St, StorageKey)) -> Outcome {
@@ -410,7 +454,7 @@ where
         let lease = self.unit * 2;
         let mut stale = acquire(store, &key, &FP, lease).await?;
         tokio::time::sleep(u * 3).await;
-        let mut fresh = acquire(store, &key, &FP, lease * 5).await?;
+        let (mut fresh, _) = take_over(store, &key, lease * 5, 1).await?;
         falsy(
             store.extend(&key, stale, lease).await,
             "extend by the stale holder",
@@ -515,7 +559,7 @@ where
         let claims = futures_util::future::join_all(claims).await;
         let granted = claims
             .iter()
-            .filter(|c| matches!(c, Ok(Claim::Acquired(_))))
+            .filter(|c| matches!(c, Ok(Claim::Acquired(_) | Claim::TakenOver { .. })))
             .count();
         if let Some(Err(error)) = claims.iter().find(|c| c.is_err()) {
             return Err(format!("a concurrent claim failed: {error}"));
@@ -649,6 +693,46 @@ async fn acquire<St: Store<Granted = LeaseToken>>(
     }
 }
 
+/// A claim over one that lapsed after `attempts` attempts began: a
+/// takeover saying so on a store that
+/// [reports them](Store::REPORTS_TAKEOVERS), a plain grant on any other.
+async fn take_over<St: Store<Granted = LeaseToken>>(
+    store: &St,
+    key: &StorageKey,
+    lease: Duration,
+    attempts: u32,
+) -> Result<(LeaseToken, Lapsed), String> {
+    let claim = store.claim(key, &FP, lease).await;
+    match claim {
+        Ok(Claim::TakenOver { granted, lapsed }) if St::REPORTS_TAKEOVERS => {
+            if lapsed.attempts == attempts {
+                Ok((granted, lapsed))
+            } else {
+                Err(format!(
+                    "a takeover after {attempts} lapsed attempts said {}",
+                    lapsed.attempts
+                ))
+            }
+        }
+        Ok(Claim::Acquired(granted)) if !St::REPORTS_TAKEOVERS => Ok((
+            granted,
+            Lapsed {
+                attempts,
+                since: SystemTime::UNIX_EPOCH,
+            },
+        )),
+        other => Err(format!(
+            "a claim over a lapsed one got {}, not {}",
+            show(&other),
+            if St::REPORTS_TAKEOVERS {
+                "TakenOver (the store reports takeovers)"
+            } else {
+                "Acquired (the store does not report takeovers)"
+            }
+        )),
+    }
+}
+
 async fn complete<St: Store<Granted = LeaseToken>>(
     store: &St,
     key: &StorageKey,
@@ -687,6 +771,7 @@ fn falsy(done: Result<bool, StoreError>, what: &str) -> Outcome {
 fn show<G>(claim: &Result<Claim<G>, StoreError>) -> String {
     match claim {
         Ok(Claim::Acquired(_)) => "Acquired".into(),
+        Ok(Claim::TakenOver { .. }) => "TakenOver".into(),
         Ok(Claim::InFlight { .. }) => "InFlight".into(),
         Ok(Claim::Mismatch) => "Mismatch".into(),
         Ok(Claim::Completed { .. }) => "Completed".into(),

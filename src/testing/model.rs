@@ -118,6 +118,8 @@ enum Slot {
         token: usize,
         fp: usize,
         until: Instant,
+        /// The claims of the key begun and lapsed before this one.
+        lapsed: u32,
     },
     Completed {
         fp: usize,
@@ -232,22 +234,40 @@ pub(super) async fn run<St: Store<Granted = LeaseToken>>(
                     Slot::Completed { fp: held, .. } if *held == fp => Some("Completed"),
                     _ => Some("Mismatch"),
                 };
+                // A grant over a claim that lapsed is a takeover, counting
+                // on, on a store that reports them.
+                let lapsed = match model.slots[key] {
+                    Slot::Claimed { lapsed, .. } if St::REPORTS_TAKEOVERS => Some(lapsed + 1),
+                    _ => None,
+                };
+                let grant = if lapsed.is_some() {
+                    "TakenOver"
+                } else {
+                    "Acquired"
+                };
                 let name = claim_name(&claim);
                 let allowed = match (held, when) {
-                    (None, _) => vec!["Acquired"],
-                    (Some(held), When::Around) => vec![held, "Acquired"],
+                    (None, _) => vec![grant],
+                    (Some(held), When::Around) => vec![held, grant],
                     (Some(held), _) => vec![held],
                 };
                 if !allowed.contains(&name) {
                     return diverged(&allowed.join(" or "), name.into());
                 }
                 match claim {
-                    Claim::Acquired(token) => {
+                    Claim::Acquired(token) | Claim::TakenOver { granted: token, .. } => {
+                        if let Claim::TakenOver { lapsed: told, .. } = claim
+                            && Some(told.attempts) != lapsed
+                        {
+                            let expected = format!("a takeover of {lapsed:?} attempts");
+                            return diverged(&expected, format!("{}", told.attempts));
+                        }
                         tokens.push(token);
                         model.slots[key] = Slot::Claimed {
                             token: tokens.len() - 1,
                             fp,
                             until: Instant::now() + lease,
+                            lapsed: lapsed.unwrap_or(0),
                         };
                     }
                     Claim::Completed { record, .. } => {
@@ -373,6 +393,7 @@ pub(super) async fn run<St: Store<Granted = LeaseToken>>(
 fn claim_name(claim: &Claim) -> &'static str {
     match claim {
         Claim::Acquired(_) => "Acquired",
+        Claim::TakenOver { .. } => "TakenOver",
         Claim::InFlight { .. } => "InFlight",
         Claim::Mismatch => "Mismatch",
         Claim::Completed { .. } => "Completed",

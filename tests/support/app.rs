@@ -9,8 +9,10 @@ use std::{
     time::Duration,
 };
 
+use tower_idempotency::Attempt;
+
 use axum::{
-    Json, Router,
+    Extension, Json, Router,
     body::Bytes,
     extract::{Path, Query, State},
     http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header},
@@ -73,9 +75,25 @@ fn created(n: usize, method: &Method, uri: &Uri, body: &[u8]) -> Response {
     (StatusCode::CREATED, headers, body.to_string()).into_response()
 }
 
-async fn charge(State(c): State<Counter>, method: Method, uri: Uri, body: Bytes) -> Response {
+/// Also says which attempt it was told it is (`x-attempt`: the `Earlier`)
+/// and the downstream key (`x-downstream-key`), when the layer granted it.
+async fn charge(
+    State(c): State<Counter>,
+    attempt: Option<Extension<Attempt>>,
+    method: Method,
+    uri: Uri,
+    body: Bytes,
+) -> Response {
     let n = c.incr();
-    created(n, &method, &uri, &body)
+    let mut created = created(n, &method, &uri, &body);
+    if let Some(Extension(attempt)) = attempt {
+        let headers = created.headers_mut();
+        let earlier = format!("{:?}", attempt.earlier());
+        headers.insert("x-attempt", HeaderValue::from_str(&earlier).unwrap());
+        let downstream = HeaderValue::from_str(&attempt.downstream_key()).unwrap();
+        headers.insert("x-downstream-key", downstream);
+    }
+    created
 }
 
 #[derive(serde::Deserialize)]

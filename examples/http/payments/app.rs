@@ -15,7 +15,7 @@ use serde::Deserialize;
 use tower::ServiceBuilder;
 use tower_http::{compression::CompressionLayer, timeout::TimeoutLayer, trace::TraceLayer};
 use tower_idempotency::{
-    IdempotencyKey, IdempotencyLayer, IdempotencyOutcome, IdempotentTx, Problem,
+    Attempt, Earlier, IdempotencyLayer, IdempotencyOutcome, IdempotentTx, Problem,
     outbox::{Outbox, OutgoingMessage},
     sqlx,
     store::{
@@ -42,8 +42,8 @@ pub struct Settings {
     retention: Duration,
     request_timeout: Duration,
     /// `DOWNSTREAM_KEY` (default `on`; `off` to measure the window it
-    /// closes): on a lease store, each charge carries its idempotency key
-    /// under a unique constraint.
+    /// closes): on a lease store, each charge carries the attempt's
+    /// downstream key under a unique constraint.
     downstream_key: bool,
     /// `OUTBOX_DESTINATION` (a queue URL, a subject, a queue name): each
     /// execution enqueues `charge.created` for it in the charge's
@@ -402,22 +402,36 @@ fn exact_integer(number: &str) -> Option<i64> {
 /// Charges on its own: the charge commits, then the processor is called,
 /// then the idempotency record is stored. A lease store cannot close the
 /// gaps between them — a crash after the charge's commit, or a pause longer
-/// than the lease, lets the retry execute again — so the charge carries the
-/// request's idempotency key under a unique constraint (a downstream key):
-/// a second execution finds the first charge and answers with it.
+/// than the lease, lets the retry execute again, as a takeover — so the
+/// charge carries the attempt's downstream key (the same on every attempt
+/// of the key) under a unique constraint, as a card processor keeps its
+/// own idempotency keys: a second execution finds the first charge and
+/// answers with it.
 async fn create_charge(
     State(state): State<AppState>,
     axum::Extension(Account(account)): axum::Extension<Account>,
-    key: Option<axum::Extension<IdempotencyKey>>,
+    attempt: Option<axum::Extension<Attempt>>,
     body: Result<Json<NewCharge>, JsonRejection>,
 ) -> Response {
     let charge = match new_charge(account, body) {
         Ok(charge) => charge,
         Err(invalid) => return invalid.into_response(),
     };
-    let recorded = match key {
-        Some(axum::Extension(key)) if state.downstream_key => {
-            state.charges.insert_once(&charge, key.as_str()).await
+    let recorded = match attempt {
+        Some(axum::Extension(attempt)) if state.downstream_key => {
+            if let Earlier::TakenOver { attempts, since } = attempt.earlier() {
+                // The earlier attempt may have charged: the downstream key
+                // finds its charge, if it committed, instead of a second.
+                tracing::warn!(
+                    attempts,
+                    ?since,
+                    "charge: taking over a lapsed attempt; reconciling by its downstream key"
+                );
+            }
+            state
+                .charges
+                .insert_once(&charge, &attempt.downstream_key())
+                .await
         }
         // No key, no protection: a charge per request (or the downstream
         // key turned off, to measure the window it closes).

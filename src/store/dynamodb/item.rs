@@ -10,18 +10,23 @@
 //! | `exp` | N | when the claim lapses or the record expires (Unix ms) |
 //! | `ttl` | N | `exp` in Unix seconds, plus a margin: DynamoDB's TTL attribute |
 //! | `rec` | B | the completed record, in the crate's record codec |
+//! | `att` | N | the claims of the key begun so far, this one included, while in flight: a claim over a lapsed one counts on |
+//! | `bgn` | N | when the first of them began (Unix ms), while in flight |
 //!
 //! DynamoDB deletes an item some time after its `ttl` (hours, even days):
 //! `exp` decides, so an item past it reads as absent and is claimed over.
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::HashMap,
+    time::{Duration, UNIX_EPOCH},
+};
 
 use aws_sdk_dynamodb::{primitives::Blob, types::AttributeValue};
 
 use crate::{
     fingerprint::Fingerprint,
     record::{CompletedRecord, CorruptRecord, codec},
-    store::{LeaseToken, StorageKey},
+    store::{Lapsed, LeaseToken, StorageKey},
 };
 
 pub(super) const PK: &str = "pk";
@@ -31,6 +36,8 @@ pub(super) const TOKEN: &str = "tok";
 pub(super) const EXPIRES: &str = "exp";
 pub(super) const TTL: &str = "ttl";
 pub(super) const RECORD: &str = "rec";
+pub(super) const ATTEMPTS: &str = "att";
+pub(super) const BEGAN: &str = "bgn";
 
 const IN_FLIGHT: &str = "i";
 const COMPLETED: &str = "c";
@@ -86,23 +93,52 @@ fn ttl_of(expires_ms: u64) -> AttributeValue {
     number((expires_ms / 1000).saturating_add(TTL_MARGIN.as_secs()))
 }
 
-/// A claim in flight, held by `token` until `deadline_ms`.
-pub(super) fn claim(
-    key: &StorageKey,
+/// A claim: the item made a claim in flight, held by `:tok` until `:exp`,
+/// counting on from a lapsed claim it replaces (`att`, `bgn`) — a
+/// completed record replaced its item whole, so a claim over one counts
+/// from one. Conditional on [`FREE`].
+pub(super) const CLAIM: &str = "SET #st = :i, #fp = :fp, #tok = :tok, #exp = :exp, #ttl = :ttl, \
+     #att = if_not_exists(#att, :zero) + :one, #bgn = if_not_exists(#bgn, :now) REMOVE #rec";
+
+/// [`CLAIM`]'s values, for a claim held by `token` until `deadline_ms`,
+/// made at `now_ms`.
+pub(super) fn claim_values(
     fingerprint: &Fingerprint,
     token: LeaseToken,
     deadline_ms: u64,
-) -> Item {
-    let mut item = key_of(key);
-    item.insert(STATE.to_owned(), in_flight_value());
-    item.insert(
-        FINGERPRINT.to_owned(),
-        AttributeValue::B(Blob::new(fingerprint.as_bytes().to_vec())),
-    );
-    item.insert(TOKEN.to_owned(), token_value(token));
-    item.insert(EXPIRES.to_owned(), number(deadline_ms));
-    item.insert(TTL.to_owned(), ttl_of(deadline_ms));
-    item
+    now_ms: u64,
+) -> [(&'static str, AttributeValue); 8] {
+    [
+        (":i", in_flight_value()),
+        (
+            ":fp",
+            AttributeValue::B(Blob::new(fingerprint.as_bytes().to_vec())),
+        ),
+        (":tok", token_value(token)),
+        (":exp", number(deadline_ms)),
+        (":ttl", ttl_of(deadline_ms)),
+        (":zero", number(0)),
+        (":one", number(1)),
+        (":now", number(now_ms)),
+    ]
+}
+
+/// What a claim replaced, when it was a claim that lapsed: the attempts it
+/// counted and when the first began. (An item written before these were
+/// kept counts as one attempt, begun by its deadline.)
+pub(super) fn lapsed(old: &Item) -> Option<Lapsed> {
+    if !matches!(old.get(STATE), Some(AttributeValue::S(state)) if state == IN_FLIGHT) {
+        return None;
+    }
+    let read = |name: &str| match old.get(name) {
+        Some(AttributeValue::N(n)) => n.parse::<u64>().ok(),
+        _ => None,
+    };
+    let began = read(BEGAN).or_else(|| read(EXPIRES)).unwrap_or(0);
+    Some(Lapsed {
+        attempts: read(ATTEMPTS).map_or(1, |n| u32::try_from(n).unwrap_or(u32::MAX)),
+        since: UNIX_EPOCH + Duration::from_millis(began),
+    })
 }
 
 /// A completed record (`encoded`: the codec's bytes), kept until

@@ -4,7 +4,7 @@
 //! from the SDK's standard environment.
 //!
 //! - [`DynamoDbStore`]: each claim is a **lease**, as on Redis — an item
-//!   written by one conditional `PutItem`, kept with heartbeats, fenced by
+//!   written by one conditional `UpdateItem`, kept with heartbeats, fenced by
 //!   its token. The record and the handler's effect are two facts: a
 //!   holder paused past its lease, or killed between its effect and its
 //!   record, leaves a retry free to execute again (see the Redis store's
@@ -30,18 +30,20 @@
 //!
 //! # Protocol and cost
 //!
-//! A claim is one conditional `PutItem` (`attribute_not_exists(pk) OR exp
-//! < now`) with `ReturnValuesOnConditionCheckFailure=ALL_OLD`: a refused
-//! claim learns in the same call whether it met a completed record
-//! (replay), a live claim (`409`) or another payload (`422`) — one round
-//! trip either way. Extend, complete, release and forget are conditional
+//! A claim is one conditional `UpdateItem` (`attribute_not_exists(pk) OR
+//! exp < now`) with `ReturnValues=ALL_OLD` and
+//! `ReturnValuesOnConditionCheckFailure=ALL_OLD`: a refused claim learns in
+//! the same call whether it met a completed record (replay), a live claim
+//! (`409`) or another payload (`422`), and a granted one whether it took
+//! over a claim that lapsed (counting its attempts on) — one round trip
+//! either way. Extend, complete, release and forget are conditional
 //! on the token. Per request, in write (WCU) and read (RCU) capacity units
 //! for a record under 1 KB:
 //!
 //! | request | lease store | transactional store |
 //! |---|---|---|
 //! | first execution | 2 WCU (claim, completion) | 1 WCU claim + 2 WCU per item of the transaction (the record and each of the handler's) |
-//! | replay | 1 WCU (the refused conditional put) | the same |
+//! | replay | 1 WCU (the refused conditional update) | the same |
 //! | concurrent duplicate (`409`) | 1 WCU | the same |
 //!
 //! A transaction bills twice the write units of its items, holds at most
@@ -91,8 +93,8 @@ use std::{
 use aws_sdk_dynamodb::{
     Client,
     error::SdkError,
-    operation::put_item::PutItemError,
-    types::{AttributeValue, ReturnValuesOnConditionCheckFailure, Select},
+    operation::{put_item::PutItemError, update_item::UpdateItemError},
+    types::{AttributeValue, ReturnValue, ReturnValuesOnConditionCheckFailure, Select},
 };
 
 use self::{
@@ -190,6 +192,17 @@ fn old_item(error: &SdkError<PutItemError>) -> Option<&Item> {
     }
 }
 
+/// The old item a refused conditional update returned, if it did.
+fn refused_update_item(error: &SdkError<UpdateItemError>) -> Option<&Item> {
+    match error {
+        SdkError::ServiceError(service) => match service.err() {
+            UpdateItemError::ConditionalCheckFailedException(failed) => failed.item(),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
 impl Table {
     /// Bounds `call` by the store's timeout.
     async fn bounded<T>(
@@ -199,7 +212,7 @@ impl Table {
         super::bounded(self.timeout, call).await
     }
 
-    /// One conditional `PutItem` of a claim held until `hold` from now;
+    /// One conditional `UpdateItem` of a claim held until `hold` from now;
     /// refused, what it met.
     async fn claim(
         &self,
@@ -210,22 +223,43 @@ impl Table {
         let now = now_ms();
         let token = LeaseToken::generate();
         let deadline = now.saturating_add(ttl_millis(hold, "lease")?);
-        let put = self
+        let mut update = self
             .client
-            .put_item()
+            .update_item()
             .table_name(&self.name)
-            .set_item(Some(item::claim(key, fingerprint, token, deadline)))
+            .set_key(Some(item::key_of(key)))
+            .update_expression(item::CLAIM)
             .condition_expression(item::FREE)
-            .expression_attribute_names("#pk", item::PK)
-            .expression_attribute_names("#exp", item::EXPIRES)
-            .expression_attribute_values(":now", item::number(now))
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        match put {
-            Ok(_) => Ok(Claim::Acquired(token)),
+            .return_values(ReturnValue::AllOld)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        for (name, attribute) in [
+            ("#pk", item::PK),
+            ("#st", item::STATE),
+            ("#fp", item::FINGERPRINT),
+            ("#tok", item::TOKEN),
+            ("#exp", item::EXPIRES),
+            ("#ttl", item::TTL),
+            ("#att", item::ATTEMPTS),
+            ("#bgn", item::BEGAN),
+            ("#rec", item::RECORD),
+        ] {
+            update = update.expression_attribute_names(name, attribute);
+        }
+        for (name, value) in item::claim_values(fingerprint, token, deadline, now) {
+            update = update.expression_attribute_values(name, value);
+        }
+        match update.send().await {
+            // What it replaced, if anything, has lapsed or expired: a claim
+            // that lapsed is taken over.
+            Ok(done) => Ok(match done.attributes.as_ref().and_then(item::lapsed) {
+                Some(lapsed) => Claim::TakenOver {
+                    granted: token,
+                    lapsed,
+                },
+                None => Claim::Acquired(token),
+            }),
             Err(error) if errors::class(&error) == Class::ConditionFailed => {
-                let old = match old_item(&error) {
+                let old = match refused_update_item(&error) {
                     Some(old) => Some(old.clone()),
                     // A server that does not return the old item: read it.
                     None => self.get(key).await?,
@@ -543,6 +577,7 @@ impl DynamoDbStore {
 
 impl Store for DynamoDbStore {
     type Granted = LeaseToken;
+    const REPORTS_TAKEOVERS: bool = true;
 
     async fn claim(
         &self,

@@ -372,6 +372,8 @@ impl DynamoDbTxStore {
 
 impl Store for DynamoDbTxStore {
     type Granted = DynamoTx;
+    // Its claims commit nothing unless they complete.
+    const REPORTS_TAKEOVERS: bool = true;
 
     async fn claim(
         &self,
@@ -386,13 +388,16 @@ impl Store for DynamoDbTxStore {
             .bounded(table.claim(key, fingerprint, self.transaction_timeout))
             .await?;
         Ok(match claimed {
-            Claim::Acquired(token) => Claim::Acquired(DynamoTx {
-                table: table.clone(),
-                key: key.clone(),
-                token,
-                writes: TransactWrites::default(),
-                settled: false,
-            }),
+            // A lapsed transaction committed nothing: no takeover to tell.
+            Claim::Acquired(token) | Claim::TakenOver { granted: token, .. } => {
+                Claim::Acquired(DynamoTx {
+                    table: table.clone(),
+                    key: key.clone(),
+                    token,
+                    writes: TransactWrites::default(),
+                    settled: false,
+                })
+            }
             Claim::InFlight { retry_after } => Claim::InFlight { retry_after },
             Claim::Mismatch => Claim::Mismatch,
             Claim::Completed { record, expires_in } => Claim::Completed { record, expires_in },

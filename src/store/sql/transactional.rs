@@ -213,6 +213,8 @@ super::table_methods!(SqlTxStore);
 
 impl<D: TxEngine> Store for SqlTxStore<D> {
     type Granted = SqlTx<D>;
+    // Its claims commit nothing unless they complete.
+    const REPORTS_TAKEOVERS: bool = true;
 
     async fn claim(
         &self,

@@ -1,5 +1,5 @@
-//! Leases, for the stores whose claims are leases: a crashed claim expires,
-//! the heartbeat keeps a slow handler's, and fencing refuses a stale holder.
+//! Leases, for the stores whose claims are leases: a crashed claim expires
+//! (and its retry is told it takes over), the heartbeat keeps a slow handler's, and fencing refuses a stale holder.
 
 use std::{sync::Arc, time::Duration};
 
@@ -46,6 +46,24 @@ where
         "the crashed claim expired with its lease"
     );
     assert_eq!(runs.get(), 1);
+    // The handler was told it took over, where the store can tell.
+    let told = retry.header("x-attempt").unwrap_or_default();
+    if B::Store::REPORTS_TAKEOVERS {
+        assert!(told.starts_with("TakenOver { attempts: 1,"), "{told}");
+    } else {
+        assert_eq!(told, "Unknown");
+    }
+    // Its downstream key is the key's in every attempt, and no other key's.
+    let downstream = retry.header("x-downstream-key").unwrap_or_default();
+    assert_eq!(downstream.len(), 64, "{downstream}");
+    let other = server.post("/charges", "other", CHARGE).await;
+    let first = if B::Store::REPORTS_TAKEOVERS {
+        "None"
+    } else {
+        "Unknown"
+    };
+    assert_eq!(other.header("x-attempt"), Some(first));
+    assert_ne!(other.header("x-downstream-key"), Some(downstream));
 }
 
 pub async fn heartbeat_keeps_a_slow_handler_claimed<B: Backend>(b: &B)
@@ -91,7 +109,10 @@ where
         panic!("first claim must be acquired")
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let Claim::Acquired(mut fresh) = store
+    let (Claim::Acquired(mut fresh)
+    | Claim::TakenOver {
+        granted: mut fresh, ..
+    }) = store
         .claim(&key, &fp, Duration::from_secs(30))
         .await
         .unwrap()
