@@ -121,20 +121,6 @@ pub(crate) fn outbox(published: usize, retried: usize, refused: usize) {
     let _ = (published, retried, refused);
 }
 
-/// What waits in an outbox, as a relay last read it.
-pub(crate) fn outbox_backlog(backlog: &crate::outbox::OutboxBacklog) {
-    #[cfg(feature = "metrics")]
-    {
-        metrics::gauge!(names::OUTBOX_PENDING).set(backlog.pending as f64);
-        metrics::gauge!(names::OUTBOX_OLDEST_PENDING)
-            .set(backlog.oldest_pending.map_or(0.0, |age| age.as_secs_f64()));
-        metrics::gauge!(names::OUTBOX_REFUSED).set(backlog.refused as f64);
-        metrics::gauge!(names::OUTBOX_AWAITING_SWEEP).set(backlog.awaiting_sweep as f64);
-    }
-    #[cfg(not(feature = "metrics"))]
-    let _ = backlog;
-}
-
 /// The current span's trace context (W3C `traceparent`, `tracestate`), as
 /// headers of a message it sends: what the consumer continues. Through the
 /// application's global propagator, with the `opentelemetry` feature;

@@ -374,6 +374,22 @@ pub struct OutboxBacklog {
     pub awaiting_sweep: u64,
 }
 
+impl OutboxBacklog {
+    /// Sets the outbox's gauges (feature `metrics`) to what a relay last
+    /// read.
+    pub(crate) fn report(&self) {
+        #[cfg(feature = "metrics")]
+        {
+            use crate::observe::names;
+            metrics::gauge!(names::OUTBOX_PENDING).set(self.pending as f64);
+            metrics::gauge!(names::OUTBOX_OLDEST_PENDING)
+                .set(self.oldest_pending.map_or(0.0, |age| age.as_secs_f64()));
+            metrics::gauge!(names::OUTBOX_REFUSED).set(self.refused as f64);
+            metrics::gauge!(names::OUTBOX_AWAITING_SWEEP).set(self.awaiting_sweep as f64);
+        }
+    }
+}
+
 /// A message's id derived from the request's storage key (its scope,
 /// hashed, and its key), the execution its claim began, and its position:
 /// the same on every publication of the message, and new with each

@@ -403,7 +403,7 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
     /// ```
     pub async fn backlog(&self) -> Result<OutboxBacklog, StoreError> {
         let backlog = self.table.backlog(self.retention).await?;
-        observe::outbox_backlog(&backlog);
+        backlog.report();
         Ok(backlog)
     }
 
