@@ -93,6 +93,26 @@ async fn record_every_door() -> Recorded {
         })
         .await;
 
+    // A takeover: a work stopped mid-way (its future never polled again,
+    // never dropped), its lease lapsed, then the key claimed again.
+    let lapsing = IdempotencyProcessor::new(MemoryStore::new())
+        .scope("takeovers")
+        .lease(Duration::from_millis(50));
+    let stalls = async |_: &mut _| {
+        std::future::pending::<()>().await;
+        Ok::<_, std::io::Error>(1)
+    };
+    let mut stopped = Box::pin(lapsing.process("order-2", b"{}", stalls));
+    std::future::poll_fn(|cx| {
+        assert!(stopped.as_mut().poll(cx).is_pending());
+        std::task::Poll::Ready(())
+    })
+    .await;
+    std::mem::forget(stopped);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let taken_over = lapsing.process("order-2", b"{}", charge).await;
+    assert!(taken_over.is_ok());
+
     // The outbox: one message published, one refused.
     let file = TestFile::create();
     let store = SqliteStore::builder()

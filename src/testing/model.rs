@@ -362,7 +362,9 @@ pub(super) async fn run<St: Store<Granted = LeaseToken>>(
                 if got != expected && !(when == When::Around && got == Forgotten::Nothing) {
                     return diverged(&format!("{expected:?}"), format!("{got:?}"));
                 }
-                if got != Forgotten::InFlight {
+                // Nothing forgotten leaves what lapsed or expired there: a
+                // lapsed claim is still taken over.
+                if !matches!(got, Forgotten::InFlight | Forgotten::Nothing) {
                     model.slots[key] = Slot::Absent;
                 }
             }

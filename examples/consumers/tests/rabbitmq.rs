@@ -216,15 +216,22 @@ async fn on_a_quorum_queue_the_last_delivery_is_dead_lettered_never_dropped() {
     let queue = TestQueue::declare_quorum(1).await;
     let via = |relay: &Relay| db.url_via(relay.port());
     let (first_url, second_url) = (via(&first_relay), via(&second_relay));
+    // Logging, so that a consumer that does not stop says where it is.
+    let logged = ("RUST_LOG", "info,tower_idempotency=debug");
     let mut first =
-        OrdersConsumer::start(&[("DATABASE_URL", &first_url), ("QUEUE", &queue.name)]).await;
+        OrdersConsumer::start(&[("DATABASE_URL", &first_url), ("QUEUE", &queue.name), logged])
+            .await;
     first_relay.cut();
     queue.publish(&order("order-1", 500)).await;
     drained(&queue).await;
     // The second one starts while the first holds the order, then loses
     // its database too.
-    let mut second =
-        OrdersConsumer::start(&[("DATABASE_URL", &second_url), ("QUEUE", &queue.name)]).await;
+    let mut second = OrdersConsumer::start(&[
+        ("DATABASE_URL", &second_url),
+        ("QUEUE", &queue.name),
+        logged,
+    ])
+    .await;
     second_relay.cut();
     first.terminate();
     assert!(first.exited(Duration::from_secs(60)).await.success());

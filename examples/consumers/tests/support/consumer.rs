@@ -95,10 +95,16 @@ impl OrdersConsumer {
             if let Some(status) = self.child.try_wait().unwrap() {
                 return status;
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "still running after {within:?}"
-            );
+            if std::time::Instant::now() >= deadline {
+                // What it said and logged, to tell where it is stuck.
+                let log = self.log.lock().unwrap();
+                let tail = &log[log.len().saturating_sub(40)..];
+                panic!(
+                    "still running after {within:?}; its lines: {:?}; its log's last lines:\n{}",
+                    self.lines(),
+                    tail.join("\n")
+                );
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
