@@ -168,6 +168,20 @@ struct State {
     losses: u8,
 }
 
+impl State {
+    /// Whether at most one execution in each epoch (counted from each
+    /// forced forget, which starts the key over) is `counted`.
+    fn at_most_one(&self, counted: impl Fn(&Execution) -> bool) -> bool {
+        (0..=self.forgets).all(|epoch| {
+            self.executions
+                .iter()
+                .filter(|e| e.epoch == epoch && counted(e))
+                .count()
+                <= 1
+        })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 enum Action {
     Tick,
@@ -485,29 +499,13 @@ impl Model for Protocol {
             Property::always(
                 "a second execution only as a takeover of a lapsed claim",
                 |model: &Protocol, state: &State| {
-                    model.kind == Kind::Transactional
-                        || (0..=state.forgets).all(|epoch| {
-                            state
-                                .executions
-                                .iter()
-                                .filter(|e| e.epoch == epoch && !e.takeover)
-                                .count()
-                                <= 1
-                        })
+                    model.kind == Kind::Transactional || state.at_most_one(|e| !e.takeover)
                 },
             ),
             Property::always(
                 "never two committed effects for one key",
                 |model: &Protocol, state: &State| {
-                    model.kind == Kind::Lease
-                        || (0..=state.forgets).all(|epoch| {
-                            state
-                                .executions
-                                .iter()
-                                .filter(|e| e.epoch == epoch && e.committed)
-                                .count()
-                                <= 1
-                        })
+                    model.kind == Kind::Lease || state.at_most_one(|e| e.committed)
                 },
             ),
             Property::always(

@@ -100,9 +100,9 @@ enum State {
     InFlight {
         token: LeaseToken,
         /// The claims of this key that lapsed before this one, and when
-        /// the first of them began: what a takeover of it reports.
-        lapsed: u32,
-        since: SystemTime,
+        /// the first of them began (this one, if none did): what a
+        /// takeover of it counts on from.
+        lapsed: Lapsed,
     },
     Completed(Arc<CompletedRecord>),
 }
@@ -216,9 +216,9 @@ impl Store for MemoryStore {
         // A lapsed claim is taken over: what it carried is reported, and
         // carried on.
         let lapsed = match found.map(|e| &e.state) {
-            Some(State::InFlight { lapsed, since, .. }) => Some(Lapsed {
-                attempts: lapsed + 1,
-                since: *since,
+            Some(State::InFlight { lapsed, .. }) => Some(Lapsed {
+                attempts: lapsed.attempts + 1,
+                since: lapsed.since,
             }),
             _ => None,
         };
@@ -228,8 +228,10 @@ impl Store for MemoryStore {
             expires_at: deadline(now, lease),
             state: State::InFlight {
                 token,
-                lapsed: lapsed.map_or(0, |l| l.attempts),
-                since: lapsed.map_or_else(SystemTime::now, |l| l.since),
+                lapsed: lapsed.unwrap_or_else(|| Lapsed {
+                    attempts: 0,
+                    since: SystemTime::now(),
+                }),
             },
         };
         shard.insert(key.clone(), entry, now);

@@ -5,7 +5,7 @@ use std::{fmt, sync::Arc};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::fingerprint::{FingerprintHasher, write_hex};
+use crate::fingerprint::{FingerprintHasher, push_hex};
 
 /// How keys are shown in logs and spans when they may carry customer data
 /// (an order reference, an email, an account id): each as a short digest
@@ -95,54 +95,47 @@ impl SensitiveKeys {
     ///
     /// See the [type's](Self).
     pub fn show(&self, key: &super::StorageKey) -> String {
-        let mut shown = [0; 16];
-        let prefix = match &self.secret {
-            Some(secret) => {
-                let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key");
-                mac.update(b"tower-idempotency/logged-key/v2");
-                mac.update(key.as_str().as_bytes());
-                write_hex(&mut shown, &mac.finalize().into_bytes()[..8]);
-                "hmac"
-            }
-            None => {
-                let mut hasher = FingerprintHasher::new("tower-idempotency/logged-key/v1");
-                hasher.field(key.as_str().as_bytes());
-                write_hex(&mut shown, &hasher.finish().as_bytes()[..8]);
-                "sha256"
-            }
+        let (prefix, digest) = match &self.secret {
+            Some(secret) => (
+                "hmac:",
+                keyed(secret, "tower-idempotency/logged-key/v2", key),
+            ),
+            None => ("sha256:", unkeyed("tower-idempotency/logged-key/v1", key)),
         };
-        format!(
-            "{prefix}:{}",
-            std::str::from_utf8(&shown).expect("hex digits")
-        )
+        let mut shown = String::from(prefix);
+        push_hex(&mut shown, &digest[..8]);
+        shown
     }
-}
 
-impl SensitiveKeys {
     /// `key`'s downstream key (see
     /// [`Attempt::downstream_key`](crate::Attempt::downstream_key)): keyed
     /// by its own secret when it has one, in a domain of its own, so it is
     /// neither a logged digest nor the key.
     pub(crate) fn downstream_key(key: &super::StorageKey) -> String {
-        const DOMAIN: &[u8] = b"tower-idempotency/downstream-key/v1";
-        let secret = key.sensitive.as_ref().and_then(|how| how.secret.as_deref());
-        let digest: [u8; 32] = match secret {
-            Some(secret) => {
-                let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key");
-                mac.update(DOMAIN);
-                mac.update(key.as_str().as_bytes());
-                mac.finalize().into_bytes().into()
-            }
-            None => {
-                let mut hasher = FingerprintHasher::new("tower-idempotency/downstream-key/v1");
-                hasher.field(key.as_str().as_bytes());
-                *hasher.finish().as_bytes()
-            }
+        const DOMAIN: &str = "tower-idempotency/downstream-key/v1";
+        let digest = match key.sensitive.as_ref().and_then(|how| how.secret.as_deref()) {
+            Some(secret) => keyed(secret, DOMAIN, key),
+            None => unkeyed(DOMAIN, key),
         };
-        let mut shown = [0; 64];
-        write_hex(&mut shown, &digest);
-        std::str::from_utf8(&shown).expect("hex digits").to_owned()
+        let mut shown = String::with_capacity(64);
+        push_hex(&mut shown, &digest);
+        shown
     }
+}
+
+/// `key`'s HMAC-SHA-256 under `secret`, in `domain`.
+fn keyed(secret: &[u8], domain: &str, key: &super::StorageKey) -> [u8; 32] {
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key");
+    mac.update(domain.as_bytes());
+    mac.update(key.as_str().as_bytes());
+    mac.finalize().into_bytes().into()
+}
+
+/// `key`'s SHA-256, in `domain`.
+fn unkeyed(domain: &str, key: &super::StorageKey) -> [u8; 32] {
+    let mut hasher = FingerprintHasher::new(domain);
+    hasher.field(key.as_str().as_bytes());
+    *hasher.finish().as_bytes()
 }
 
 // The secret never appears in a log.

@@ -770,11 +770,7 @@ fn falsy(done: Result<bool, StoreError>, what: &str) -> Outcome {
 
 fn show<G>(claim: &Result<Claim<G>, StoreError>) -> String {
     match claim {
-        Ok(Claim::Acquired(_)) => "Acquired".into(),
-        Ok(Claim::TakenOver { .. }) => "TakenOver".into(),
-        Ok(Claim::InFlight { .. }) => "InFlight".into(),
-        Ok(Claim::Mismatch) => "Mismatch".into(),
-        Ok(Claim::Completed { .. }) => "Completed".into(),
+        Ok(claim) => model::claim_name(claim).into(),
         Err(error) => format!("an error ({error})"),
     }
 }

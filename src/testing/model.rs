@@ -392,7 +392,9 @@ pub(super) async fn run<St: Store<Granted = LeaseToken>>(
     None
 }
 
-fn claim_name(claim: &Claim) -> &'static str {
+/// A claim's answer by name, for what the model allows and what a rule
+/// reports.
+pub(super) fn claim_name<G>(claim: &Claim<G>) -> &'static str {
     match claim {
         Claim::Acquired(_) => "Acquired",
         Claim::TakenOver { .. } => "TakenOver",

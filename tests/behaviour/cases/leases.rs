@@ -1,5 +1,6 @@
 //! Leases, for the stores whose claims are leases: a crashed claim expires
-//! (and its retry is told it takes over), the heartbeat keeps a slow handler's, and fencing refuses a stale holder.
+//! (and its retry is told it takes over), the heartbeat keeps a slow
+//! handler's, and fencing refuses a stale holder.
 
 use std::{sync::Arc, time::Duration};
 
