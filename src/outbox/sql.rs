@@ -1,14 +1,8 @@
 //! The outbox of a transactional SQL store: a table in the store's
-//! database, written once over each engine's outbox SQL
-//! (`store::sql::outbox`).
+//! database, whose SQL is the SQL family's (`store::sql::outbox`); here,
+//! the rows it answers become messages and counts.
 
-use std::{
-    fmt,
-    sync::{Arc, OnceLock},
-    time::Duration,
-};
-
-use tokio::sync::Notify;
+use std::{fmt, sync::Arc, time::Duration};
 
 use super::{
     OutboxBacklog, OutboxMessage, OutboxStats, OutboxTable, OutgoingMessage, Settlement, derived_id,
@@ -16,12 +10,9 @@ use super::{
 use crate::store::{
     LeaseToken, StoreError,
     sql::{
-        Base, SqlRecords, SqlTx, SqlTxStore, checked_table, create_error,
-        dialect::{Dialect, ErrorClass},
-        now_ms,
-        outbox::{
-            Literal, MessageRow, OutboxArgs, OutboxEngine, OutboxStatements, OutboxStmt, statements,
-        },
+        Base, SqlRecords, SqlTx, SqlTxStore,
+        dialect::Dialect,
+        outbox::{MessageRow, NewMessage, OutboxEngine, SqlOutbox},
     },
 };
 
@@ -40,41 +31,13 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// `store::postgres::OUTBOX_SCHEMA`).
 /// Cloning is cheap. See the [module docs](super).
 pub struct Outbox<D: Dialect> {
-    base: Arc<Base<D>>,
-    sql: Arc<OutboxStatements>,
-    /// Woken by this process's commits that enqueued, and by the database's
-    /// notifications once a relay listens.
-    wake: Arc<Notify>,
-    /// The bound on each of the outbox's own statements: see
-    /// [`OutboxBuilder::timeout`].
-    timeout: Duration,
-    listening: Arc<OnceLock<Listening>>,
-    /// When the table's statistics were last refreshed (where the engine
-    /// needs it: see `OutboxSql::analyze`).
-    analyzed: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
-}
-
-/// The task that listens for other processes' commits, stopped with the
-/// last clone of its outbox.
-struct Listening(Option<tokio::task::JoinHandle<()>>);
-
-impl Drop for Listening {
-    fn drop(&mut self) {
-        if let Some(task) = &self.0 {
-            task.abort();
-        }
-    }
+    table: SqlOutbox<D>,
 }
 
 impl<D: Dialect> Clone for Outbox<D> {
     fn clone(&self) -> Self {
         Self {
-            base: self.base.clone(),
-            sql: self.sql.clone(),
-            wake: self.wake.clone(),
-            timeout: self.timeout,
-            listening: self.listening.clone(),
-            analyzed: self.analyzed.clone(),
+            table: self.table.clone(),
         }
     }
 }
@@ -82,7 +45,7 @@ impl<D: Dialect> Clone for Outbox<D> {
 impl<D: Dialect> fmt::Debug for Outbox<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Outbox")
-            .field("table", &self.sql.table)
+            .field("table", &self.table.table())
             .finish_non_exhaustive()
     }
 }
@@ -134,40 +97,20 @@ impl<D: Dialect> Outbox<D> {
         tx: &mut impl AsMut<SqlTx<D>>,
         message: OutgoingMessage,
     ) -> Result<String, StoreError> {
-        let tx = tx.as_mut();
-        let position = tx.next_message();
-        let id = match message.id {
-            Some(id) => id,
-            None => derived_id(tx.origin(), position),
-        };
         let mut headers = message.headers;
         crate::observe::trace_context_into(&mut headers);
         let headers = serde_json::to_string(&headers).expect("strings serialize");
-        let mut row = Literal::new(&self.sql, now_ms());
-        row.sql("INSERT INTO {t} (id, destination, ordering_key, payload, headers, created_at) VALUES (")
-            .text(&id)
-            .sql(", ")
-            .text(&message.destination)
-            .sql(", ");
-        match &message.ordering_key {
-            Some(key) => row.text(key),
-            None => row.sql("NULL"),
-        };
-        row.sql(", ")
-            .bytes(&message.payload)
-            .sql(", ")
-            .text(&headers)
-            .sql(", ")
-            .now()
-            .sql(")")
-            .end();
-        if tx.wake_on_commit(&self.wake)
-            && let Some(channel) = &self.sql.channel
-        {
-            row.sql("NOTIFY ").sql(channel).end();
-        }
-        tx.deferred().push_str(&row.into_sql());
-        Ok(id)
+        let own = message.id;
+        Ok(self.table.enqueue(
+            tx.as_mut(),
+            |origin, position| own.unwrap_or_else(|| derived_id(origin, position)),
+            NewMessage {
+                destination: &message.destination,
+                ordering_key: message.ordering_key.as_deref(),
+                payload: &message.payload,
+                headers: &headers,
+            },
+        ))
     }
 }
 
@@ -237,17 +180,8 @@ impl<D: OutboxEngine> Outbox<D> {
     /// # Ok(()) }
     /// ```
     pub async fn stats(&self) -> Result<OutboxStats, StoreError> {
-        let base = &self.base;
-        let pairs = self
-            .bounded(async {
-                let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
-                D::outbox_pairs(&mut on, &self.sql.counts, &OutboxArgs::default())
-                    .await
-                    .map_err(|e| base.error(e))
-            })
-            .await?;
         let mut stats = OutboxStats::default();
-        for (state, count) in pairs {
+        for (state, count) in self.table.counts().await? {
             let count = u64::try_from(count).unwrap_or(0);
             match state {
                 0 => stats.pending = count,
@@ -276,28 +210,15 @@ impl<D: OutboxEngine> Outbox<D> {
     /// # Ok(()) }
     /// ```
     pub async fn backlog(&self, retention: Duration) -> Result<OutboxBacklog, StoreError> {
-        let args = OutboxArgs {
-            now: now_ms(),
-            ms: millis(retention),
-            ..OutboxArgs::default()
-        };
-        let base = &self.base;
-        let rows = self
-            .bounded(async {
-                let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
-                D::outbox_backlog(&mut on, &self.sql.backlog, &args)
-                    .await
-                    .map_err(|e| base.error(e))
-            })
-            .await?;
         let mut backlog = OutboxBacklog::default();
-        for (state, count, oldest, now) in rows {
-            let count = u64::try_from(count).unwrap_or(0);
-            match state {
+        for row in self.table.backlog(retention).await? {
+            let count = u64::try_from(row.count).unwrap_or(0);
+            match row.state {
                 0 => {
                     backlog.pending = count;
-                    backlog.oldest_pending = oldest.map(|at| {
-                        Duration::from_millis(u64::try_from(now.saturating_sub(at)).unwrap_or(0))
+                    backlog.oldest_pending = row.oldest.map(|at| {
+                        let age = row.now.saturating_sub(at);
+                        Duration::from_millis(u64::try_from(age).unwrap_or(0))
                     });
                 }
                 2 => backlog.refused = count,
@@ -326,11 +247,8 @@ impl<D: OutboxEngine> Outbox<D> {
     /// # Ok(()) }
     /// ```
     pub async fn refused(&self, limit: u32) -> Result<Vec<OutboxMessage>, StoreError> {
-        let args = OutboxArgs {
-            batch: i64::from(limit),
-            ..OutboxArgs::default()
-        };
-        self.messages(&self.sql.refused, &args, false).await
+        let rows = self.table.refused(limit).await?;
+        Ok(rows.into_iter().map(from_row).collect())
     }
 
     /// Makes a refused message pending again; whether there was one.
@@ -343,266 +261,43 @@ impl<D: OutboxEngine> Outbox<D> {
     ///
     /// See [`refused`](Self::refused).
     pub async fn requeue(&self, id: &str) -> Result<bool, StoreError> {
-        let args = OutboxArgs {
-            id,
-            ..OutboxArgs::default()
-        };
-        let base = &self.base;
-        let _turn = base.engine.turn(Some(self.timeout)).await?;
-        let requeued = self
-            .bounded(async {
-                let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
-                D::outbox_execute(&mut on, &self.sql.requeue, &args)
-                    .await
-                    .map_err(|e| base.error(e))
-            })
-            .await?;
-        if requeued > 0 {
-            self.wake.notify_one();
-        }
-        Ok(requeued > 0)
-    }
-
-    /// `work`, failed with [`StoreError::Timeout`] past the outbox's bound.
-    async fn bounded<T>(
-        &self,
-        work: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        crate::store::bounded(self.timeout, work).await
-    }
-
-    /// Runs `stmt` on a pooled connection — this process's turn to write
-    /// held, and the engine's isolation set first, when it `writes` — and
-    /// reads the messages it answers.
-    async fn messages(
-        &self,
-        stmt: &OutboxStmt,
-        args: &OutboxArgs<'_>,
-        writes: bool,
-    ) -> Result<Vec<OutboxMessage>, StoreError> {
-        let base = &self.base;
-        let _turn = match writes {
-            true => Some(base.engine.turn(Some(self.timeout)).await?),
-            false => None,
-        };
-        let rows = self
-            .bounded(async {
-                let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
-                if let (true, Some(before)) = (writes, D::OUTBOX.before_write) {
-                    D::raw(&mut on, before).await.map_err(|e| base.error(e))?;
-                }
-                D::outbox_fetch(&mut on, stmt, args)
-                    .await
-                    .map_err(|e| base.error(e))
-            })
-            .await?;
-        Ok(rows.into_iter().map(from_row).collect())
-    }
-
-    /// Runs SQL text whose values are literals (several statements, one
-    /// round trip), this process's turn to write held.
-    async fn write(&self, sql: String) -> Result<u64, StoreError> {
-        let base = &self.base;
-        let _turn = base.engine.turn(Some(self.timeout)).await?;
-        self.bounded(async {
-            let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
-            D::raw_counted(&mut on, &sql)
-                .await
-                .map_err(|e| base.error(e))
-        })
-        .await
-    }
-
-    /// Refreshes the table's statistics where the engine needs it, at most
-    /// once a minute — a plan made for a nearly empty table reads every
-    /// pending row on each claim. A failure is logged: only speed depends on
-    /// it.
-    async fn refresh_statistics(&self, claimed: usize, batch: u32) {
-        let Some(analyze) = &self.sql.analyze else {
-            return;
-        };
-        let due = {
-            let mut last = crate::lock::lock(&self.analyzed);
-            let due = match *last {
-                None => true,
-                Some(at) => claimed >= batch as usize && at.elapsed() >= Duration::from_secs(60),
-            };
-            if due {
-                *last = Some(std::time::Instant::now());
-            }
-            due
-        };
-        let base = &self.base;
-        if due {
-            let analyzed = self
-                .bounded(async {
-                    let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
-                    D::raw(&mut on, analyze).await.map_err(|e| base.error(e))
-                })
-                .await;
-            if let Err(error) = analyzed {
-                tracing::debug!(%error, "idempotency: the outbox's statistics could not be refreshed");
-            }
-        }
+        self.table.requeue(id).await
     }
 }
 
 // See `SqlStore::builder`: the engines are this crate's own.
 #[allow(private_bounds)]
 impl<D: OutboxEngine> OutboxTable for Outbox<D> {
-    /// The heads of due keys (one statement: `RETURNING` where the engine
-    /// has it), then behind them their runs, as far as the batch goes (a
-    /// second, only when a head has a run behind it).
+    /// The heads of due keys, then their runs behind them: one statement,
+    /// and a second only when a head has a run behind it.
     async fn claim(
         &self,
         claim: LeaseToken,
         batch: u32,
         claim_for: Duration,
     ) -> Result<Vec<OutboxMessage>, StoreError> {
-        let token = claim.to_bytes();
-        let args = OutboxArgs {
-            token: &token,
-            now: now_ms(),
-            ms: millis(claim_for),
-            batch: i64::from(batch),
-            ..OutboxArgs::default()
-        };
-        let mut heads = if self.sql.claim_returns {
-            self.messages(&self.sql.claim, &args, true).await?
-        } else {
-            let base = &self.base;
-            let claimed = {
-                let _turn = base.engine.turn(Some(self.timeout)).await?;
-                self.bounded(async {
-                    let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
-                    if let Some(before) = D::OUTBOX.before_write {
-                        D::raw(&mut on, before).await.map_err(|e| base.error(e))?;
-                    }
-                    D::outbox_execute(&mut on, &self.sql.claim, &args)
-                        .await
-                        .map_err(|e| base.error(e))
-                })
-                .await?
-            };
-            if claimed == 0 {
-                return Ok(Vec::new());
-            }
-            self.messages(&self.sql.claimed, &args, false).await?
-        };
-        self.refresh_statistics(heads.len(), batch).await;
-        let room = (batch as usize).saturating_sub(heads.len());
-        let keys: Vec<&str> = heads
-            .iter()
-            .filter_map(|m| m.ordering_key.as_deref())
-            .collect();
-        if room == 0 || keys.is_empty() {
-            return Ok(heads);
-        }
-        // Behind a head this claim holds, nobody else can claim: the run
-        // is this claim's. A row of it another claim took and let lapse is
-        // taken again; one whose claim has not lapsed (it lapses with its
-        // head, a moment later) is left for the next round.
-        let mut runs = Literal::new(&self.sql, args.now);
-        runs.write()
-            .sql("UPDATE {t} SET claimed_by = ")
-            .bytes(&token)
-            .sql(", next_at = ")
-            .now()
-            .sql(&format!(" + {}, attempts = attempts + 1 WHERE state = 0 AND ordering_key IN ", args.ms))
-            .texts(keys.iter().copied())
-            .sql(" AND (claimed_by IS NULL OR next_at <= ")
-            .now()
-            .sql(") AND seq IN (SELECT seq FROM (SELECT r.seq FROM {t} r WHERE r.state = 0 AND r.ordering_key IN ")
-            .texts(keys.iter().copied())
-            .sql(" AND (r.claimed_by IS NULL OR r.next_at <= ")
-            .now()
-            .sql(&format!(") ORDER BY r.seq LIMIT {room}) AS pick)"))
-            .end();
-        if self.write(runs.into_sql()).await? == 0 {
-            return Ok(heads);
-        }
-        heads = self.messages(&self.sql.claimed, &args, false).await?;
-        Ok(heads)
+        let rows = self
+            .table
+            .claim(&claim.to_bytes(), batch, claim_for)
+            .await?;
+        Ok(rows.into_iter().map(from_row).collect())
     }
 
     /// One round trip: every statement of the settlement as text.
     async fn settle(&self, claim: LeaseToken, settled: &Settlement<'_>) -> Result<(), StoreError> {
-        let token = claim.to_bytes();
-        let mut sql = Literal::new(&self.sql, now_ms());
-        if !settled.sent.is_empty() {
-            sql.write()
-                .sql("UPDATE {t} SET state = 1, sent_at = ")
-                .now()
-                .sql(", claimed_by = NULL WHERE claimed_by = ")
-                .bytes(&token)
-                .sql(" AND state = 0 AND id IN ")
-                .texts(settled.sent.iter().copied())
-                .end();
-        }
-        for (id, after, error) in &settled.retried {
-            sql.write()
-                .sql("UPDATE {t} SET next_at = ")
-                .now()
-                .sql(&format!(
-                    " + {}, claimed_by = NULL, last_error = ",
-                    millis(*after)
-                ))
-                .text(error)
-                .sql(" WHERE id = ")
-                .text(id)
-                .sql(" AND claimed_by = ")
-                .bytes(&token)
-                .sql(" AND state = 0")
-                .end();
-        }
-        for (id, why) in &settled.refused {
-            sql.write()
-                .sql("UPDATE {t} SET state = 2, claimed_by = NULL, last_error = ")
-                .text(why)
-                .sql(" WHERE id = ")
-                .text(id)
-                .sql(" AND claimed_by = ")
-                .bytes(&token)
-                .sql(" AND state = 0")
-                .end();
-        }
-        if !settled.released.is_empty() {
-            sql.write()
-                .sql("UPDATE {t} SET claimed_by = NULL, next_at = ")
-                .now()
-                .sql(" WHERE claimed_by = ")
-                .bytes(&token)
-                .sql(" AND state = 0 AND id IN ")
-                .texts(settled.released.iter().copied())
-                .end();
-        }
-        if sql.is_empty() {
-            return Ok(());
-        }
-        self.write(sql.into_sql()).await.map(drop)
+        self.table
+            .settle(
+                &claim.to_bytes(),
+                &settled.sent,
+                &settled.retried,
+                &settled.refused,
+                &settled.released,
+            )
+            .await
     }
 
     async fn sweep(&self, sent_before: Duration, batch: u32) -> Result<u64, StoreError> {
-        let mut sql = Literal::new(&self.sql, now_ms());
-        sql.write();
-        if D::OUTBOX.delete_limit {
-            sql.sql("DELETE FROM {t} WHERE state = 1 AND sent_at < ")
-                .now()
-                .sql(&format!(
-                    " - {} ORDER BY seq LIMIT {batch}",
-                    millis(sent_before)
-                ));
-        } else {
-            sql.sql(
-                "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} WHERE state = 1 AND sent_at < ",
-            )
-            .now()
-            .sql(&format!(
-                " - {} ORDER BY seq LIMIT {batch})",
-                millis(sent_before)
-            ));
-        }
-        self.write(sql.into_sql()).await
+        self.table.sweep(sent_before, batch).await
     }
 
     async fn stats(&self) -> Result<OutboxStats, StoreError> {
@@ -625,16 +320,7 @@ impl<D: OutboxEngine> OutboxTable for Outbox<D> {
     /// PostgreSQL — every commit's `NOTIFY`, heard on a connection of its
     /// own.
     async fn committed(&self) {
-        self.listening.get_or_init(|| {
-            let channel = self.sql.channel.as_deref().unwrap_or_default();
-            Listening(
-                self.sql
-                    .channel
-                    .as_ref()
-                    .and_then(|_| D::listen(&self.base.pool, channel, self.wake.clone())),
-            )
-        });
-        self.wake.notified().await
+        self.table.committed().await
     }
 }
 
@@ -706,46 +392,9 @@ impl<D: OutboxEngine> OutboxBuilder<D> {
     ///
     /// See the [module docs](super).
     pub async fn build(self) -> Result<Outbox<D>, StoreError> {
-        checked_table(&self.table, "Outbox")?;
-        let sql = statements(&self.table, D::OUTBOX);
-        let base = &self.base;
-        if self.create_table {
-            let _turn = base.engine.turn(Some(self.timeout)).await?;
-            let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
-            let mut attempt = 0;
-            loop {
-                attempt += 1;
-                match D::raw(&mut on, &sql.schema).await {
-                    Ok(()) => break,
-                    Err(error) if attempt < 10 && D::lost_schema_race(&error) => {
-                        tokio::time::sleep(Duration::from_millis(20 * attempt)).await;
-                    }
-                    Err(error) => {
-                        return Err(create_error(&base.engine, &self.table, error));
-                    }
-                }
-            }
-        }
-        let mut on = base.pool.acquire().await.map_err(|e| base.error(e))?;
-        if let Err(error) = D::outbox_execute(&mut on, &sql.exists, &OutboxArgs::default()).await {
-            if D::classify(&error) == ErrorClass::MissingTable {
-                return Err(StoreError::Misconfigured(format!(
-                    "the outbox table {} does not exist: create it at start-up with \
-                     `Outbox::on(&store).create_table_if_missing()`, or run the engine's \
-                     OUTBOX_SCHEMA with your migrations",
-                    self.table
-                )));
-            }
-            return Err(base.error(error));
-        }
-        Ok(Outbox {
-            base: self.base.clone(),
-            sql: Arc::new(sql),
-            wake: Arc::new(Notify::new()),
-            timeout: self.timeout,
-            listening: Arc::new(OnceLock::new()),
-            analyzed: Arc::default(),
-        })
+        let table =
+            SqlOutbox::open(self.base, &self.table, self.create_table, self.timeout).await?;
+        Ok(Outbox { table })
     }
 }
 
@@ -760,8 +409,4 @@ fn from_row(row: MessageRow) -> OutboxMessage {
         enqueued_at_ms: row.created_at,
         attempts: u32::try_from(row.attempts).unwrap_or(u32::MAX),
     }
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

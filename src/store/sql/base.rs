@@ -208,7 +208,7 @@ impl<D: Engine> Base<D> {
         let pairs = self
             .bounded(async {
                 let mut on = self.pool.acquire().await.map_err(|e| self.error(e))?;
-                D::fetch_pairs(&mut on, &self.sql.counts, &args)
+                D::fetch_all::<(i64, i64)>(&mut on, &self.sql.counts, &args)
                     .await
                     .map_err(|e| self.error(e))
             })

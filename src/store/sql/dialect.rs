@@ -13,7 +13,7 @@
 
 use std::{future::Future, sync::Arc, time::Duration};
 
-use sqlx::{AssertSqlSafe, Database, Encode, Pool, Type, query::Query};
+use sqlx::{AssertSqlSafe, ColumnIndex, Database, Decode, Encode, Pool, Row, Type, query::Query};
 
 use crate::store::StoreError;
 
@@ -107,15 +107,13 @@ pub(crate) trait Engine: Dialect {
         args: &Args<'_>,
     ) -> impl Future<Output = Result<Option<KeyRow>, sqlx::Error>> + Send;
 
-    /// A key's row, as a statement answered it (see [`KeyRow`]).
-    fn key_row(row: &<Self::Db as Database>::Row) -> Result<KeyRow, sqlx::Error>;
-
-    /// Runs a statement that answers with pairs of numbers.
-    fn fetch_pairs(
+    /// Runs a statement that answers with rows, each read as a `T` (pairs
+    /// of numbers, an outbox message's row).
+    fn fetch_all<T: FromColumns + Send>(
         on: &mut Connection<Self>,
         stmt: &Stmt,
         args: &Args<'_>,
-    ) -> impl Future<Output = Result<Vec<(i64, i64)>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<Vec<T>, sqlx::Error>> + Send;
 
     /// Runs SQL text whose values are literals (simple protocol), which may
     /// hold several statements.
@@ -234,9 +232,12 @@ pub(crate) enum Param {
     Ms,
     /// Now, in Unix milliseconds, by this process's clock (SQLite's, which
     /// is embedded: every writer of the file shares the host's clock).
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Now,
     Batch,
+    /// How far an outbox claim looks for heads (a multiple of its batch).
+    Window,
+    /// An outbox message's id.
+    Id,
 }
 
 /// A statement: its text, with the table name in place, and the values it
@@ -274,6 +275,8 @@ pub(crate) struct Args<'a> {
     pub(crate) ms: i64,
     pub(crate) now: i64,
     pub(crate) batch: i64,
+    pub(crate) window: i64,
+    pub(crate) id: &'a str,
 }
 
 /// A key's row, as every statement that reads one answers it, in this
@@ -286,6 +289,69 @@ pub(crate) struct KeyRow {
     pub(crate) token: Option<Vec<u8>>,
     pub(crate) record: Option<Vec<u8>>,
     pub(crate) ms_left: i64,
+}
+
+impl FromColumns for KeyRow {
+    fn from_columns(row: &impl Columns) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            acquired: row.int(0)? != 0,
+            fingerprint: row.bytes(1)?,
+            token: row.opt_bytes(2)?,
+            record: row.opt_bytes(3)?,
+            ms_left: row.int(4)?,
+        })
+    }
+}
+
+impl FromColumns for (i64, i64) {
+    fn from_columns(row: &impl Columns) -> Result<Self, sqlx::Error> {
+        Ok((row.int(0)?, row.int(1)?))
+    }
+}
+
+/// A row the family reads, column by column, by position: what a
+/// statement answers, in the order it answers it.
+pub(crate) trait FromColumns: Sized {
+    fn from_columns(row: &impl Columns) -> Result<Self, sqlx::Error>;
+}
+
+/// Any engine's row, read as the family's few column types: so that a row
+/// is read once for every engine (each engine's glue knows its row type;
+/// the family's generic code need not know what it decodes).
+pub(crate) trait Columns {
+    fn int(&self, at: usize) -> Result<i64, sqlx::Error>;
+    fn opt_int(&self, at: usize) -> Result<Option<i64>, sqlx::Error>;
+    fn text(&self, at: usize) -> Result<String, sqlx::Error>;
+    fn opt_text(&self, at: usize) -> Result<Option<String>, sqlx::Error>;
+    fn bytes(&self, at: usize) -> Result<Vec<u8>, sqlx::Error>;
+    fn opt_bytes(&self, at: usize) -> Result<Option<Vec<u8>>, sqlx::Error>;
+}
+
+impl<R: Row> Columns for R
+where
+    usize: ColumnIndex<R>,
+    i64: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+    String: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+    Vec<u8>: for<'r> Decode<'r, R::Database> + Type<R::Database>,
+{
+    fn int(&self, at: usize) -> Result<i64, sqlx::Error> {
+        self.try_get(at)
+    }
+    fn opt_int(&self, at: usize) -> Result<Option<i64>, sqlx::Error> {
+        self.try_get(at)
+    }
+    fn text(&self, at: usize) -> Result<String, sqlx::Error> {
+        self.try_get(at)
+    }
+    fn opt_text(&self, at: usize) -> Result<Option<String>, sqlx::Error> {
+        self.try_get(at)
+    }
+    fn bytes(&self, at: usize) -> Result<Vec<u8>, sqlx::Error> {
+        self.try_get(at)
+    }
+    fn opt_bytes(&self, at: usize) -> Result<Option<Vec<u8>>, sqlx::Error> {
+        self.try_get(at)
+    }
 }
 
 /// The statements every engine has, for one table.
@@ -340,12 +406,14 @@ where
             Param::Ms => query.bind(args.ms),
             Param::Now => query.bind(args.now),
             Param::Batch => query.bind(args.batch),
+            Param::Window => query.bind(args.window),
+            Param::Id => query.bind(args.id),
         };
     }
     query
 }
 
-/// The dialect's `execute`, `fetch`, `key_row` and `raw` for sqlx's database `$db`:
+/// The dialect's `execute`, `fetch`, `fetch_all` and `raw` for sqlx's database `$db`:
 /// the one way a statement is bound, run and its row read.
 macro_rules! glue {
     ($db:ty) => {
@@ -365,37 +433,20 @@ macro_rules! glue {
         ) -> Result<Option<$crate::store::sql::dialect::KeyRow>, sqlx::Error> {
             let query = $crate::store::sql::dialect::bind(sqlx::query(stmt.text()), stmt, args);
             match query.fetch_optional(on).await? {
-                Some(row) => Ok(Some(Self::key_row(&row)?)),
+                Some(row) => Ok(Some(
+                    <$crate::store::sql::dialect::KeyRow as $crate::store::sql::dialect::FromColumns>::from_columns(&row)?,
+                )),
                 None => Ok(None),
             }
         }
 
-        fn key_row(
-            row: &<$db as sqlx::Database>::Row,
-        ) -> Result<$crate::store::sql::dialect::KeyRow, sqlx::Error> {
-            use sqlx::Row as _;
-            Ok($crate::store::sql::dialect::KeyRow {
-                acquired: row.try_get::<i64, _>(0)? != 0,
-                fingerprint: row.try_get(1)?,
-                token: row.try_get(2)?,
-                record: row.try_get(3)?,
-                ms_left: row.try_get(4)?,
-            })
-        }
-
-        async fn fetch_pairs(
+        async fn fetch_all<T: $crate::store::sql::dialect::FromColumns + Send>(
             on: &mut <$db as sqlx::Database>::Connection,
             stmt: &$crate::store::sql::dialect::Stmt,
             args: &$crate::store::sql::dialect::Args<'_>,
-        ) -> Result<Vec<(i64, i64)>, sqlx::Error> {
-            use sqlx::Row as _;
+        ) -> Result<Vec<T>, sqlx::Error> {
             let query = $crate::store::sql::dialect::bind(sqlx::query(stmt.text()), stmt, args);
-            query
-                .fetch_all(on)
-                .await?
-                .iter()
-                .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-                .collect()
+            query.fetch_all(on).await?.iter().map(T::from_columns).collect()
         }
 
         async fn raw(

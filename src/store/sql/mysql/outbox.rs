@@ -4,7 +4,7 @@
 //! claim (nor deadlocks with it).
 
 use super::{MySql, statements};
-use crate::store::sql::outbox::{OutboxEngine, OutboxSql, Placeholders, outbox_glue};
+use crate::store::sql::outbox::{OutboxEngine, OutboxSql, Placeholders};
 
 /// The outbox table's schema, for the default table name
 /// `idempotency_outbox`; idempotent. Run it with your migrations, or let
@@ -32,6 +32,4 @@ impl OutboxEngine for MySql {
         },
         bytes: statements::push_hex_literal,
     };
-
-    outbox_glue!(sqlx::MySql);
 }

@@ -13,7 +13,7 @@ use super::{
 use crate::store::{
     StorageKey, StoreError,
     sql::{
-        dialect::{Engine, ErrorClass},
+        dialect::{Engine, ErrorClass, FromColumns, KeyRow},
         tx_engine::{ClaimRequest, End, Expiry, Probe, Seam, TxClaim},
     },
 };
@@ -93,7 +93,7 @@ async fn found(
         let on: &mut sqlx::MySqlConnection = &mut tx;
         sqlx::Executor::fetch_optional(on, sqlx::raw_sql(sqlx::AssertSqlSafe(read))).await
     };
-    let row = match row.map(|row| row.as_ref().map(MySql::key_row).transpose()) {
+    let row = match row.map(|row| row.as_ref().map(KeyRow::from_columns).transpose()) {
         Ok(Ok(row)) => row,
         Ok(Err(error)) | Err(error) => {
             tx.close_on_drop();

@@ -8,7 +8,7 @@ use sqlx::{PgPool, postgres::PgListener};
 use tokio::sync::Notify;
 
 use super::{Postgres, statements};
-use crate::store::sql::outbox::{OutboxEngine, OutboxSql, Placeholders, outbox_glue};
+use crate::store::sql::outbox::{OutboxEngine, OutboxSql, Placeholders};
 
 /// The outbox table's schema, for the default table name
 /// `idempotency_outbox`; idempotent. Run it with your migrations, or let
@@ -30,8 +30,6 @@ impl OutboxEngine for Postgres {
         text: |sql, text| sql.push_str(&statements::text_literal(text)),
         bytes: statements::push_bytea_literal,
     };
-
-    outbox_glue!(sqlx::Postgres);
 
     /// A connection of its own that `LISTEN`s, reconnecting after a loss
     /// (a wake-up is owed then: what committed meanwhile was not heard).

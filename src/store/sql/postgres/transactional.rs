@@ -12,7 +12,7 @@ use super::{
 use crate::store::{
     StorageKey, StoreError,
     sql::{
-        dialect::{Engine, ErrorClass, KeyRow},
+        dialect::{Engine, ErrorClass, FromColumns, KeyRow},
         tx_engine::{ClaimRequest, Expiry, Probe, Seam, TxClaim},
     },
 };
@@ -45,7 +45,7 @@ enum Answer {
 impl Answer {
     fn read(row: Option<PgRow>) -> Result<Self, sqlx::Error> {
         Ok(match row {
-            Some(row) => Self::Row(Postgres::key_row(&row)?),
+            Some(row) => Self::Row(KeyRow::from_columns(&row)?),
             None => Self::Raced,
         })
     }

@@ -3,7 +3,7 @@
 //! writer of the file shares.
 
 use super::{Sqlite, statements};
-use crate::store::sql::outbox::{OutboxEngine, OutboxSql, Placeholders, outbox_glue};
+use crate::store::sql::outbox::{OutboxEngine, OutboxSql, Placeholders};
 
 /// The outbox table's schema, for the default table name
 /// `idempotency_outbox`; idempotent. Run it with your migrations, or let
@@ -29,6 +29,4 @@ impl OutboxEngine for Sqlite {
         },
         bytes: statements::push_blob_literal,
     };
-
-    outbox_glue!(sqlx::Sqlite);
 }

@@ -1,289 +1,16 @@
-//! The outbox's seam in the SQL family: what an engine supplies for an
-//! outbox table — its schema, how its statements read the database's clock
-//! and pass over the rows another relay is claiming, how a value is written
-//! as a literal, how a claim's rows are read — as narrow as sqlx's
-//! `migrate::Migrate`, one file per engine (`postgres/outbox.rs`, …). The
-//! outbox itself, relay included, is written once over it (`crate::outbox`);
-//! the records' seam ([`Engine`]) knows nothing of it.
+//! The outbox's statements, for one table, as an engine writes them: the
+//! claim, the reads, the upkeep (bound values), and the SQL text whose
+//! values are literals — an enqueued message's row, which travels with the
+//! request's `COMMIT`, and a relay's settlements, one round trip each.
 
-use std::{future::Future, sync::Arc};
-
-use sqlx::{AssertSqlSafe, Database, Encode, Pool, Type, query::Query};
-use tokio::sync::Notify;
-
-use super::dialect::{Connection, Engine};
-
-/// An engine's outbox: its SQL, and how its rows are read.
-pub(crate) trait OutboxEngine: Engine {
-    /// How the engine writes the outbox's SQL.
-    const OUTBOX: &'static OutboxSql;
-
-    /// Runs a statement; the rows it changed.
-    fn outbox_execute(
-        on: &mut Connection<Self>,
-        stmt: &OutboxStmt,
-        args: &OutboxArgs<'_>,
-    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
-
-    /// Runs a statement that answers with messages' rows (see
-    /// [`MessageRow`]).
-    fn outbox_fetch(
-        on: &mut Connection<Self>,
-        stmt: &OutboxStmt,
-        args: &OutboxArgs<'_>,
-    ) -> impl Future<Output = Result<Vec<MessageRow>, sqlx::Error>> + Send;
-
-    /// Runs a statement that answers with `(state, count)` rows.
-    fn outbox_pairs(
-        on: &mut Connection<Self>,
-        stmt: &OutboxStmt,
-        args: &OutboxArgs<'_>,
-    ) -> impl Future<Output = Result<Vec<(i64, i64)>, sqlx::Error>> + Send;
-
-    /// Runs a statement that answers with `(state, count, oldest, now)`
-    /// rows (see [`OutboxStatements::backlog`]).
-    fn outbox_backlog(
-        on: &mut Connection<Self>,
-        stmt: &OutboxStmt,
-        args: &OutboxArgs<'_>,
-    ) -> impl Future<Output = Result<Vec<BacklogRow>, sqlx::Error>> + Send;
-
-    /// Wakes `wake` whenever a commit notifies `channel` (PostgreSQL's
-    /// `LISTEN`), from a task of its own; `None` where the engine has no
-    /// notifications.
-    fn listen(
-        pool: &Pool<Self::Db>,
-        channel: &str,
-        wake: Arc<Notify>,
-    ) -> Option<tokio::task::JoinHandle<()>> {
-        let _ = (pool, channel, wake);
-        None
-    }
-}
-
-/// How an engine writes the outbox's SQL.
-pub(crate) struct OutboxSql {
-    /// The table and its indexes, as the engine publishes them (its
-    /// `OUTBOX_SCHEMA`): the default table `idempotency_outbox`, its
-    /// indexes named `idempotency_outbox_…`.
-    pub(crate) schema: &'static str,
-    pub(crate) placeholders: Placeholders,
-    /// After the claim's inner `SELECT … LIMIT`: PostgreSQL skips rows
-    /// another relay is claiming (`FOR UPDATE SKIP LOCKED`); elsewhere the
-    /// claim's outer conditions, evaluated again on the row it waited for,
-    /// leave it to its first claimer.
-    pub(crate) claim_lock: &'static str,
-    /// `DELETE … LIMIT` (MySQL) or `DELETE … WHERE seq IN (SELECT … LIMIT)`.
-    pub(crate) delete_limit: bool,
-    /// Whether an `UPDATE` answers with the rows it changed (`RETURNING`):
-    /// the claim then reads its messages in the same statement.
-    pub(crate) returning: bool,
-    /// What refreshes the planner's statistics of the table, where a
-    /// stale estimate makes the claim read every pending row (PostgreSQL,
-    /// whose never-analyzed table is thought nearly empty).
-    pub(crate) analyze: Option<&'static str>,
-    /// The database's clock, in Unix milliseconds, as an expression the
-    /// same for a whole statement: claims lapse by it, so relays whose own
-    /// clocks disagree never take each other's claims for lapsed. `None`:
-    /// the process's clock, bound (SQLite, embedded: its writers share the
-    /// host's clock).
-    pub(crate) now: Option<&'static str>,
-    /// Sent on the connection before each of the relay's writes: MySQL and
-    /// MariaDB run them `READ COMMITTED`, so they take no gap locks that a
-    /// request's commit (inserting its message) would wait on.
-    pub(crate) before_write: Option<&'static str>,
-    /// Whether a commit that enqueued messages notifies the table's
-    /// channel (`NOTIFY`), which relays in other processes listen on.
-    pub(crate) notify: bool,
-    /// How a text value (valid UTF-8) and a byte string are written as
-    /// literals: an enqueued message's row travels as SQL text with the
-    /// transaction's `COMMIT`, and so do the relay's settlements.
-    pub(crate) text: fn(&mut String, &str),
-    pub(crate) bytes: fn(&mut String, &[u8]),
-}
-
-/// How values are written into the text.
-#[derive(Clone, Copy)]
-// Each engine uses one: a build with fewer engines leaves some unused.
-#[cfg_attr(
-    not(all(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
-pub(crate) enum Placeholders {
-    /// `$1`, `$2`, … by the order each value first appears (PostgreSQL).
-    Dollar,
-    /// `?1`, `?2`, … likewise (SQLite).
-    QuestionNumbered,
-    /// `?` for each occurrence (MySQL).
-    Question,
-}
-
-/// A value an outbox statement binds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum OutboxParam {
-    /// A relay's claim.
-    Token,
-    /// Now, in Unix milliseconds, by the process's clock (only where the
-    /// engine has no clock of its own to read: SQLite).
-    Now,
-    /// A duration in milliseconds.
-    Ms,
-    Batch,
-    /// How far a claim looks for heads: [`CLAIM_WINDOW`] batches.
-    Window,
-    Id,
-}
+use super::{OutboxSql, Placeholders};
+use crate::store::sql::dialect::{Param, Stmt};
 
 /// How many batches of the oldest due messages a claim reads, at most, to
 /// find its batch of heads: its cost is bounded by the batch, whatever one
 /// ordering key holds (a hot account's thousands of messages are not
 /// walked, each one probed, to reach another account's).
 pub(crate) const CLAIM_WINDOW: i64 = 4;
-
-/// The values an outbox statement may bind.
-#[derive(Default)]
-pub(crate) struct OutboxArgs<'a> {
-    pub(crate) token: &'a [u8],
-    pub(crate) now: i64,
-    pub(crate) ms: i64,
-    pub(crate) batch: i64,
-    pub(crate) id: &'a str,
-}
-
-/// An outbox statement: its text, the table in place, and what it binds.
-/// The text is the crate's own and the table a checked identifier, which
-/// is what `AssertSqlSafe` asserts when it runs.
-#[derive(Clone, Debug)]
-pub(crate) struct OutboxStmt {
-    pub(crate) sql: Arc<str>,
-    pub(crate) params: Arc<[OutboxParam]>,
-}
-
-impl OutboxStmt {
-    pub(crate) fn text(&self) -> AssertSqlSafe<Arc<str>> {
-        AssertSqlSafe(self.sql.clone())
-    }
-}
-
-/// Binds `stmt`'s values from `args`, in order.
-pub(crate) fn bind<'q, 'a, DB: Database>(
-    mut query: Query<'q, DB, <DB as Database>::Arguments>,
-    stmt: &OutboxStmt,
-    args: &'a OutboxArgs<'a>,
-) -> Query<'q, DB, <DB as Database>::Arguments>
-where
-    &'a str: Encode<'a, DB> + Type<DB>,
-    &'a [u8]: Encode<'a, DB> + Type<DB>,
-    i64: Encode<'a, DB> + Type<DB>,
-{
-    for param in stmt.params.iter() {
-        query = match param {
-            OutboxParam::Token => query.bind(args.token),
-            OutboxParam::Now => query.bind(args.now),
-            OutboxParam::Ms => query.bind(args.ms),
-            OutboxParam::Batch => query.bind(args.batch),
-            OutboxParam::Window => query.bind(args.batch.saturating_mul(CLAIM_WINDOW)),
-            OutboxParam::Id => query.bind(args.id),
-        };
-    }
-    query
-}
-
-/// A message's row, as every statement that reads one answers it, in this
-/// order.
-#[derive(Debug)]
-pub(crate) struct MessageRow {
-    pub(crate) id: String,
-    pub(crate) destination: String,
-    pub(crate) ordering_key: Option<String>,
-    pub(crate) payload: Vec<u8>,
-    pub(crate) headers: String,
-    pub(crate) created_at: i64,
-    pub(crate) attempts: i64,
-}
-
-/// What the backlog statement answers per state: its state (see
-/// [`OutboxStatements::backlog`]), how many rows, the oldest one's
-/// `created_at`, and the database's now.
-pub(crate) type BacklogRow = (i64, i64, Option<i64>, i64);
-
-/// The engine's `outbox_execute`, `outbox_fetch`, `outbox_pairs` and `outbox_backlog` for
-/// sqlx's database `$db`.
-macro_rules! outbox_glue {
-    ($db:ty) => {
-        async fn outbox_execute(
-            on: &mut <$db as sqlx::Database>::Connection,
-            stmt: &$crate::store::sql::outbox::OutboxStmt,
-            args: &$crate::store::sql::outbox::OutboxArgs<'_>,
-        ) -> Result<u64, sqlx::Error> {
-            let query = $crate::store::sql::outbox::bind(sqlx::query(stmt.text()), stmt, args);
-            Ok(query.execute(on).await?.rows_affected())
-        }
-
-        async fn outbox_fetch(
-            on: &mut <$db as sqlx::Database>::Connection,
-            stmt: &$crate::store::sql::outbox::OutboxStmt,
-            args: &$crate::store::sql::outbox::OutboxArgs<'_>,
-        ) -> Result<Vec<$crate::store::sql::outbox::MessageRow>, sqlx::Error> {
-            use sqlx::Row as _;
-            let query = $crate::store::sql::outbox::bind(sqlx::query(stmt.text()), stmt, args);
-            query
-                .fetch_all(on)
-                .await?
-                .iter()
-                .map(|row| {
-                    Ok($crate::store::sql::outbox::MessageRow {
-                        id: row.try_get(0)?,
-                        destination: row.try_get(1)?,
-                        ordering_key: row.try_get(2)?,
-                        payload: row.try_get(3)?,
-                        headers: row.try_get(4)?,
-                        created_at: row.try_get(5)?,
-                        attempts: row.try_get(6)?,
-                    })
-                })
-                .collect()
-        }
-
-        async fn outbox_pairs(
-            on: &mut <$db as sqlx::Database>::Connection,
-            stmt: &$crate::store::sql::outbox::OutboxStmt,
-            args: &$crate::store::sql::outbox::OutboxArgs<'_>,
-        ) -> Result<Vec<(i64, i64)>, sqlx::Error> {
-            use sqlx::Row as _;
-            let query = $crate::store::sql::outbox::bind(sqlx::query(stmt.text()), stmt, args);
-            query
-                .fetch_all(on)
-                .await?
-                .iter()
-                .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-                .collect()
-        }
-
-        async fn outbox_backlog(
-            on: &mut <$db as sqlx::Database>::Connection,
-            stmt: &$crate::store::sql::outbox::OutboxStmt,
-            args: &$crate::store::sql::outbox::OutboxArgs<'_>,
-        ) -> Result<Vec<$crate::store::sql::outbox::BacklogRow>, sqlx::Error> {
-            use sqlx::Row as _;
-            let query = $crate::store::sql::outbox::bind(sqlx::query(stmt.text()), stmt, args);
-            query
-                .fetch_all(on)
-                .await?
-                .iter()
-                .map(|row| {
-                    Ok((
-                        row.try_get(0)?,
-                        row.try_get(1)?,
-                        row.try_get(2)?,
-                        row.try_get(3)?,
-                    ))
-                })
-                .collect()
-        }
-    };
-}
-pub(crate) use outbox_glue;
 
 /// The outbox's statements, for one table. Times are Unix milliseconds by
 /// the database's clock (`{now}`), save on SQLite (the process's).
@@ -297,33 +24,33 @@ pub(crate) struct OutboxStatements {
     /// Creates the table and its indexes if missing.
     pub(crate) schema: String,
     /// Fails unless the table exists, with the columns the statements use.
-    pub(crate) exists: OutboxStmt,
+    pub(crate) exists: Stmt,
     /// Up to Batch pending messages due by now, each the oldest pending of
     /// its ordering key (the key's head), claimed for Token until now + Ms;
     /// answering with them when `claim_returns`.
-    pub(crate) claim: OutboxStmt,
+    pub(crate) claim: Stmt,
     pub(crate) claim_returns: bool,
     /// Refreshes the table's statistics, where the engine needs it done.
     pub(crate) analyze: Option<String>,
     /// The messages Token claims, oldest first.
-    pub(crate) claimed: OutboxStmt,
+    pub(crate) claimed: Stmt,
     /// (state, count) for each state: 0 pending, 1 sent, 2 refused.
-    pub(crate) counts: OutboxStmt,
+    pub(crate) counts: Stmt,
     /// Read by indexes only, for a relay's gauges: `(0, pending, oldest
     /// pending's created_at, now)`, `(2, refused, …)`, and `(3, sent
     /// before now − Ms, …)` — rows waiting for the sweep.
-    pub(crate) backlog: OutboxStmt,
+    pub(crate) backlog: Stmt,
     /// The refused messages, oldest first, up to Batch.
-    pub(crate) refused: OutboxStmt,
+    pub(crate) refused: Stmt,
     /// Id, refused, made pending again.
-    pub(crate) requeue: OutboxStmt,
+    pub(crate) requeue: Stmt,
 }
 
 /// `template`, its `{name}`s replaced — the table, the index prefix, the
 /// clock — and the values it binds, as the engine writes placeholders.
-fn stmt(table: &str, template: &str, engine: &OutboxSql) -> OutboxStmt {
+fn stmt(table: &str, template: &str, engine: &OutboxSql) -> Stmt {
     let mut sql = String::with_capacity(template.len());
-    let mut params: Vec<OutboxParam> = Vec::new();
+    let mut params: Vec<Param> = Vec::new();
     let mut rest = template;
     while let Some(open) = rest.find('{') {
         sql.push_str(&rest[..open]);
@@ -344,13 +71,13 @@ fn stmt(table: &str, template: &str, engine: &OutboxSql) -> OutboxStmt {
                     sql.push_str(clock);
                     continue;
                 }
-                None => OutboxParam::Now,
+                None => Param::Now,
             },
-            "token" => OutboxParam::Token,
-            "ms" => OutboxParam::Ms,
-            "batch" => OutboxParam::Batch,
-            "window" => OutboxParam::Window,
-            "id" => OutboxParam::Id,
+            "token" => Param::Token,
+            "ms" => Param::Ms,
+            "batch" => Param::Batch,
+            "window" => Param::Window,
+            "id" => Param::Id,
             other => unreachable!("no placeholder {other}"),
         };
         match engine.placeholders {
@@ -376,7 +103,7 @@ fn stmt(table: &str, template: &str, engine: &OutboxSql) -> OutboxStmt {
         }
     }
     sql.push_str(rest);
-    OutboxStmt {
+    Stmt {
         sql: sql.into(),
         params: params.into(),
     }
@@ -580,7 +307,7 @@ mod tests {
             &*pg.sql,
             "UPDATE x SET a = $1 WHERE b = $2 AND c = $1 AND d < NOW_MS"
         );
-        assert_eq!(&*pg.params, &[OutboxParam::Ms, OutboxParam::Id]);
+        assert_eq!(&*pg.params, &[Param::Ms, Param::Id]);
         const LITE: OutboxSql = OutboxSql {
             placeholders: Placeholders::QuestionNumbered,
             now: None,
@@ -600,10 +327,7 @@ mod tests {
             &*my.sql,
             "UPDATE x SET a = ? WHERE b = ? AND c = ? AND d < NOW_MS"
         );
-        assert_eq!(
-            &*my.params,
-            &[OutboxParam::Ms, OutboxParam::Id, OutboxParam::Ms]
-        );
+        assert_eq!(&*my.params, &[Param::Ms, Param::Id, Param::Ms]);
     }
 
     #[test]
