@@ -125,7 +125,7 @@ pub(crate) fn outbox(published: usize, retried: usize, refused: usize) {
 /// headers of a message it sends: what the consumer continues. Through the
 /// application's global propagator, with the `opentelemetry` feature;
 /// nothing without it.
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg(sql)]
 pub(crate) fn trace_context_into(headers: &mut Vec<(String, String)>) {
     #[cfg(feature = "opentelemetry")]
     {

@@ -2,6 +2,9 @@
 //! masters, timeouts, and a master failover with `WAIT`. (The behaviour
 //! cases run on a cluster too, in `behaviour/`.)
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 mod support;
 
 use std::time::Duration;

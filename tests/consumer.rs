@@ -2,6 +2,9 @@
 //! runs and rows (the example consumers, on real brokers, are tested in the
 //! examples package).
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 mod support;
 
 use std::{

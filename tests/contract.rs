@@ -3,6 +3,9 @@
 //! contract, on real servers; and each rule fails against a toy store with
 //! that one bug planted.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 mod support;
 
 use std::{

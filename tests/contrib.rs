@@ -4,6 +4,9 @@
 //! letter, the outbox relay, the client layer) — with the labels they
 //! filter on, and `promtool` accepts the rules.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(all(every_store, feature = "metrics", feature = "client"))]
+
 mod support;
 
 use std::{

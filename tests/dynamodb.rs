@@ -11,6 +11,9 @@
 //! dynoxide runs one writer at a time: the race tests prove the protocol's
 //! decisions (one grant, the rest told), not DynamoDB's own contention.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 mod support;
 
 use std::time::Duration;

@@ -2,6 +2,9 @@
 //! the handler, a custom header, the span around handler logs, metrics, and
 //! logs that an outage cannot flood.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(all(every_store, feature = "metrics"))]
+
 mod support;
 
 use std::time::Duration;

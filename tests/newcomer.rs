@@ -5,6 +5,9 @@
 //! burn a key, and say what to fix. Written as a user writes them, counted
 //! in handler executions and rows.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 mod support;
 
 use std::sync::{

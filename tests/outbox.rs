@@ -6,6 +6,9 @@
 //! the broker refuses. The publisher here is a recording one; the brokers'
 //! own (SQS, JetStream, RabbitMQ) are the consumer examples'.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 mod support;
 
 use std::{

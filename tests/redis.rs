@@ -1,6 +1,9 @@
 //! What only a real Redis can show: TTLs, round trips counted by the server,
 //! outages, crashes of the application process, eviction policies, storms.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 mod support;
 
 use std::time::Duration;

@@ -2,6 +2,9 @@
 //! Redis (or the example process) and counted in handler executions. Every
 //! test here failed before its fix.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 mod support;
 
 use std::{

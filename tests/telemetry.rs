@@ -7,6 +7,9 @@
 //! The subscriber is the thread's default: each test runs on a
 //! current-thread runtime, so every task the layer spawns reports to it.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 mod support;
 
 use std::time::Duration;

@@ -127,7 +127,7 @@
 //! ```
 
 mod relay;
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg(sql)]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
@@ -137,10 +137,8 @@ mod table;
 
 use std::time::Duration;
 
-use sha2::{Digest, Sha256};
-
 pub use relay::{OutboxRelay, PublishError, Publisher, RelayRound};
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg(sql)]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
@@ -163,10 +161,7 @@ pub use table::{OutboxTable, Settlement};
 /// ```
 #[derive(Clone, Debug)]
 // Read by the stores that enqueue: a build without one reads none.
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(sql), allow(dead_code))]
 pub struct OutgoingMessage {
     pub(crate) destination: String,
     pub(crate) payload: Vec<u8>,
@@ -395,11 +390,10 @@ impl OutboxBacklog {
 /// the same on every publication of the message, and new with each
 /// execution of the key — one that runs again after a forget or an expiry
 /// sends new messages, never the ids of the rows the first one left.
-#[cfg_attr(
-    not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
-    allow(dead_code)
-)]
+#[cfg(sql)]
 pub(crate) fn derived_id((key, execution): (&str, u128), position: u32) -> String {
+    use sha2::{Digest, Sha256};
+
     let mut hash = Sha256::new();
     hash.update(key.as_bytes());
     hash.update([0]);
@@ -411,7 +405,7 @@ pub(crate) fn derived_id((key, execution): (&str, u128), position: u32) -> Strin
     id
 }
 
-#[cfg(test)]
+#[cfg(all(test, sql))]
 mod tests {
     use super::derived_id;
 

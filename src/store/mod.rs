@@ -104,7 +104,7 @@ mod memory;
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub mod redis;
 mod sensitive;
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "sqlite"))]
+#[cfg(sql)]
 #[cfg_attr(
     docsrs,
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
@@ -806,9 +806,9 @@ impl StoreError {
     pub fn is_transient(&self) -> bool {
         match self {
             Self::Timeout(_) => true,
-            #[cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql"))]
+            #[cfg(sql)]
             Self::Unavailable(why) => !why.is::<sql::UntilFixed>(),
-            #[cfg(not(any(feature = "postgres", feature = "sqlite", feature = "mysql")))]
+            #[cfg(not(sql))]
             Self::Unavailable(_) => true,
             _ => false,
         }

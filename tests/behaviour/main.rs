@@ -6,6 +6,9 @@
 //! and transactional (a dynoxide server per test). The cases are in `cases/`; the
 //! lease cases run on the stores whose claims are leases.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 #[path = "../support/mod.rs"]
 mod support;
 

@@ -6,6 +6,9 @@
 //! (kill -9, SIGSTOP). The behaviour cases run on both stores in
 //! `behaviour/`.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 #[path = "../support/mod.rs"]
 mod support;
 

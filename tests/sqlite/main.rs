@@ -5,6 +5,9 @@
 //! restarts of the example (its durable default), and the start-up check.
 //! The behaviour cases run on both stores in `behaviour/`.
 
+// The suite runs against every store: `cargo test --all-features`.
+#![cfg(every_store)]
+
 #[path = "../support/mod.rs"]
 mod support;
 

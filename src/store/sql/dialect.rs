@@ -163,10 +163,7 @@ pub(crate) trait Engine: Dialect {
 /// How a lease claim says that it claimed the key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 // Each engine uses one: a build with fewer engines leaves some unused.
-#[cfg_attr(
-    not(all(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(every_sql), allow(dead_code))]
 pub(crate) enum LeaseClaim {
     /// It answers with a row: the claimed one (`acquired`), or the one
     /// that holds the key; no row when a row committed after its snapshot
@@ -184,10 +181,7 @@ pub(crate) enum LeaseClaim {
 /// What the family needs to know of an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 // Each engine raises some: a build with fewer engines leaves some unused.
-#[cfg_attr(
-    not(all(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(every_sql), allow(dead_code))]
 pub(crate) enum ErrorClass {
     /// A wait for a row another transaction holds was ended by its
     /// timeout: that key is in flight.

@@ -185,10 +185,6 @@ impl<D: Dialect> SqlTx<D> {
 
     /// Wakes `wake` once the transaction commits (with its deferred
     /// statements); whether this is the first such wish.
-    #[cfg_attr(
-        not(any(feature = "postgres", feature = "mysql", feature = "sqlite")),
-        allow(dead_code)
-    )]
     pub(crate) fn wake_on_commit(&mut self, wake: &Arc<Notify>) -> bool {
         let first = self.wake.is_none();
         self.wake = Some(wake.clone());

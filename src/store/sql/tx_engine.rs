@@ -42,10 +42,7 @@ impl<D: TxEngine> Clone for Seam<D> {
 }
 
 // Each engine uses some: a build with fewer engines leaves some unused.
-#[cfg_attr(
-    not(all(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(every_sql), allow(dead_code))]
 impl<D: TxEngine> Seam<D> {
     pub(crate) fn new(base: Arc<Base<D>>, state: Arc<D::TxState>) -> Self {
         Self { base, state }
@@ -98,10 +95,7 @@ impl<D: TxEngine> Seam<D> {
 
 /// A claim, as the family asks an engine for it.
 // Each engine uses some: a build with fewer engines leaves some unused.
-#[cfg_attr(
-    not(all(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(every_sql), allow(dead_code))]
 pub(crate) struct ClaimRequest<'a> {
     pub(crate) key: &'a StorageKey,
     pub(crate) fingerprint: &'a Fingerprint,

@@ -82,10 +82,7 @@ pub(crate) struct OutboxSql {
 /// How values are written into the text.
 #[derive(Clone, Copy)]
 // Each engine uses one: a build with fewer engines leaves some unused.
-#[cfg_attr(
-    not(all(feature = "postgres", feature = "sqlite", feature = "mysql")),
-    allow(dead_code)
-)]
+#[cfg_attr(not(every_sql), allow(dead_code))]
 pub(crate) enum Placeholders {
     /// `$1`, `$2`, … by the order each value first appears (PostgreSQL).
     Dollar,
