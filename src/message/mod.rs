@@ -109,6 +109,7 @@
 mod attempt;
 mod budget;
 mod consumer;
+mod dead_letter;
 mod delivery;
 mod disposition;
 mod outcome;
@@ -117,6 +118,7 @@ mod processor;
 pub use attempt::attempt;
 pub use budget::DeliveryBudget;
 pub use consumer::{Acked, Broker, BrokerError, Consumer, DeadLettered, Parsed, Received, Report};
+pub use dead_letter::{DeadLetterField, HeaderStyle, Origin};
 pub use delivery::{Delivery, DeliveryLease, ExtendError, ExtendEvery, NoHold, extend_every};
 pub use disposition::{DeadLetterReason, Disposition};
 pub use outcome::{ProcessError, ProcessOutcome, Settled};

@@ -125,20 +125,11 @@ use tokio::sync::mpsc;
 use tower_idempotency::{
     PayloadFingerprint,
     message::{
-        Acked, Broker, BrokerError, Consumer, DeadLetterReason, DeadLettered, IdempotencyProcessor,
-        Parsed, Received, Report,
+        Acked, Broker, BrokerError, Consumer, DeadLetterField, DeadLetterReason, DeadLettered,
+        HeaderStyle, IdempotencyProcessor, Origin, Parsed, Received, Report,
     },
     outbox::{OutboxMessage, PublishError, Publisher},
 };
-
-/// The headers a dead letter's contract writes.
-const DEAD_LETTER_HEADERS: [&str; 5] = [
-    "dead-letter-reason",
-    "dead-letter-kind",
-    "original-topic",
-    "original-partition",
-    "original-offset",
-];
 
 /// Records of one partition in hand before it is paused: the rest waits
 /// in Kafka, not in memory.
@@ -1054,43 +1045,28 @@ impl<St: Positions> Broker for Kafka<St> {
         reason: &DeadLetterReason,
     ) -> Result<DeadLettered, BrokerError> {
         let message = &record.message;
-        // A header value holds one line.
-        let why = reason.to_string().replace(['\r', '\n'], " ");
-        let (partition, offset) = (
-            message.partition().to_string(),
-            message.offset().to_string(),
-        );
+        let offset = message.offset().to_string();
+        let origin = Origin {
+            source: message.topic(),
+            partition: Some(message.partition()),
+            position: Some(&offset),
+        };
         // The record's own headers first, as they came (a header of the
         // contract's name is the contract's: it is written below).
         let mut headers = OwnedHeaders::new();
         if let Some(original) = message.headers() {
             for header in original.iter() {
-                if !DEAD_LETTER_HEADERS.contains(&header.key) {
+                if !DeadLetterField::is_named(HeaderStyle::Kafka, header.key) {
                     headers = headers.insert(header);
                 }
             }
         }
-        let headers = headers
-            .insert(Header {
-                key: "dead-letter-reason",
-                value: Some(why.as_str()),
-            })
-            .insert(Header {
-                key: "dead-letter-kind",
-                value: Some(reason.kind()),
-            })
-            .insert(Header {
-                key: "original-topic",
-                value: Some(message.topic()),
-            })
-            .insert(Header {
-                key: "original-partition",
-                value: Some(partition.as_str()),
-            })
-            .insert(Header {
-                key: "original-offset",
-                value: Some(offset.as_str()),
+        for (key, value) in reason.headers(&origin, HeaderStyle::Kafka) {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value.as_str()),
             });
+        }
         let mut dead = FutureRecord::to(&self.dead_letters)
             .payload(message.payload().unwrap_or_default())
             .headers(headers);

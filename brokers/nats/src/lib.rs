@@ -67,7 +67,10 @@ use async_nats::{
 use futures_util::StreamExt;
 use tokio::sync::Mutex;
 use tower_idempotency::{
-    message::{Acked, Broker, BrokerError, DeadLetterReason, DeadLettered, ExtendError, Received},
+    message::{
+        Acked, Broker, BrokerError, DeadLetterReason, DeadLettered, ExtendError, HeaderStyle,
+        Origin, Received,
+    },
     outbox::{OutboxMessage, PublishError, Publisher},
 };
 
@@ -455,10 +458,15 @@ impl Broker for JetStream {
             "Nats-Msg-Id",
             format!("dead-{}-{}", self.stream, received.sequence).as_str(),
         );
-        // A header value holds one line.
-        let why = reason.to_string().replace(['\r', '\n'], " ");
-        headers.insert("Dead-Letter-Reason", why.as_str());
-        headers.insert("Dead-Letter-Kind", reason.kind());
+        let sequence = received.sequence.to_string();
+        let origin = Origin {
+            source: received.message.subject.as_str(),
+            partition: None,
+            position: Some(&sequence),
+        };
+        for (name, value) in reason.headers(&origin, HeaderStyle::Nats) {
+            headers.insert(name, value.as_str());
+        }
         self.js
             .publish_with_headers(subject.clone(), headers, received.message.payload.clone())
             .await?

@@ -81,7 +81,8 @@ use lapin::{
 use tokio::sync::Mutex;
 use tower_idempotency::{
     message::{
-        Acked, Broker, BrokerError, DeadLetterReason, DeadLettered, DeliveryBudget, Received,
+        Acked, Broker, BrokerError, DeadLetterReason, DeadLettered, DeliveryBudget, HeaderStyle,
+        Origin, Received,
     },
     outbox::{OutboxMessage, PublishError, Publisher},
 };
@@ -661,15 +662,17 @@ impl Broker for RabbitMq {
         reason: &DeadLetterReason,
     ) -> Result<DeadLettered, BrokerError> {
         let mut headers = FieldTable::default();
-        let text = |s: String| AMQPValue::LongString(LongString::from(s));
-        headers.insert(
-            ShortString::from("x-dead-letter-reason"),
-            text(reason.to_string()),
-        );
-        headers.insert(
-            ShortString::from("x-dead-letter-kind"),
-            text(reason.kind().to_owned()),
-        );
+        let origin = Origin {
+            source: &self.queue,
+            partition: None,
+            position: None,
+        };
+        for (name, value) in reason.headers(&origin, HeaderStyle::Amqp) {
+            headers.insert(
+                ShortString::from(name),
+                AMQPValue::LongString(LongString::from(value)),
+            );
+        }
         let properties = BasicProperties::default()
             .with_delivery_mode(2)
             .with_headers(headers);

@@ -71,7 +71,7 @@ use aws_sdk_sqs::{
 use tower_idempotency::{
     message::{
         Acked, Broker, BrokerError, DeadLetterReason, DeadLettered, DeliveryBudget, ExtendError,
-        Received,
+        HeaderStyle, Origin, Received,
     },
     outbox::{OutboxMessage, PublishError, Publisher},
 };
@@ -449,13 +449,20 @@ impl Broker for Sqs {
             }
             return Ok(DeadLettered::Kept);
         };
+        let origin = Origin {
+            // The queue's name: its URL's last segment.
+            source: self.url.rsplit('/').next().unwrap_or(&self.url),
+            partition: None,
+            position: message.message_id(),
+        };
         let mut send = self
             .client
             .send_message()
             .queue_url(dead)
-            .set_message_body(message.body().map(str::to_owned))
-            .message_attributes("DeadLetterReason", text(&reason.to_string()))
-            .message_attributes("DeadLetterKind", text(reason.kind()));
+            .set_message_body(message.body().map(str::to_owned));
+        for (name, value) in reason.headers(&origin, HeaderStyle::Sqs) {
+            send = send.message_attributes(name, text(&value));
+        }
         if self.fifo {
             let group = received
                 .attribute(MessageSystemAttributeName::MessageGroupId)

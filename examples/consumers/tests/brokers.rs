@@ -31,6 +31,7 @@ use support::{
     relay::Relay,
     sqlite::TestFile,
 };
+use tower_idempotency::message::DeadLetterField;
 
 /// Waits until `consumers` have said `line`.
 async fn said(consumers: &[&OrdersConsumer], line: &str, within: Duration) {
@@ -73,18 +74,34 @@ async fn duplicates_charge_once_and_what_can_never_succeed_is_dead_lettered<B: F
     // A dead letter is published before its delivery is answered, but a
     // broker may show it a moment after the line.
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let mut kinds: Vec<String> = loop {
+    let dead = loop {
         let dead = broker.dead_letters().await;
         if dead.len() >= 2 || std::time::Instant::now() > deadline {
-            break dead
-                .into_iter()
-                .map(|(_, kind)| kind.unwrap_or_default())
-                .collect();
+            break dead;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    let mut kinds: Vec<String> = dead.iter().map(|d| d.kind().unwrap_or_default()).collect();
     kinds.sort();
     assert_eq!(kinds, ["invalid", "mismatch"], "each with its reason");
+    // The contract's fields, on every broker that can carry them: the
+    // reason on one line, and where the message came from.
+    for letter in &dead {
+        let reason = letter.field(DeadLetterField::Reason).unwrap_or_default();
+        assert!(!reason.is_empty() && !reason.contains('\n'), "{letter:?}");
+        assert_eq!(
+            letter.field(DeadLetterField::Source),
+            Some(broker.source().as_str()),
+            "{letter:?}"
+        );
+        for field in [DeadLetterField::Partition, DeadLetterField::Position] {
+            assert_eq!(
+                letter.field(field).is_some(),
+                field.name(letter.style).is_some(),
+                "{field:?} wherever the broker names it: {letter:?}"
+            );
+        }
+    }
     assert_eq!(file.count(CHARGES).await, 2);
 }
 

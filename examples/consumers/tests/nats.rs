@@ -74,7 +74,7 @@ async fn a_resend_with_a_new_message_id_is_delivered_twice_and_charged_once() {
         .messages(&dead(&stream))
         .await
         .into_iter()
-        .map(|(_, kind)| kind.unwrap_or_default())
+        .map(|dead| dead.kind().unwrap_or_default())
         .collect();
     kinds.sort();
     assert_eq!(

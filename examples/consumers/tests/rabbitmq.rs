@@ -10,6 +10,7 @@ mod support;
 use std::time::Duration;
 
 use support::{
+    DeadLetter,
     amqp::TestQueue,
     consumer::{CHARGES, OrdersConsumer, count, order},
     postgres::TestDatabase,
@@ -65,7 +66,7 @@ async fn one_malformed_order_never_holds_up_the_orders_behind_it() {
         .dead_letters()
         .await
         .into_iter()
-        .map(|(_, kind)| kind.unwrap_or_default())
+        .map(|dead| dead.kind().unwrap_or_default())
         .collect();
     assert_eq!(
         kinds, ["invalid"; 5],
@@ -98,7 +99,12 @@ async fn work_longer_than_its_transaction_bound_is_rejected_after_bounded_delive
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(consumer.lines()[1..], ["rejected order-slow"]);
     assert_eq!(charges(&db).await, 0, "nothing ever committed");
-    let dead = queue.dead_letters().await;
+    let dead: Vec<_> = queue
+        .dead_letters()
+        .await
+        .iter()
+        .map(DeadLetter::body_and_kind)
+        .collect();
     assert_eq!(dead, [(order("order-slow", 500), Some("timed_out".into()))]);
     // The bound raised, the order (published again) is charged.
     drop(consumer);
@@ -248,7 +254,12 @@ async fn on_a_quorum_queue_the_last_delivery_is_dead_lettered_never_dropped() {
     second.terminate();
     assert!(second.exited(Duration::from_secs(60)).await.success());
     assert_eq!(
-        queue.dead_letters().await,
+        queue
+            .dead_letters()
+            .await
+            .iter()
+            .map(DeadLetter::body_and_kind)
+            .collect::<Vec<_>>(),
         [(order("order-1", 500), Some("undecided".into()))],
         "{:?} {:?}",
         first.lines(),

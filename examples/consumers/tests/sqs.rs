@@ -280,7 +280,7 @@ async fn dead_letters_carry_their_reason() {
         .dead_letters_with_reasons()
         .await
         .into_iter()
-        .map(|(_, kind)| kind.unwrap_or_default())
+        .map(|dead| dead.kind().unwrap_or_default())
         .collect();
     kinds.sort();
     assert_eq!(kinds, ["invalid", "mismatch"]);

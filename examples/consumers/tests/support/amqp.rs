@@ -132,9 +132,8 @@ impl TestQueue {
         format!("{}.dead", self.name)
     }
 
-    /// The dead letters, taken from the dead-letter queue: each body with
-    /// its `x-dead-letter-kind` header, if any.
-    pub async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
+    /// The dead letters, taken from the dead-letter queue.
+    pub async fn dead_letters(&self) -> Vec<super::DeadLetter> {
         let mut found = Vec::new();
         let queue = self.dead_letter_queue();
         while let Ok(Some(message)) = self
@@ -142,16 +141,25 @@ impl TestQueue {
             .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
             .await
         {
-            let kind = message
+            let headers = message
                 .properties
                 .headers()
                 .as_ref()
-                .and_then(|h| h.inner().get("x-dead-letter-kind").cloned())
-                .and_then(|v| match v {
-                    AMQPValue::LongString(s) => Some(s.to_string()),
-                    _ => None,
-                });
-            found.push((String::from_utf8_lossy(&message.data).into_owned(), kind));
+                .map(|h| {
+                    h.inner()
+                        .iter()
+                        .filter_map(|(name, value)| match value {
+                            AMQPValue::LongString(s) => Some((name.to_string(), s.to_string())),
+                            _ => None,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            found.push(super::DeadLetter {
+                body: String::from_utf8_lossy(&message.data).into_owned(),
+                headers,
+                style: tower_idempotency::message::HeaderStyle::Amqp,
+            });
         }
         found
     }

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::{
-    amqp,
+    DeadLetter, amqp,
     consumer::OrdersConsumer,
     kafka::{KafkaServer, TestTopic},
     nats::{NatsServer, TestStream},
@@ -35,8 +35,12 @@ pub trait Fixture: Sized {
     /// can tell).
     async fn drained(&self);
 
-    /// The dead letters: each body with its kind.
-    async fn dead_letters(&self) -> Vec<(String, Option<String>)>;
+    /// The dead letters, read back.
+    async fn dead_letters(&self) -> Vec<DeadLetter>;
+
+    /// Where the consumer consumes from, as a dead letter names its
+    /// source: the queue, the subject, the topic.
+    fn source(&self) -> String;
 }
 
 pub struct Sqs {
@@ -71,8 +75,17 @@ impl Fixture for Sqs {
         self.queue.drained().await
     }
 
-    async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
         self.queue.dead_letters_with_reasons().await
+    }
+
+    fn source(&self) -> String {
+        self.queue
+            .url
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_owned()
     }
 }
 
@@ -114,10 +127,14 @@ impl Fixture for Nats {
         self.stream.drained(DURABLE).await
     }
 
-    async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
         self.stream
             .messages(&format!("{}.dead", self.stream.subject))
             .await
+    }
+
+    fn source(&self) -> String {
+        self.stream.subject.clone()
     }
 }
 
@@ -160,8 +177,12 @@ impl Fixture for RabbitMq {
         }
     }
 
-    async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
         self.queue.dead_letters().await
+    }
+
+    fn source(&self) -> String {
+        self.queue.name.clone()
     }
 }
 
@@ -197,7 +218,11 @@ impl Fixture for Kafka {
     /// Kafka keeps what was read: the cases' lines and rows tell.
     async fn drained(&self) {}
 
-    async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
+    async fn dead_letters(&self) -> Vec<DeadLetter> {
         self.topic.dead_letters_with_kinds().await
+    }
+
+    fn source(&self) -> String {
+        self.topic.name.clone()
     }
 }

@@ -329,18 +329,17 @@ impl TestTopic {
     /// storage leaves the last record of a batch of several (two dead
     /// letters produced at once) unread until the next write: a marker is
     /// written first, and left out.
-    pub async fn dead_letters_with_kinds(&self) -> Vec<(String, Option<String>)> {
+    pub async fn dead_letters_with_kinds(&self) -> Vec<super::DeadLetter> {
         const MARKER: &str = "test-marker";
         let topic = format!("{}.dead", self.name);
         self.produce_to(&topic, MARKER, MARKER).await;
         self.dead_letters()
             .into_iter()
             .filter(|record| record.key.as_deref() != Some(MARKER))
-            .map(|record| {
-                (
-                    record.value,
-                    record.headers.get("dead-letter-kind").cloned(),
-                )
+            .map(|record| super::DeadLetter {
+                body: record.value,
+                headers: record.headers,
+                style: tower_idempotency::message::HeaderStyle::Kafka,
             })
             .collect()
     }

@@ -148,9 +148,8 @@ impl TestStream {
             .expect("the stream's acknowledgement");
     }
 
-    /// The messages the stream holds on `subject`: each payload with its
-    /// `Dead-Letter-Kind` header, if any.
-    pub async fn messages(&self, subject: &str) -> Vec<(String, Option<String>)> {
+    /// The messages the stream holds on `subject`, with their headers.
+    pub async fn messages(&self, subject: &str) -> Vec<super::DeadLetter> {
         use futures_util::StreamExt;
         let stream = self.js.get_stream(&self.name).await.expect("the stream");
         let consumer: jetstream::consumer::PullConsumer = stream
@@ -169,12 +168,22 @@ impl TestStream {
             .expect("fetch");
         let mut found = Vec::new();
         while let Some(Ok(message)) = batch.next().await {
-            let kind = message
+            let headers = message
                 .headers
                 .as_ref()
-                .and_then(|h| h.get("Dead-Letter-Kind"))
-                .map(|v| v.as_str().to_owned());
-            found.push((String::from_utf8_lossy(&message.payload).into_owned(), kind));
+                .map(|h| {
+                    h.iter()
+                        .filter_map(|(name, values)| {
+                            Some((name.to_string(), values.first()?.as_str().to_owned()))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            found.push(super::DeadLetter {
+                body: String::from_utf8_lossy(&message.payload).into_owned(),
+                headers,
+                style: tower_idempotency::message::HeaderStyle::Nats,
+            });
         }
         found
     }

@@ -239,13 +239,13 @@ impl TestQueue {
         self.dead_letters_with_reasons()
             .await
             .into_iter()
-            .map(|(body, _)| body)
+            .map(|dead| dead.body)
             .collect()
     }
 
-    /// The dead-letter queue's bodies, each with its `DeadLetterKind`
-    /// attribute (none when SQS moved it itself), received (and left there).
-    pub async fn dead_letters_with_reasons(&self) -> Vec<(String, Option<String>)> {
+    /// The dead-letter queue's messages, each with its attributes (none of
+    /// the contract's when SQS moved it itself), received (and left there).
+    pub async fn dead_letters_with_reasons(&self) -> Vec<super::DeadLetter> {
         let Some(dead) = &self.dead_letters else {
             return Vec::new();
         };
@@ -267,12 +267,16 @@ impl TestQueue {
                 return bodies;
             }
             bodies.extend(messages.into_iter().map(|m| {
-                let kind = m
-                    .message_attributes
-                    .as_ref()
-                    .and_then(|a| a.get("DeadLetterKind"))
-                    .and_then(|v| v.string_value.clone());
-                (m.body.unwrap_or_default(), kind)
+                super::DeadLetter {
+                    headers: m
+                        .message_attributes
+                        .unwrap_or_default()
+                        .into_iter()
+                        .filter_map(|(name, value)| Some((name, value.string_value?)))
+                        .collect(),
+                    body: m.body.unwrap_or_default(),
+                    style: tower_idempotency::message::HeaderStyle::Sqs,
+                }
             }));
         }
     }
