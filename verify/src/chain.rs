@@ -35,6 +35,12 @@ use crate::{
 #[allow(dead_code)]
 mod sqs;
 
+// What the brokers' supports read dead letters back as.
+#[path = "../../examples/consumers/tests/support/dead_letter.rs"]
+#[allow(dead_code)]
+mod dead_letter;
+use dead_letter::DeadLetter;
+
 #[path = "../../examples/consumers/tests/support/kafka.rs"]
 #[allow(dead_code)]
 mod kafka;
@@ -154,7 +160,12 @@ impl Line for Sqs {
     }
 
     async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
-        self.queue.dead_letters_with_reasons().await
+        self.queue
+            .dead_letters_with_reasons()
+            .await
+            .iter()
+            .map(DeadLetter::body_and_kind)
+            .collect()
     }
 }
 
@@ -218,7 +229,12 @@ impl Line for Kafka {
     }
 
     async fn dead_letters(&self) -> Vec<(String, Option<String>)> {
-        self.topic.dead_letters_with_kinds().await
+        self.topic
+            .dead_letters_with_kinds()
+            .await
+            .iter()
+            .map(DeadLetter::body_and_kind)
+            .collect()
     }
 
     const RESETS: bool = true;

@@ -256,12 +256,16 @@ async fn main() {
 }
 
 // The brokers' fixtures, as the consumers' tests start them.
+#[path = "../tests/support/dead_letter.rs"]
+#[allow(dead_code)]
+mod dead_letter;
 #[path = "../tests/support/nats.rs"]
 #[allow(dead_code)]
 mod nats;
 #[path = "../tests/support/sqs.rs"]
 #[allow(dead_code)]
 mod sqs;
+use dead_letter::DeadLetter;
 
 mod brokers {
     //! The broker variants: each round fills a fresh queue (stream) with
