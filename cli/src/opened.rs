@@ -161,10 +161,10 @@ impl Opened {
             Opened::Redis { client, prefix, .. } => redis_stats(client, prefix)
                 .await
                 .map_err(|e| Failure::Store(e.into())),
-            Opened::DynamoDb(store) => Ok(Report::items(store.stats().await?)),
-            Opened::Postgres(sql) => Ok(Report::table(sql.stats().await?)),
-            Opened::MySql(sql) => Ok(Report::table(sql.stats().await?)),
-            Opened::Sqlite(sql) => Ok(Report::table(sql.stats().await?)),
+            Opened::DynamoDb(store) => Ok(Report::table(store.stats().await?, false)),
+            Opened::Postgres(sql) => Ok(Report::table(sql.stats().await?, true)),
+            Opened::MySql(sql) => Ok(Report::table(sql.stats().await?, true)),
+            Opened::Sqlite(sql) => Ok(Report::table(sql.stats().await?, true)),
         }
     }
 }

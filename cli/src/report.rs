@@ -7,7 +7,7 @@ use serde_json::{Map, Value, json};
 use tower_idempotency::{
     CompletedRecord,
     outbox::{OutboxBacklog, OutboxMessage, OutboxStats},
-    store::{Forgotten, KeyState, StorageKey, dynamodb::ItemStats, sql::TableStats},
+    store::{Forgotten, KeyState, StorageKey, TableStats},
 };
 
 /// The fields of an answer, in the order they are printed.
@@ -81,30 +81,24 @@ impl Report {
         Self(vec![("deleted", json!(deleted))])
     }
 
-    /// A SQL table's rows, and what the count of claims cannot see.
-    pub(crate) fn table(stats: TableStats) -> Self {
-        Self(vec![
+    /// A table's records; on SQL, what the count of claims cannot see.
+    pub(crate) fn table(stats: TableStats, sql: bool) -> Self {
+        let mut fields = vec![
             ("completed", json!(stats.completed)),
             ("in_flight", json!(stats.in_flight)),
             ("expired", json!(stats.expired)),
-            (
+        ];
+        if sql {
+            fields.push((
                 "in_flight_counts",
                 json!(
                     "a lease store's claims only: a transactional store's claim is an uncommitted \
                      row of its request's open transaction, which no count sees (inspect probes \
                      one key)"
                 ),
-            ),
-        ])
-    }
-
-    /// A DynamoDB table's items.
-    pub(crate) fn items(stats: ItemStats) -> Self {
-        Self(vec![
-            ("completed", json!(stats.completed)),
-            ("in_flight", json!(stats.in_flight)),
-            ("expired", json!(stats.expired)),
-        ])
+            ));
+        }
+        Self(fields)
     }
 
     /// A Redis server's keys under the prefix, its memory and policy.

@@ -110,6 +110,7 @@ mod sensitive;
     doc(cfg(any(feature = "postgres", feature = "sqlite", feature = "mysql")))
 )]
 pub mod sql;
+mod stats;
 
 #[cfg(feature = "cache")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cache")))]
@@ -129,6 +130,7 @@ pub use sql::postgres;
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use sql::sqlite;
+pub use stats::TableStats;
 
 /// The claim protocol. See the [module docs](self) for the contract, the two
 /// kinds of claims and a complete example.

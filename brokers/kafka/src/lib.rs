@@ -808,8 +808,15 @@ impl<St: Positions> Poller<St> {
             }
             state.generation
         };
+        let position = Position {
+            consumer: self.name.clone(),
+            topic: self.topic.clone(),
+            partition,
+            next: message.offset() + 1,
+        };
         let _ = self.records.send(KafkaRecord {
             message,
+            position,
             generation,
         });
     }
@@ -857,6 +864,8 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// One Kafka record.
 pub struct KafkaRecord {
     message: OwnedMessage,
+    /// The position after it: what its decision stores.
+    position: Position,
     /// Its partition's assignment when it was fetched.
     generation: u64,
 }
@@ -911,16 +920,6 @@ impl Received for KafkaRecord {
 }
 
 impl<St: Positions> Kafka<St> {
-    /// The position after `record`.
-    fn position(&self, record: &KafkaRecord) -> Position {
-        Position {
-            consumer: self.name.clone(),
-            topic: self.topic.clone(),
-            partition: record.message.partition(),
-            next: record.message.offset() + 1,
-        }
-    }
-
     /// `record` answered: one fewer in hand on its partition, which
     /// fetches again once it has room.
     fn answered(&self, record: &KafkaRecord) {
@@ -1010,10 +1009,10 @@ impl<St: Positions> Broker for Kafka<St> {
     /// An execution stored its position in its own transaction; anything
     /// else decided stores it now. Then the group's offset, as a hint.
     async fn ack(&self, record: &KafkaRecord, acked: Acked) -> Result<(), BrokerError> {
-        let position = self.position(record);
+        let position = &record.position;
         let stored = match acked {
             Acked::Executed => Ok(()),
-            Acked::Decided => self.store.store_position(&position).await,
+            Acked::Decided => self.store.store_position(position).await,
         };
         self.answered(record);
         stored?;
@@ -1206,21 +1205,14 @@ where
         P: Fn(&[u8]) -> Result<Parsed<M>, DeadLetterReason>,
         W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
     {
-        let name = self.inner_broker_name();
         self.inner
             .run_received(
                 |record: &KafkaRecord| {
                     let parsed = parse(record.payload())?;
-                    let message = &record.message;
                     Ok(Parsed {
                         key: parsed.key,
                         message: Positioned {
-                            position: Position {
-                                consumer: name.0.clone(),
-                                topic: name.1.clone(),
-                                partition: message.partition(),
-                                next: message.offset() + 1,
-                            },
+                            position: record.position.clone(),
                             message: parsed.message,
                         },
                     })
@@ -1232,11 +1224,6 @@ where
                 shutdown,
             )
             .await
-    }
-
-    fn inner_broker_name(&self) -> (String, String) {
-        let kafka = self.inner.broker();
-        (kafka.name.clone(), kafka.topic.clone())
     }
 }
 

@@ -103,7 +103,7 @@ use self::{
 };
 use super::{
     Claim, Forgotten, Found, FoundState, KeyState, LeaseToken, StorageKey, Store, StoreError,
-    claim_within, ttl_millis,
+    TableStats, claim_within, ttl_millis,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -145,26 +145,6 @@ impl std::fmt::Debug for DynamoDbStore {
             .field("table", &self.table.name)
             .finish_non_exhaustive()
     }
-}
-
-/// What a scan of the table found: see [`DynamoDbStore::stats`].
-///
-/// # Examples
-///
-/// ```
-/// let stats = tower_idempotency::store::dynamodb::ItemStats::default();
-/// assert_eq!(stats.completed + stats.in_flight + stats.expired, 0);
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ItemStats {
-    /// Completed records, replayed to their retries.
-    pub completed: u64,
-    /// Claims in flight (requests running).
-    pub in_flight: u64,
-    /// Items past their expiry that DynamoDB's TTL has not deleted yet
-    /// (they count as absent).
-    pub expired: u64,
 }
 
 /// The table and how the stores use it: shared by both stores.
@@ -510,9 +490,9 @@ impl Table {
     }
 
     /// Counts the items by state (a scan: it reads the whole table).
-    async fn stats(&self) -> Result<ItemStats, StoreError> {
+    async fn stats(&self) -> Result<TableStats, StoreError> {
         let now = now_ms();
-        let mut stats = ItemStats::default();
+        let mut stats = TableStats::default();
         let mut pages = self
             .client
             .scan()
@@ -570,7 +550,7 @@ impl DynamoDbStore {
     /// println!("{} completed, {} in flight", stats.completed, stats.in_flight);
     /// # Ok(()) }
     /// ```
-    pub async fn stats(&self) -> Result<ItemStats, StoreError> {
+    pub async fn stats(&self) -> Result<TableStats, StoreError> {
         self.table.stats().await
     }
 }

@@ -16,7 +16,7 @@ use super::{
 };
 use crate::{
     record::codec::Compression,
-    store::{Forgotten, KeyState, StorageKey, StoreError},
+    store::{Forgotten, KeyState, StorageKey, StoreError, TableStats},
 };
 
 /// What to do when the start-up check finds that the database would not
@@ -53,33 +53,6 @@ pub enum EngineCheck {
     Refuse,
     /// Log an error and start anyway: an explicit opt-out.
     Warn,
-}
-
-/// What a SQL store's table holds, counted at one moment (a scan of the
-/// table: an operator's question, not a request's).
-///
-/// # Examples
-///
-/// ```no_run
-/// # #[cfg(feature = "sqlite")]
-/// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
-/// let store = tower_idempotency::SqliteStore::builder().connect("sqlite://payments.db").await?;
-/// let stats = store.stats().await?;
-/// println!("{} records, {} expired not yet deleted", stats.completed, stats.expired);
-/// # Ok(()) }
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct TableStats {
-    /// Live completed records: what retries replay.
-    pub completed: u64,
-    /// Live claims without a record: a lease store's requests in flight (a
-    /// transactional store's claims are uncommitted rows, which no count
-    /// sees).
-    pub in_flight: u64,
-    /// Expired rows not deleted yet: they count as absent, and take space
-    /// until [`DeleteExpired`](super::DeleteExpired) runs.
-    pub expired: u64,
 }
 
 pub(crate) struct Base<D: Dialect> {

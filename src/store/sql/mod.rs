@@ -62,8 +62,9 @@ pub mod sqlite;
 
 use std::time::Duration;
 
+pub use crate::store::TableStats;
+pub use base::EngineCheck;
 pub(crate) use base::{Base, now_ms};
-pub use base::{EngineCheck, TableStats};
 pub use builder::SqlStoreBuilder;
 pub(crate) use decide::{UntilFixed, create_error};
 pub use dialect::Dialect;
