@@ -288,7 +288,7 @@ pub use store::MemoryStore;
 pub use store::SensitiveKeys;
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
-pub use store::dynamodb::{DynamoDbStore, DynamoDbTxStore, DynamoTx};
+pub use store::dynamodb::{DynamoDbStore, DynamoDbTx, DynamoDbTxStore};
 #[cfg(feature = "mysql")]
 #[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
 pub use store::mysql::{MySqlStore, MySqlTx, MySqlTxStore};

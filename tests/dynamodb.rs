@@ -26,7 +26,7 @@ use support::{
     http::{oneshot, post as request},
 };
 use tower_idempotency::{
-    DynamoDbStore, DynamoTx, Fingerprint, IdempotencyKey, IdempotencyLayer, IdempotentTx,
+    DynamoDbStore, DynamoDbTx, Fingerprint, IdempotencyKey, IdempotencyLayer, IdempotentTx,
     aws_sdk_dynamodb::{
         Client,
         operation::put_item::PutItemError,
@@ -148,7 +148,7 @@ fn charges_app(
         .route(
             "/charges",
             post(
-                move |uri: axum::http::Uri, mut tx: IdempotentTx<DynamoTx>| {
+                move |uri: axum::http::Uri, mut tx: IdempotentTx<DynamoDbTx>| {
                     let (charges, runs) = (charges.clone(), runs.clone());
                     async move {
                         runs.incr();

@@ -467,6 +467,34 @@ pub enum Claim<G = LeaseToken> {
     },
 }
 
+impl<G> Claim<G> {
+    /// The same answer, its granted claim made into another: for a store
+    /// built on another's claims (a transactional store over a lease's
+    /// item), which wraps what it grants.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::store::{Claim, LeaseToken};
+    ///
+    /// let claim: Claim<LeaseToken> = Claim::Acquired(LeaseToken::generate());
+    /// let wrapped = claim.map(|token| (token, "the transaction"));
+    /// assert!(matches!(wrapped, Claim::Acquired((_, "the transaction"))));
+    /// ```
+    pub fn map<H>(self, grant: impl FnOnce(G) -> H) -> Claim<H> {
+        match self {
+            Self::Acquired(granted) => Claim::Acquired(grant(granted)),
+            Self::TakenOver { granted, lapsed } => Claim::TakenOver {
+                granted: grant(granted),
+                lapsed,
+            },
+            Self::InFlight { retry_after } => Claim::InFlight { retry_after },
+            Self::Mismatch => Claim::Mismatch,
+            Self::Completed { record, expires_in } => Claim::Completed { record, expires_in },
+        }
+    }
+}
+
 /// The earlier attempts a [`Claim::TakenOver`] was granted over: claims of
 /// the key that lapsed, one after another, without completing.
 ///

@@ -14,7 +14,7 @@ use axum::{
     routing::{MethodRouter, post},
 };
 use tower_idempotency::{
-    DynamoDbStore, DynamoTx, IdempotentTx,
+    DynamoDbStore, DynamoDbTx, IdempotentTx,
     aws_sdk_dynamodb::{
         Client,
         types::{
@@ -114,13 +114,13 @@ async fn create(
     }
 }
 
-impl Recording for DynamoTx {
+impl Recording for DynamoDbTx {
     fn create_route() -> MethodRouter<AppState> {
         post(create_charge_in_dynamo_tx)
     }
 
     fn webhook_route() -> MethodRouter<AppState> {
-        post(crate::app::record_event_in_transaction::<DynamoTx>)
+        post(crate::app::record_event_in_transaction::<DynamoDbTx>)
     }
 }
 
@@ -129,7 +129,7 @@ impl Recording for DynamoTx {
 async fn create_charge_in_dynamo_tx(
     State(state): State<AppState>,
     axum::Extension(Account(account)): axum::Extension<Account>,
-    mut tx: IdempotentTx<DynamoTx>,
+    mut tx: IdempotentTx<DynamoDbTx>,
     body: Result<Json<NewCharge>, JsonRejection>,
 ) -> Response {
     let charge = match new_charge(account, body) {

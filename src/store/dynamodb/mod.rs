@@ -11,7 +11,7 @@
 //!   notes; a downstream key on the effect closes it).
 //! - [`DynamoDbTxStore`]: the record is written **in the handler's own
 //!   `TransactWriteItems`**. The handler adds its `Put`, `Update`, `Delete`
-//!   and `ConditionCheck` items to the [`DynamoTx`] it is given; the
+//!   and `ConditionCheck` items to the [`DynamoDbTx`] it is given; the
 //!   completion commits them and the record in one transaction,
 //!   conditional on the claim, so the record and the effects are one fact.
 //!
@@ -83,7 +83,7 @@ mod item;
 mod transactional;
 
 pub use self::builder::{DynamoDbStoreBuilder, DynamoDbTxStoreBuilder};
-pub use self::transactional::{DynamoDbTxStore, DynamoTx, TransactWrites};
+pub use self::transactional::{DynamoDbTx, DynamoDbTxStore, TransactWrites};
 
 use std::{
     sync::Arc,

@@ -38,7 +38,7 @@ const COMMIT_TRIES: u32 = 4;
 
 /// A store whose record commits in the handler's own DynamoDB transaction:
 /// see the [module docs](super). The handler takes the request's
-/// [`DynamoTx`] (through [`IdempotentTx`](crate::IdempotentTx)) and adds its
+/// [`DynamoDbTx`] (through [`IdempotentTx`](crate::IdempotentTx)) and adds its
 /// writes to it; they commit with the record, or not at all.
 ///
 /// # Examples
@@ -47,11 +47,11 @@ const COMMIT_TRIES: u32 = 4;
 /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
 /// use axum::{Router, http::StatusCode, routing::post};
 /// use tower_idempotency::{
-///     DynamoDbStore, DynamoTx, IdempotencyLayer, IdempotentTx,
+///     DynamoDbStore, DynamoDbTx, IdempotencyLayer, IdempotentTx,
 ///     aws_sdk_dynamodb::types::{AttributeValue, Put, TransactWriteItem},
 /// };
 ///
-/// async fn charge(mut tx: IdempotentTx<DynamoTx>) -> StatusCode {
+/// async fn charge(mut tx: IdempotentTx<DynamoDbTx>) -> StatusCode {
 ///     let put = Put::builder()
 ///         .table_name("charges")
 ///         .item("id", AttributeValue::S("ch_1".into()))
@@ -110,11 +110,11 @@ impl DynamoDbTxStore {
 ///
 /// ```
 /// use tower_idempotency::{
-///     DynamoTx,
+///     DynamoDbTx,
 ///     aws_sdk_dynamodb::types::{AttributeValue, Put, TransactWriteItem},
 /// };
 ///
-/// fn book(tx: &mut DynamoTx, id: &str) {
+/// fn book(tx: &mut DynamoDbTx, id: &str) {
 ///     let put = Put::builder()
 ///         .table_name("ledger")
 ///         .item("id", AttributeValue::S(id.to_owned()))
@@ -165,7 +165,7 @@ impl TransactWrites {
 /// commits them with the record; dropping it unsettled (the request
 /// cancelled) applies none of them and releases the claim in the
 /// background.
-pub struct DynamoTx {
+pub struct DynamoDbTx {
     table: Arc<Table>,
     key: StorageKey,
     token: LeaseToken,
@@ -173,16 +173,16 @@ pub struct DynamoTx {
     settled: bool,
 }
 
-impl fmt::Debug for DynamoTx {
+impl fmt::Debug for DynamoDbTx {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DynamoTx")
+        f.debug_struct("DynamoDbTx")
             .field("key", &self.key)
             .field("writes", &self.writes.len())
             .finish_non_exhaustive()
     }
 }
 
-impl Deref for DynamoTx {
+impl Deref for DynamoDbTx {
     type Target = TransactWrites;
 
     fn deref(&self) -> &TransactWrites {
@@ -190,13 +190,13 @@ impl Deref for DynamoTx {
     }
 }
 
-impl DerefMut for DynamoTx {
+impl DerefMut for DynamoDbTx {
     fn deref_mut(&mut self) -> &mut TransactWrites {
         &mut self.writes
     }
 }
 
-impl Granted for DynamoTx {
+impl Granted for DynamoDbTx {
     fn held(&self) -> Held {
         Held::ForItsLife
     }
@@ -210,7 +210,7 @@ impl Granted for DynamoTx {
     }
 }
 
-impl Drop for DynamoTx {
+impl Drop for DynamoDbTx {
     fn drop(&mut self) {
         if self.settled {
             return;
@@ -294,7 +294,11 @@ impl DynamoDbTxStore {
     /// Commits `tx`'s writes and `last` (the record's put, or the claim's
     /// delete) in one transaction, conditional on the claim; retried with
     /// the same request token while its outcome is unknown.
-    async fn commit(&self, tx: &mut DynamoTx, last: TransactWriteItem) -> Result<bool, StoreError> {
+    async fn commit(
+        &self,
+        tx: &mut DynamoDbTx,
+        last: TransactWriteItem,
+    ) -> Result<bool, StoreError> {
         let table = &self.table;
         if tx.writes.len() >= MAX_ITEMS {
             let refused = StoreError::TooLarge(format!(
@@ -371,7 +375,7 @@ impl DynamoDbTxStore {
 }
 
 impl Store for DynamoDbTxStore {
-    type Granted = DynamoTx;
+    type Granted = DynamoDbTx;
     // Its claims commit nothing unless they complete.
     const REPORTS_TAKEOVERS: bool = true;
 
@@ -380,27 +384,24 @@ impl Store for DynamoDbTxStore {
         key: &StorageKey,
         fingerprint: &Fingerprint,
         _lease: Duration,
-    ) -> Result<Claim<DynamoTx>, StoreError> {
+    ) -> Result<Claim<DynamoDbTx>, StoreError> {
         // The claim lasts the transaction's bound, not a lease: nothing
         // extends it, and a commit past it is fenced off.
         let table = &self.table;
         let claimed = table
             .bounded(table.claim(key, fingerprint, self.transaction_timeout))
             .await?;
-        Ok(match claimed {
+        let granted = claimed.map(|token| DynamoDbTx {
+            table: table.clone(),
+            key: key.clone(),
+            token,
+            writes: TransactWrites::default(),
+            settled: false,
+        });
+        Ok(match granted {
             // A lapsed transaction committed nothing: no takeover to tell.
-            Claim::Acquired(token) | Claim::TakenOver { granted: token, .. } => {
-                Claim::Acquired(DynamoTx {
-                    table: table.clone(),
-                    key: key.clone(),
-                    token,
-                    writes: TransactWrites::default(),
-                    settled: false,
-                })
-            }
-            Claim::InFlight { retry_after } => Claim::InFlight { retry_after },
-            Claim::Mismatch => Claim::Mismatch,
-            Claim::Completed { record, expires_in } => Claim::Completed { record, expires_in },
+            Claim::TakenOver { granted, .. } => Claim::Acquired(granted),
+            answer => answer,
         })
     }
 
@@ -411,7 +412,7 @@ impl Store for DynamoDbTxStore {
     async fn complete(
         &self,
         key: &StorageKey,
-        tx: &mut DynamoTx,
+        tx: &mut DynamoDbTx,
         fingerprint: &Fingerprint,
         record: Arc<CompletedRecord>,
         retention: Duration,
@@ -439,7 +440,7 @@ impl Store for DynamoDbTxStore {
             .await
     }
 
-    async fn release(&self, key: &StorageKey, mut tx: DynamoTx) -> Result<bool, StoreError> {
+    async fn release(&self, key: &StorageKey, mut tx: DynamoDbTx) -> Result<bool, StoreError> {
         tx.settled = true;
         let table = &self.table;
         table.bounded(table.release(key, tx.token)).await
@@ -448,7 +449,7 @@ impl Store for DynamoDbTxStore {
     async fn release_keeping_writes(
         &self,
         key: &StorageKey,
-        mut tx: DynamoTx,
+        mut tx: DynamoDbTx,
     ) -> Result<bool, StoreError> {
         let table = &self.table;
         let delete = Delete::builder()
