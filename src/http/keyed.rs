@@ -32,10 +32,27 @@ use crate::{
 pub(crate) struct KeyedRequest<B> {
     pub(crate) parts: Parts,
     pub(crate) body: B,
-    /// `None`: at the layer's JSON Pointer into the body.
-    pub(crate) key: Option<IdempotencyKey>,
+    pub(crate) key: KeyAt,
     pub(crate) scope: String,
     pub(crate) wire: Wire,
+}
+
+/// Where a keyed request's key is.
+pub(crate) enum KeyAt {
+    /// In a header, read and valid.
+    Head(IdempotencyKey),
+    /// At the layer's JSON Pointer into the body, read once it is buffered.
+    Body,
+}
+
+impl KeyAt {
+    /// The key as given, where it is known before the body is read.
+    pub(crate) fn as_str(&self) -> &str {
+        match self {
+            Self::Head(key) => key.as_str(),
+            Self::Body => "",
+        }
+    }
 }
 
 /// How often a waiting duplicate polls the store, at most.
@@ -79,8 +96,8 @@ where
         },
     };
     let key = match key {
-        Some(key) => key,
-        None => match config.key_source.in_body(&body) {
+        KeyAt::Head(key) => key,
+        KeyAt::Body => match config.key_source.in_body(&body) {
             Ok(key) => {
                 if config.sensitive_keys.is_none() {
                     tracing::Span::current()

@@ -20,14 +20,13 @@ use crate::{
     http::future::ResponseFuture,
     http::grpc::Wire,
     http::key_source::InHead,
-    http::keyed::{self, KeyedRequest},
+    http::keyed::{self, KeyAt, KeyedRequest},
     http::observe,
     http::outcome::BypassReason,
     http::rejection::RejectionKind,
     http::scope::ScopeExtractor,
     http::shared::Shared,
     http::store_policy::StorePolicy,
-    key::IdempotencyKey,
     store::Store,
 };
 
@@ -103,8 +102,8 @@ where
         }
         let wire = Wire::of(req.headers());
         let key = match config.key_source.in_head(req.headers()) {
-            InHead::Key(key) => Some(key),
-            InHead::InBody => None,
+            InHead::Key(key) => KeyAt::Head(key),
+            InHead::InBody => KeyAt::Body,
             InHead::Absent if config.require_key => {
                 return self.reject(config.key_source.missing(), wire);
             }
@@ -140,7 +139,7 @@ where
             wire,
         };
         let span = observe::request_span(
-            request.key.as_ref().map_or("", IdempotencyKey::as_str),
+            request.key.as_str(),
             self.shared.config.sensitive_keys.is_some(),
         );
         let handled = keyed::handle(self.shared.clone(), inner, request);
