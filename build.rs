@@ -5,6 +5,8 @@ fn main() {
     cfg_aliases::cfg_aliases! {
         // Any SQL engine: the SQL store family, its outbox.
         sql: { any(feature = "postgres", feature = "mysql", feature = "sqlite") },
+        // A store outside the process, whose TTLs are whole milliseconds.
+        outside_store: { any(feature = "redis", sql, feature = "dynamodb") },
         // Every SQL engine: below it, some of an engine's choices go unused.
         every_sql: { all(feature = "postgres", feature = "mysql", feature = "sqlite") },
         // Every store: what the integration tests run against.

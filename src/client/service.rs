@@ -210,6 +210,7 @@ where
 }
 
 /// The last attempt's result, for a call that ran out of attempts or time.
+// Made once per call, at its end: not worth a box.
 #[allow(clippy::large_enum_variant)]
 enum Last {
     Answer(Response<BufferedBody>),

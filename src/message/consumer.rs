@@ -527,6 +527,8 @@ where
 
     /// One delivery, from the moment it is in hand to its answer: held
     /// throughout, its turn among its key's waited for.
+    // What the loop lends each job: bundling it would build a struct per
+    // delivery to take it apart again.
     #[allow(clippy::too_many_arguments)]
     async fn job<P, W>(
         &self,

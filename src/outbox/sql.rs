@@ -2,6 +2,11 @@
 //! database, whose SQL is the SQL family's (`store::sql::outbox`); here,
 //! the rows it answers become messages and counts.
 
+// The SQL engines are this crate's own: an outbox is named by its engine
+// (`Outbox<Postgres>`), and the `OutboxEngine` its impls are bounded by
+// stays an implementation detail.
+#![allow(private_bounds)]
+
 use std::{fmt, sync::Arc, time::Duration};
 
 use super::{
@@ -113,9 +118,6 @@ impl<D: Dialect> Outbox<D> {
         ))
     }
 }
-
-// See `SqlStore::builder`: the engines are this crate's own.
-#[allow(private_bounds)]
 impl<D: OutboxEngine> Outbox<D> {
     /// The outbox of `store`, in its database: table `idempotency_outbox`,
     /// which must exist unless
@@ -264,9 +266,6 @@ impl<D: OutboxEngine> Outbox<D> {
         self.table.requeue(id).await
     }
 }
-
-// See `SqlStore::builder`: the engines are this crate's own.
-#[allow(private_bounds)]
 impl<D: OutboxEngine> OutboxTable for Outbox<D> {
     /// The heads of due keys, then their runs behind them: one statement,
     /// and a second only when a head has a run behind it.
@@ -323,9 +322,6 @@ impl<D: OutboxEngine> OutboxTable for Outbox<D> {
         self.table.committed().await
     }
 }
-
-// See `SqlStore::builder`: the engines are this crate's own.
-#[allow(private_bounds)]
 impl<D: OutboxEngine> OutboxBuilder<D> {
     /// The outbox's table (default `idempotency_outbox`): a plain
     /// lowercase identifier, optionally schema-qualified.

@@ -520,19 +520,12 @@ pub struct Lapsed {
 /// [`MAX_LEASE`](crate::MAX_LEASE)), far below what every store can
 /// represent. The one bound inside the stores, for callers that use a store
 /// directly.
+#[cfg(any(outside_store, feature = "memory"))]
 pub(crate) const MAX_TTL: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 
 /// `ttl` in whole milliseconds, at least 1; a TTL over [`MAX_TTL`] is a
 /// configuration error (naming `what`), not a command that fails each time.
-#[cfg_attr(
-    not(any(
-        feature = "redis",
-        feature = "postgres",
-        feature = "sqlite",
-        feature = "mysql"
-    )),
-    allow(dead_code)
-)]
+#[cfg(outside_store)]
 pub(crate) fn ttl_millis(ttl: Duration, what: &str) -> Result<u64, StoreError> {
     if ttl > MAX_TTL {
         return Err(StoreError::Misconfigured(format!(

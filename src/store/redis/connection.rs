@@ -70,6 +70,7 @@ impl Connection {
 
     /// WAIT on the node that holds `key`: it counts the replicas that
     /// acknowledged this connection's writes to that node.
+    // A single node has one: only a cluster reads `key` to find it.
     #[cfg_attr(not(feature = "cluster"), allow(unused_variables))]
     pub(super) async fn wait_for_replicas(
         &self,

@@ -75,9 +75,6 @@ impl<D, M> std::fmt::Debug for SqlStoreBuilder<D, M> {
     }
 }
 
-// The engines are this crate's own: a store is named by its engine's alias
-// (`PostgresStore`, …), and `Engine` stays an implementation detail.
-#[allow(private_bounds)]
 impl<D: Engine> SqlStore<D> {
     /// Starts configuring a store, with the engine's defaults: table
     /// `idempotency_records`; a command timeout of 1 s (SQLite: 5 s); a
@@ -106,8 +103,6 @@ impl<D: Engine> SqlStore<D> {
         }
     }
 }
-
-#[allow(private_bounds)]
 impl<D: Engine, M> SqlStoreBuilder<D, M> {
     /// Creates the records table (and its index) when the store connects,
     /// if they are missing — safe when many instances start together on a
@@ -249,8 +244,6 @@ impl<D: Engine, M> SqlStoreBuilder<D, M> {
         D::open(url, self.settings.max_connections, self.settings.timeout).await
     }
 }
-
-#[allow(private_bounds)]
 impl<D: Engine> SqlStoreBuilder<D, Plain> {
     /// Commit the record and the handler's writes in one transaction: the
     /// builder then connects a [`SqlTxStore`], whose transaction the handler
@@ -334,8 +327,6 @@ impl<D: Engine> SqlStoreBuilder<D, Plain> {
         })
     }
 }
-
-#[allow(private_bounds)]
 impl<D: TxEngine> SqlStoreBuilder<D, Transactional> {
     /// How long a request's transaction may sit idle between two of its
     /// statements, and how long one statement may run, before the database
@@ -426,8 +417,6 @@ impl<D: TxEngine> SqlStoreBuilder<D, Transactional> {
         })
     }
 }
-
-#[allow(private_bounds)]
 impl<D: TxEngine> SqlStoreBuilder<D, Records> {
     /// Opens a pool to `url` (a SQLite file must exist) and the table in
     /// it, which must exist and be readable.

@@ -82,9 +82,6 @@ enum Attempt {
     /// statement's snapshot): asked again.
     Again,
 }
-
-// See `SqlStore::builder`: the engines are this crate's own.
-#[allow(private_bounds)]
 impl<D: Engine> SqlStore<D> {
     /// One claim, on `on`: the lease inserted or taken over, or the row
     /// that holds the key. Not bounded here: the whole claim is, by

@@ -36,6 +36,11 @@
 //! exhausted pool answers `503` (fail closed), never a hang. A connection
 //! whose transaction ended in an error is closed, never pooled.
 
+// The engines are this crate's own: a store is named by its engine's alias
+// (`PostgresStore`, …), and the traits that bound its impls (`Engine`,
+// `TxEngine`, `OutboxEngine`) stay implementation details.
+#![allow(private_bounds)]
+
 mod base;
 mod builder;
 mod check;
@@ -174,8 +179,6 @@ pub(crate) async fn connect_pool<D: dialect::Engine>(
 /// `migrate`, and the upkeep of [`DeleteExpired`].
 macro_rules! table_methods {
     ($store:ident) => {
-        // See `SqlStore::builder`: the engines are this crate's own.
-        #[allow(private_bounds)]
         impl<D: $crate::store::sql::dialect::Engine> $store<D> {
             /// The pool, e.g. to share it with the rest of the application.
             pub fn pool(&self) -> &sqlx::Pool<D::Db> {

@@ -59,9 +59,6 @@ impl<D: Engine> std::fmt::Debug for SqlRecords<D> {
             .finish_non_exhaustive()
     }
 }
-
-// See `SqlStore::builder`: the engines are this crate's own.
-#[allow(private_bounds)]
 impl<D: TxEngine> SqlRecords<D> {
     /// The table on `base`, once it can be read.
     pub(super) async fn open(base: Arc<Base<D>>) -> Result<Self, StoreError> {

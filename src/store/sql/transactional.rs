@@ -155,8 +155,6 @@ impl<D: Dialect> SqlTxStore<D> {
         })
     }
 }
-
-#[allow(private_bounds)]
 impl<D: TxEngine> SqlTxStore<D> {
     /// What an engine's operations are handed.
     fn seam(&self) -> Seam<D> {

@@ -75,9 +75,6 @@ pub struct SqlTx<D: Dialect> {
     /// waits for the messages the transaction enqueued.
     wake: Option<Arc<Notify>>,
 }
-
-// See `SqlStore::builder`: the engines are this crate's own.
-#[allow(private_bounds)]
 impl<D: Engine> SqlTx<D> {
     /// `connection` has just begun a transaction (with the claim in it).
     pub(crate) fn begun(connection: PoolConnection<D::Db>, held: D::Held, began: Instant) -> Self {
@@ -129,6 +126,7 @@ impl<D: Engine> SqlTx<D> {
 
     /// The connection of a transaction one of its own statements ended (a
     /// `ROLLBACK` sent ahead of a read), to be pooled or reused.
+    // MySQL's engine alone ends a transaction with a statement of its own.
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) fn ended(mut self) -> Option<PoolConnection<D::Db>> {
         self.connection.take()
