@@ -98,9 +98,8 @@ pub use super::{EngineCheck, Plain, Records, Transactional};
 use super::{
     SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
     dialect::{Dialect, Engine, ErrorClass, LeaseClaim, Statements, glue, sealed},
-    tx_engine::{ClaimRequest, End, Expiry, Probe, Seam, TxClaim, TxEngine},
 };
-use crate::store::{StorageKey, StoreError};
+use crate::store::StoreError;
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
@@ -288,56 +287,5 @@ impl Engine for MySql {
             Err(error) if Self::classify(&error) == ErrorClass::Duplicate => Ok(false),
             Err(error) => Err(error),
         }
-    }
-}
-
-impl TxEngine for MySql {
-    async fn tx_state(
-        pool: &MySqlPool,
-        engine: &Self,
-        table: &str,
-        _: Duration,
-    ) -> Result<transactional::TxState, StoreError> {
-        // What a claim restores on MySQL, where its settings are the session's.
-        let (lock_wait, wait_timeout): (i64, i64) = sqlx::query_as(
-            "SELECT CAST(@@session.innodb_lock_wait_timeout AS SIGNED), CAST(@@session.wait_timeout AS SIGNED)",
-        )
-        .fetch_one(pool)
-        .await?;
-        Ok(transactional::TxState {
-            sql: statements::TxStatements::new(table, engine.flavor, lock_wait, wait_timeout),
-        })
-    }
-
-    fn tx_claim(
-        seam: &Seam<Self>,
-        claim: &ClaimRequest<'_>,
-    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
-        transactional::claim(seam, claim)
-    }
-
-    fn tx_complete(
-        seam: &Seam<Self>,
-        tx: &mut MySqlTx,
-        key: &StorageKey,
-        record: Vec<u8>,
-        expiry: Expiry,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        transactional::complete(seam, tx, key, record, expiry)
-    }
-
-    fn tx_end(
-        seam: &Seam<Self>,
-        tx: MySqlTx,
-        end: End,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        transactional::end(seam, tx, end)
-    }
-
-    fn tx_in_flight(
-        seam: &Seam<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
-        transactional::in_flight(seam, key)
     }
 }

@@ -4,17 +4,19 @@
 //! read, at READ COMMITTED and after its transaction's rollback, in one
 //! more; the record written and committed in one.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use sqlx::MySqlPool;
 
 use super::{
-    MySql, MySqlTx, number,
+    MySql, MySqlTx, number, statements,
     statements::{ROW_GONE, SESSION_NOT_READY, TxStatements},
 };
 use crate::store::{
     StorageKey, StoreError,
     sql::{
         dialect::{Engine, ErrorClass, FromColumns, KeyRow},
-        tx_engine::{ClaimRequest, End, Expiry, Probe, Seam, TxClaim},
+        tx_engine::{ClaimRequest, End, Expiry, Probe, Seam, TxClaim, TxEngine},
     },
 };
 
@@ -204,5 +206,56 @@ pub(super) async fn in_flight(seam: &Seam<MySql>, key: &StorageKey) -> Result<Pr
             ErrorClass::Duplicate => Ok(Probe::Free),
             _ => Probe::failed(seam, error),
         },
+    }
+}
+
+impl TxEngine for MySql {
+    async fn tx_state(
+        pool: &MySqlPool,
+        engine: &Self,
+        table: &str,
+        _: Duration,
+    ) -> Result<TxState, StoreError> {
+        // What a claim restores on MySQL, where its settings are the session's.
+        let (lock_wait, wait_timeout): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(@@session.innodb_lock_wait_timeout AS SIGNED), CAST(@@session.wait_timeout AS SIGNED)",
+        )
+        .fetch_one(pool)
+        .await?;
+        Ok(TxState {
+            sql: statements::TxStatements::new(table, engine.flavor, lock_wait, wait_timeout),
+        })
+    }
+
+    fn tx_claim(
+        seam: &Seam<Self>,
+        claim: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
+        self::claim(seam, claim)
+    }
+
+    fn tx_complete(
+        seam: &Seam<Self>,
+        tx: &mut MySqlTx,
+        key: &StorageKey,
+        record: Vec<u8>,
+        expiry: Expiry,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        complete(seam, tx, key, record, expiry)
+    }
+
+    fn tx_end(
+        seam: &Seam<Self>,
+        tx: MySqlTx,
+        end: End,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        self::end(seam, tx, end)
+    }
+
+    fn tx_in_flight(
+        seam: &Seam<Self>,
+        key: &StorageKey,
+    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
+        in_flight(seam, key)
     }
 }

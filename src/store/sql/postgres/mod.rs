@@ -134,9 +134,8 @@ pub use super::{EngineCheck, Plain, Records, Transactional};
 use super::{
     SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
     dialect::{Args, Dialect, Engine, ErrorClass, LeaseClaim, Statements, glue, sealed},
-    tx_engine::{ClaimRequest, Expiry, Probe, Seam, TxClaim, TxEngine},
 };
-use crate::store::{StorageKey, StoreError};
+use crate::store::StoreError;
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
@@ -277,48 +276,5 @@ impl Engine for Postgres {
         Ok(Self::fetch(on, &statements::check_claim(&sql.table), &args)
             .await?
             .is_some())
-    }
-}
-
-impl TxEngine for Postgres {
-    async fn tx_state(
-        pool: &PgPool,
-        _: &Self,
-        table: &str,
-        timeout: Duration,
-    ) -> Result<transactional::TxState, StoreError> {
-        // What the claim restores once it no longer needs its short wait.
-        let lock_timeout: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
-            .fetch_one(pool)
-            .await?;
-        Ok(transactional::TxState {
-            sql: statements::TxStatements::new(table),
-            idle: std::sync::Arc::new(idle::IdleTransactions::new(pool, timeout)),
-            lock_timeout: lock_timeout.into(),
-        })
-    }
-
-    fn tx_claim(
-        seam: &Seam<Self>,
-        claim: &ClaimRequest<'_>,
-    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
-        transactional::claim(seam, claim)
-    }
-
-    fn tx_complete(
-        seam: &Seam<Self>,
-        tx: &mut PostgresTx,
-        key: &StorageKey,
-        record: Vec<u8>,
-        expiry: Expiry,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        transactional::complete(seam, tx, key, record, expiry)
-    }
-
-    fn tx_in_flight(
-        seam: &Seam<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
-        transactional::in_flight(seam, key)
     }
 }

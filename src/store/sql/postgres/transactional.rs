@@ -2,18 +2,22 @@
 //! trip, the record and `COMMIT` in another; transactions that found
 //! nothing to do are ended in front of the next claim on their connection.
 
-use std::{sync::Arc, time::Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
-use sqlx::{Executor, PgConnection, postgres::PgRow};
+use sqlx::{Executor, PgConnection, PgPool, postgres::PgRow};
 
 use super::{
-    NOT_PREPARED, Postgres, PostgresTx, idle::IdleTransactions, sqlstate, statements::TxStatements,
+    NOT_PREPARED, Postgres, PostgresTx, idle, idle::IdleTransactions, sqlstate, statements,
+    statements::TxStatements,
 };
 use crate::store::{
     StorageKey, StoreError,
     sql::{
         dialect::{Engine, ErrorClass, FromColumns, KeyRow},
-        tx_engine::{ClaimRequest, Expiry, Probe, Seam, TxClaim},
+        tx_engine::{ClaimRequest, Expiry, Probe, Seam, TxClaim, TxEngine},
     },
 };
 
@@ -251,5 +255,48 @@ pub(super) async fn in_flight(
         Ok(()) => Ok(Probe::Free),
         Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => Ok(Probe::InFlight),
         Err(error) => Probe::failed(seam, error),
+    }
+}
+
+impl TxEngine for Postgres {
+    async fn tx_state(
+        pool: &PgPool,
+        _: &Self,
+        table: &str,
+        timeout: Duration,
+    ) -> Result<TxState, StoreError> {
+        // What the claim restores once it no longer needs its short wait.
+        let lock_timeout: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+            .fetch_one(pool)
+            .await?;
+        Ok(TxState {
+            sql: statements::TxStatements::new(table),
+            idle: std::sync::Arc::new(idle::IdleTransactions::new(pool, timeout)),
+            lock_timeout: lock_timeout.into(),
+        })
+    }
+
+    fn tx_claim(
+        seam: &Seam<Self>,
+        claim: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
+        self::claim(seam, claim)
+    }
+
+    fn tx_complete(
+        seam: &Seam<Self>,
+        tx: &mut PostgresTx,
+        key: &StorageKey,
+        record: Vec<u8>,
+        expiry: Expiry,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        complete(seam, tx, key, record, expiry)
+    }
+
+    fn tx_in_flight(
+        seam: &Seam<Self>,
+        key: &StorageKey,
+    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
+        in_flight(seam, key)
     }
 }

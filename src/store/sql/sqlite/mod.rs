@@ -73,9 +73,8 @@ pub use super::{EngineCheck, Plain, Records, Transactional};
 use super::{
     SqlStore, SqlStoreBuilder, SqlTx, SqlTxStore,
     dialect::{Dialect, Engine, ErrorClass, LeaseClaim, Statements, glue, sealed},
-    tx_engine::{ClaimRequest, Expiry, Probe, Seam, TxClaim, TxEngine},
 };
-use crate::store::{Forgotten, StorageKey, StoreError};
+use crate::store::StoreError;
 
 /// The schema, for the default table name `idempotency_records`; idempotent.
 pub const SCHEMA: &str = include_str!("schema.sql");
@@ -250,47 +249,5 @@ impl Engine for Sqlite {
         Ok(Self::fetch(on, &statements::check_claim(&sql.table), &args)
             .await?
             .is_some())
-    }
-}
-
-impl TxEngine for Sqlite {
-    async fn tx_state(
-        _: &SqlitePool,
-        _: &Self,
-        table: &str,
-        _: Duration,
-    ) -> Result<transactional::TxState, StoreError> {
-        Ok(transactional::TxState::new(table))
-    }
-
-    fn tx_claim(
-        seam: &Seam<Self>,
-        claim: &ClaimRequest<'_>,
-    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
-        transactional::claim(seam, claim)
-    }
-
-    fn tx_complete(
-        seam: &Seam<Self>,
-        tx: &mut SqliteTx,
-        key: &StorageKey,
-        record: Vec<u8>,
-        expiry: Expiry,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        transactional::complete(seam, tx, key, record, expiry)
-    }
-
-    fn tx_in_flight(
-        seam: &Seam<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
-        transactional::in_flight(seam, key)
-    }
-
-    fn tx_forget(
-        seam: &Seam<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<Forgotten, StoreError>> + Send {
-        transactional::forget(seam, key)
     }
 }

@@ -9,6 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use sqlx::SqlitePool;
 use tokio::sync::OwnedMutexGuard;
 
 use super::{Sqlite, SqliteTx, statements};
@@ -21,7 +22,7 @@ use crate::{
             base::now_ms,
             dialect::{Args, Engine, Stmt},
             tx::SqlTx,
-            tx_engine::{self, ClaimRequest, Expiry, Probe, Seam, TxClaim},
+            tx_engine::{self, ClaimRequest, Expiry, Probe, Seam, TxClaim, TxEngine},
         },
     },
 };
@@ -268,5 +269,47 @@ async fn try_the_write_lock(seam: &Seam<Sqlite>) -> Result<Probe, StoreError> {
         Ok(()) => Ok(Probe::Free),
         Err(error) if Sqlite::classify(&error) == super::ErrorClass::Busy => Ok(Probe::InFlight),
         Err(error) => Probe::failed(seam, error),
+    }
+}
+
+impl TxEngine for Sqlite {
+    async fn tx_state(
+        _: &SqlitePool,
+        _: &Self,
+        table: &str,
+        _: Duration,
+    ) -> Result<TxState, StoreError> {
+        Ok(TxState::new(table))
+    }
+
+    fn tx_claim(
+        seam: &Seam<Self>,
+        claim: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
+        self::claim(seam, claim)
+    }
+
+    fn tx_complete(
+        seam: &Seam<Self>,
+        tx: &mut SqliteTx,
+        key: &StorageKey,
+        record: Vec<u8>,
+        expiry: Expiry,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        complete(seam, tx, key, record, expiry)
+    }
+
+    fn tx_in_flight(
+        seam: &Seam<Self>,
+        key: &StorageKey,
+    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
+        in_flight(seam, key)
+    }
+
+    fn tx_forget(
+        seam: &Seam<Self>,
+        key: &StorageKey,
+    ) -> impl Future<Output = Result<Forgotten, StoreError>> + Send {
+        forget(seam, key)
     }
 }
