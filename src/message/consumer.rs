@@ -413,14 +413,18 @@ where
         P: Fn(&[u8]) -> Result<Parsed<M>, DeadLetterReason>,
         W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
     {
-        self.run_received(|received| parse(received.payload()), work, shutdown)
-            .await
+        self.run_received(
+            |received| parse(received.payload()),
+            async |tx: &mut St::Granted, _: &B::Received, message: &M| work(tx, message).await,
+            shutdown,
+        )
+        .await
     }
 
-    /// [`run`](Self::run), with `parse` given the whole delivery (its
-    /// headers, what the adapter knows of it) rather than its payload: for
-    /// an adapter whose work needs more of a delivery than its message
-    /// (Kafka writes each record's position with its work).
+    /// [`run`](Self::run), with `parse` and `work` given the whole delivery
+    /// (its headers, what the adapter knows of it) as well: for an adapter
+    /// whose work needs more of a delivery than its message (Kafka writes
+    /// each record's position in the work's transaction).
     ///
     /// # Errors
     ///
@@ -438,7 +442,7 @@ where
     ///             Some(id) => Ok(Parsed { key: id.to_owned(), message: () }),
     ///             None => Err(DeadLetterReason::invalid("no order-id header")),
     ///         },
-    ///         async |_: &mut _, _: &()| Ok(()),
+    ///         async |_: &mut _, _: &B::Received, _: &()| Ok(()),
     ///         std::future::pending(),
     ///     )
     ///     .await
@@ -452,7 +456,7 @@ where
     ) -> Result<(), BrokerError>
     where
         P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
-        W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
+        W: AsyncFn(&mut St::Granted, &B::Received, &M) -> Result<T, E>,
     {
         let mut shutdown = std::pin::pin!(shutdown);
         let lanes = Lanes::default();
@@ -542,7 +546,7 @@ where
         work: &W,
     ) where
         P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
-        W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
+        W: AsyncFn(&mut St::Granted, &B::Received, &M) -> Result<T, E>,
     {
         let hold = Hold {
             broker: &*self.broker,
@@ -592,7 +596,7 @@ where
     ) -> bool
     where
         P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
-        W: AsyncFn(&mut St::Granted, &M) -> Result<T, E>,
+        W: AsyncFn(&mut St::Granted, &B::Received, &M) -> Result<T, E>,
     {
         if !self.broker.owns(received) {
             tracing::debug!(message = ?received.message_id(), "idempotency: no longer this consumer's (a rebalance); left to its new owner");
@@ -657,7 +661,7 @@ where
             .processor
             .settle(
                 delivery,
-                async |tx: &mut St::Granted| work(tx, message).await,
+                async |tx: &mut St::Granted| work(tx, received, message).await,
                 |error| (self.passing)(error),
             )
             .await;

@@ -1097,22 +1097,13 @@ impl<St: Positions> Broker for Kafka<St> {
 /// [`Consumer`], whose work also
 /// writes each record's position in its transaction.
 pub struct KafkaConsumer<St: Positions, F, M, T, E> {
-    inner: Consumer<Kafka<St>, St, F, Positioned<M>, T, E>,
+    inner: Consumer<Kafka<St>, St, F, M, T, E>,
 }
 
 impl<St: Positions, F, M, T, E> fmt::Debug for KafkaConsumer<St, F, M, T, E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.inner.fmt(f)
     }
-}
-
-/// A record's message, with the position its work stores.
-#[derive(Debug)]
-pub struct Positioned<M> {
-    /// The position after the record.
-    pub position: Position,
-    /// The message.
-    pub message: M,
 }
 
 impl<St, F, M, T, E> KafkaConsumer<St, F, M, T, E>
@@ -1176,7 +1167,7 @@ where
     /// ```
     pub fn on_settled(
         self,
-        report: impl Fn(&Report<'_, KafkaRecord, Positioned<M>, T, E>) + Send + Sync + 'static,
+        report: impl Fn(&Report<'_, KafkaRecord, M, T, E>) + Send + Sync + 'static,
     ) -> Self {
         Self {
             inner: self.inner.on_settled(report),
@@ -1207,19 +1198,10 @@ where
     {
         self.inner
             .run_received(
-                |record: &KafkaRecord| {
-                    let parsed = parse(record.payload())?;
-                    Ok(Parsed {
-                        key: parsed.key,
-                        message: Positioned {
-                            position: record.position.clone(),
-                            message: parsed.message,
-                        },
-                    })
-                },
-                async |tx: &mut St::Granted, positioned: &Positioned<M>| {
-                    St::store_position_in(tx, &positioned.position).await?;
-                    work(tx, &positioned.message).await
+                |record: &KafkaRecord| parse(record.payload()),
+                async |tx: &mut St::Granted, record: &KafkaRecord, message: &M| {
+                    St::store_position_in(tx, &record.position).await?;
+                    work(tx, message).await
                 },
                 shutdown,
             )
