@@ -39,8 +39,28 @@
 //! # Features
 //!
 //! One is required: the engine of the transactional store the positions
-//! are kept with — `postgres`, `sqlite` or `mysql` (without one the crate
-//! does not build, and says which to enable).
+//! are kept with (without one the crate does not build, and says which to
+//! enable).
+//!
+//! | feature | what it adds |
+//! |---|---|
+//! | `postgres` | [`Positions`] for `PostgresTxStore`: the table [`POSTGRES_SCHEMA`] |
+//! | `sqlite` | [`Positions`] for `SqliteTxStore`: the table [`SQLITE_SCHEMA`] |
+//! | `mysql` | [`Positions`] for `MySqlTxStore` (MySQL, MariaDB): the table [`MYSQL_SCHEMA`] |
+//!
+//! # Names that must not change
+//!
+//! A consumer's `name` (the third argument of [`Kafka::builder`]) keys
+//! its stored positions: keep it for the consumer's life in production.
+//! The group id is a hint only — a new one starts where the positions
+//! stand. A consumer whose name changed finds no positions, so each
+//! partition starts at its earliest offset: every record still in the log
+//! is read again, and the idempotency records answer the decided ones as
+//! duplicates — but a record decided longer ago than their retention runs
+//! again. To rename, stop the consumer and move its rows first:
+//! `UPDATE idempotency_kafka_positions SET consumer = 'new' WHERE consumer
+//! = 'old'`. The processor's scope keys the idempotency records in the
+//! same way: changing it makes every redelivered record new.
 //!
 //! # Examples
 //!
@@ -83,7 +103,13 @@
 //!
 //! [tower-idempotency]: https://docs.rs/tower-idempotency
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+
+// The README's example compiles with the crate's doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 // The positions live beside the records, in the transactional store's own
 // engine: without one, nothing here can work.
