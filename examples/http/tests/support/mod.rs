@@ -12,6 +12,6 @@ pub mod payments;
 #[path = "../../../support/process.rs"]
 pub mod process;
 
-pub use tower_idempotency_harness::{
-    dynamodb, mysql, postgres, redis_server, relay, sqlite, tmpfs,
-};
+#[cfg(feature = "dynamodb")]
+pub use tower_idempotency_harness::dynamodb;
+pub use tower_idempotency_harness::{mysql, postgres, redis_server, relay, sqlite, tmpfs};
