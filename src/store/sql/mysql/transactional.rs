@@ -33,54 +33,6 @@ impl std::fmt::Debug for TxState {
     }
 }
 
-pub(super) async fn claim(
-    seam: &Seam<MySql>,
-    request: &ClaimRequest<'_>,
-) -> Result<TxClaim<MySql>, StoreError> {
-    let sql = &seam.state.sql;
-    let connection = seam.connection().await?;
-    // From here on, a failure closes the connection (see `SqlTx`).
-    let mut tx = MySqlTx::begun(connection, (), Instant::now());
-    let claim = sql.claim(
-        request.key.as_str(),
-        request.fingerprint.as_bytes(),
-        request.wait,
-        request.bound,
-        request.lifetime_ms,
-    );
-    let mut inserted = MySql::raw(&mut tx, &claim).await;
-    if inserted
-        .as_ref()
-        .is_err_and(|e| number(e) == Some(SESSION_NOT_READY))
-    {
-        // The connection's first claim: its session set up, in a round
-        // trip of its own, then the claim again.
-        if let Err(error) = MySql::raw(&mut tx, &sql.session(request.bound)).await {
-            tx.close_on_drop();
-            return Err(seam.error(error));
-        }
-        inserted = MySql::raw(&mut tx, &claim).await;
-    }
-    let error = match inserted {
-        Ok(()) => return Ok(TxClaim::Acquired(tx)),
-        Err(error) => error,
-    };
-    match MySql::classify(&error) {
-        // An uncommitted row holds the key. The transaction is still open
-        // after a lock-wait timeout: rolled back, in the background.
-        ErrorClass::LockTimeout | ErrorClass::Conflict => {
-            roll_back(seam, tx);
-            Ok(TxClaim::InFlight)
-        }
-        // A committed row holds the key.
-        ErrorClass::Duplicate => found(seam, tx, request).await,
-        _ => {
-            tx.close_on_drop();
-            Err(seam.error(error))
-        }
-    }
-}
-
 /// The committed row that holds the key: a replay, a mismatch, or an
 /// expired record this claim takes over. The claim's transaction ends in
 /// the read's round trip; a take-over begins another.
@@ -154,61 +106,6 @@ fn roll_back(seam: &Seam<MySql>, mut tx: MySqlTx) {
     });
 }
 
-pub(super) async fn complete(
-    seam: &Seam<MySql>,
-    tx: &mut MySqlTx,
-    key: &StorageKey,
-    record: Vec<u8>,
-    expiry: Expiry,
-) -> Result<(), StoreError> {
-    // On a multi-node cluster, a duplicate committed on another node first
-    // fails this COMMIT's certification (1213): nothing of this request
-    // commits.
-    let complete = seam.state.sql.complete(key.as_str(), &record, expiry);
-    match tx.commit_with(&complete).await {
-        Ok(()) => Ok(()),
-        // The check after the update: the claim's row is gone (the handler
-        // deleted it, or a deadlock rolled the transaction back and the
-        // handler went on writing). Committing would keep writes without
-        // their record; the failed batch never reached its COMMIT, and the
-        // closed connection rolls the rest back.
-        Err(error) if number(&error) == Some(ROW_GONE) => Err(StoreError::Refused(
-            "the claim's row is no longer in the transaction".into(),
-        )),
-        Err(error) => Err(seam.error(error)),
-    }
-}
-
-/// Ends the transaction with `end`, the session's settings restored.
-pub(super) async fn end(seam: &Seam<MySql>, mut tx: MySqlTx, end: End) -> Result<(), StoreError> {
-    let sql = seam.state.sql.end(end.sql());
-    let ended = match end {
-        End::Rollback => tx.end(&sql).await,
-        End::Commit => tx.commit_with(&sql).await,
-    };
-    ended.map_err(|e| seam.error(e))
-}
-
-/// Whether a transaction holds `key` in flight: a claim of it in a
-/// transaction of its own, rolled back in the same round trip, meets the
-/// uncommitted row and fails without waiting (a request claiming the key at
-/// that very moment may be told `409`).
-pub(super) async fn in_flight(seam: &Seam<MySql>, key: &StorageKey) -> Result<Probe, StoreError> {
-    let sql = &seam.state.sql;
-    let connection = seam.bounded(seam.connection()).await?;
-    let mut tx = MySqlTx::begun(connection, (), Instant::now());
-    let probe = format!("{}; {}", sql.probe(key.as_str()), sql.end("ROLLBACK"));
-    // A probe that fails closes its connection, which rolls it back.
-    match seam.bounded(async { Ok(tx.end(&probe).await) }).await? {
-        Ok(()) => Ok(Probe::Free),
-        Err(error) => match MySql::classify(&error) {
-            ErrorClass::LockTimeout => Ok(Probe::InFlight),
-            ErrorClass::Duplicate => Ok(Probe::Free),
-            _ => Probe::failed(seam, error),
-        },
-    }
-}
-
 impl TxEngine for MySql {
     async fn tx_state(
         pool: &MySqlPool,
@@ -227,35 +124,106 @@ impl TxEngine for MySql {
         })
     }
 
-    fn tx_claim(
+    async fn tx_claim(
         seam: &Seam<Self>,
-        claim: &ClaimRequest<'_>,
-    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
-        self::claim(seam, claim)
+        request: &ClaimRequest<'_>,
+    ) -> Result<TxClaim<Self>, StoreError> {
+        let sql = &seam.state.sql;
+        let connection = seam.connection().await?;
+        // From here on, a failure closes the connection (see `SqlTx`).
+        let mut tx = MySqlTx::begun(connection, (), Instant::now());
+        let claim = sql.claim(
+            request.key.as_str(),
+            request.fingerprint.as_bytes(),
+            request.wait,
+            request.bound,
+            request.lifetime_ms,
+        );
+        let mut inserted = MySql::raw(&mut tx, &claim).await;
+        if inserted
+            .as_ref()
+            .is_err_and(|e| number(e) == Some(SESSION_NOT_READY))
+        {
+            // The connection's first claim: its session set up, in a round
+            // trip of its own, then the claim again.
+            if let Err(error) = MySql::raw(&mut tx, &sql.session(request.bound)).await {
+                tx.close_on_drop();
+                return Err(seam.error(error));
+            }
+            inserted = MySql::raw(&mut tx, &claim).await;
+        }
+        let error = match inserted {
+            Ok(()) => return Ok(TxClaim::Acquired(tx)),
+            Err(error) => error,
+        };
+        match MySql::classify(&error) {
+            // An uncommitted row holds the key. The transaction is still open
+            // after a lock-wait timeout: rolled back, in the background.
+            ErrorClass::LockTimeout | ErrorClass::Conflict => {
+                roll_back(seam, tx);
+                Ok(TxClaim::InFlight)
+            }
+            // A committed row holds the key.
+            ErrorClass::Duplicate => found(seam, tx, request).await,
+            _ => {
+                tx.close_on_drop();
+                Err(seam.error(error))
+            }
+        }
     }
 
-    fn tx_complete(
+    async fn tx_complete(
         seam: &Seam<Self>,
         tx: &mut MySqlTx,
         key: &StorageKey,
         record: Vec<u8>,
         expiry: Expiry,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        complete(seam, tx, key, record, expiry)
+    ) -> Result<(), StoreError> {
+        // On a multi-node cluster, a duplicate committed on another node first
+        // fails this COMMIT's certification (1213): nothing of this request
+        // commits.
+        let complete = seam.state.sql.complete(key.as_str(), &record, expiry);
+        match tx.commit_with(&complete).await {
+            Ok(()) => Ok(()),
+            // The check after the update: the claim's row is gone (the handler
+            // deleted it, or a deadlock rolled the transaction back and the
+            // handler went on writing). Committing would keep writes without
+            // their record; the failed batch never reached its COMMIT, and the
+            // closed connection rolls the rest back.
+            Err(error) if number(&error) == Some(ROW_GONE) => Err(StoreError::Refused(
+                "the claim's row is no longer in the transaction".into(),
+            )),
+            Err(error) => Err(seam.error(error)),
+        }
     }
 
-    fn tx_end(
-        seam: &Seam<Self>,
-        tx: MySqlTx,
-        end: End,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        self::end(seam, tx, end)
+    /// Ends the transaction with `end`, the session's settings restored.
+    async fn tx_end(seam: &Seam<Self>, mut tx: MySqlTx, end: End) -> Result<(), StoreError> {
+        let sql = seam.state.sql.end(end.sql());
+        let ended = match end {
+            End::Rollback => tx.end(&sql).await,
+            End::Commit => tx.commit_with(&sql).await,
+        };
+        ended.map_err(|e| seam.error(e))
     }
 
-    fn tx_in_flight(
-        seam: &Seam<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
-        in_flight(seam, key)
+    /// Whether a transaction holds `key` in flight: a claim of it in a
+    /// transaction of its own, rolled back in the same round trip, meets the
+    /// uncommitted row and fails without waiting (a request claiming the key at
+    /// that very moment may be told `409`).
+    async fn tx_in_flight(seam: &Seam<Self>, key: &StorageKey) -> Result<Probe, StoreError> {
+        let sql = &seam.state.sql;
+        let connection = seam.bounded(seam.connection()).await?;
+        let mut tx = MySqlTx::begun(connection, (), Instant::now());
+        let probe = format!("{}; {}", sql.probe(key.as_str()), sql.end("ROLLBACK"));
+        // A probe that fails closes its connection, which rolls it back.
+        match seam.bounded(async { Ok(tx.end(&probe).await) }).await? {
+            Ok(()) => Ok(Probe::Free),
+            Err(error) => match MySql::classify(&error) {
+                ErrorClass::LockTimeout => Ok(Probe::InFlight),
+                ErrorClass::Duplicate => Ok(Probe::Free),
+                _ => Probe::failed(seam, error),
+            },
+        }
     }
 }

@@ -138,61 +138,6 @@ async fn begin_claim(
     }
 }
 
-pub(super) async fn claim(
-    seam: &Seam<Postgres>,
-    request: &ClaimRequest<'_>,
-) -> Result<TxClaim<Postgres>, StoreError> {
-    let state = &seam.state;
-    let claim = state.sql.claim(
-        request.key.as_str(),
-        request.fingerprint,
-        request.wait,
-        request.lifetime_ms,
-        &state.lock_timeout,
-    );
-    let Some((mut tx, row)) = begin_claim(seam, request.bound, &claim).await? else {
-        return Ok(TxClaim::InFlight);
-    };
-    let mut answer = Answer::read(row);
-    // A row committed after the claim's snapshot: the next statement sees
-    // it. Asked at most twice more.
-    for _ in 0..2 {
-        if !matches!(answer, Ok(Answer::Raced)) {
-            break;
-        }
-        let on: &mut PgConnection = &mut tx;
-        let again = sqlx::raw_sql(sqlx::AssertSqlSafe(claim.as_str()));
-        answer = match on.fetch_optional(again).await {
-            Ok(row) => Answer::read(row),
-            Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
-                state.idle.park(tx, seam.pool());
-                return Ok(TxClaim::InFlight);
-            }
-            Err(error) => return Err(seam.error(error)),
-        };
-    }
-    match answer {
-        Ok(Answer::Row(row)) if row.acquired => Ok(TxClaim::Acquired(tx)),
-        Ok(Answer::Row(row)) if row.ms_left <= 0 => take_over(seam, tx, request).await,
-        Ok(Answer::Row(row)) => {
-            // Nothing to do in this transaction: it ends with the next claim
-            // on its connection.
-            state.idle.park(tx, seam.pool());
-            Ok(TxClaim::Found(row))
-        }
-        Ok(Answer::Raced) => {
-            state.idle.roll_back(tx);
-            Err(StoreError::Unavailable(
-                "the claim found a record it could not read three times".into(),
-            ))
-        }
-        Err(error) => {
-            state.idle.roll_back(tx);
-            Err(seam.error(error))
-        }
-    }
-}
-
 /// The key's record has expired (and was not deleted yet): this claim
 /// replaces it, in its transaction. A concurrent claim doing the same waits
 /// on the row, then finds it live.
@@ -224,40 +169,6 @@ async fn take_over(
     }
 }
 
-pub(super) async fn complete(
-    seam: &Seam<Postgres>,
-    tx: &mut PostgresTx,
-    key: &StorageKey,
-    record: Vec<u8>,
-    expiry: Expiry,
-) -> Result<(), StoreError> {
-    // The record and COMMIT in one round trip (simple protocol, so the
-    // values are literals); if the record cannot be written, COMMIT never
-    // runs. Written into one buffer: the record's literal can run to
-    // megabytes. On an error `end` closes the connection: everything rolled
-    // back.
-    let complete = seam.state.sql.complete(key.as_str(), &record, expiry);
-    tx.commit_with(&complete).await.map_err(|e| seam.error(e))
-}
-
-/// Whether a transaction holds `key` in flight: a claim in a transaction of
-/// its own, rolled back at once, that meets it waits 50 ms and fails.
-pub(super) async fn in_flight(
-    seam: &Seam<Postgres>,
-    key: &StorageKey,
-) -> Result<Probe, StoreError> {
-    let probe = seam.state.sql.probe(key.as_str());
-    let connection = seam.bounded(seam.connection()).await?;
-    // Closed if the probe fails halfway: never back in the pool inside its
-    // transaction.
-    let mut tx = PostgresTx::begun(connection, (), Instant::now());
-    match seam.bounded(async { Ok(tx.end(&probe).await) }).await? {
-        Ok(()) => Ok(Probe::Free),
-        Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => Ok(Probe::InFlight),
-        Err(error) => Probe::failed(seam, error),
-    }
-}
-
 impl TxEngine for Postgres {
     async fn tx_state(
         pool: &PgPool,
@@ -276,27 +187,91 @@ impl TxEngine for Postgres {
         })
     }
 
-    fn tx_claim(
+    async fn tx_claim(
         seam: &Seam<Self>,
-        claim: &ClaimRequest<'_>,
-    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
-        self::claim(seam, claim)
+        request: &ClaimRequest<'_>,
+    ) -> Result<TxClaim<Self>, StoreError> {
+        let state = &seam.state;
+        let claim = state.sql.claim(
+            request.key.as_str(),
+            request.fingerprint,
+            request.wait,
+            request.lifetime_ms,
+            &state.lock_timeout,
+        );
+        let Some((mut tx, row)) = begin_claim(seam, request.bound, &claim).await? else {
+            return Ok(TxClaim::InFlight);
+        };
+        let mut answer = Answer::read(row);
+        // A row committed after the claim's snapshot: the next statement sees
+        // it. Asked at most twice more.
+        for _ in 0..2 {
+            if !matches!(answer, Ok(Answer::Raced)) {
+                break;
+            }
+            let on: &mut PgConnection = &mut tx;
+            let again = sqlx::raw_sql(sqlx::AssertSqlSafe(claim.as_str()));
+            answer = match on.fetch_optional(again).await {
+                Ok(row) => Answer::read(row),
+                Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
+                    state.idle.park(tx, seam.pool());
+                    return Ok(TxClaim::InFlight);
+                }
+                Err(error) => return Err(seam.error(error)),
+            };
+        }
+        match answer {
+            Ok(Answer::Row(row)) if row.acquired => Ok(TxClaim::Acquired(tx)),
+            Ok(Answer::Row(row)) if row.ms_left <= 0 => take_over(seam, tx, request).await,
+            Ok(Answer::Row(row)) => {
+                // Nothing to do in this transaction: it ends with the next claim
+                // on its connection.
+                state.idle.park(tx, seam.pool());
+                Ok(TxClaim::Found(row))
+            }
+            Ok(Answer::Raced) => {
+                state.idle.roll_back(tx);
+                Err(StoreError::Unavailable(
+                    "the claim found a record it could not read three times".into(),
+                ))
+            }
+            Err(error) => {
+                state.idle.roll_back(tx);
+                Err(seam.error(error))
+            }
+        }
     }
 
-    fn tx_complete(
+    async fn tx_complete(
         seam: &Seam<Self>,
         tx: &mut PostgresTx,
         key: &StorageKey,
         record: Vec<u8>,
         expiry: Expiry,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        complete(seam, tx, key, record, expiry)
+    ) -> Result<(), StoreError> {
+        // The record and COMMIT in one round trip (simple protocol, so the
+        // values are literals); if the record cannot be written, COMMIT never
+        // runs. Written into one buffer: the record's literal can run to
+        // megabytes. On an error `end` closes the connection: everything rolled
+        // back.
+        let complete = seam.state.sql.complete(key.as_str(), &record, expiry);
+        tx.commit_with(&complete).await.map_err(|e| seam.error(e))
     }
 
-    fn tx_in_flight(
-        seam: &Seam<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
-        in_flight(seam, key)
+    /// Whether a transaction holds `key` in flight: a claim in a transaction of
+    /// its own, rolled back at once, that meets it waits 50 ms and fails.
+    async fn tx_in_flight(seam: &Seam<Self>, key: &StorageKey) -> Result<Probe, StoreError> {
+        let probe = seam.state.sql.probe(key.as_str());
+        let connection = seam.bounded(seam.connection()).await?;
+        // Closed if the probe fails halfway: never back in the pool inside its
+        // transaction.
+        let mut tx = PostgresTx::begun(connection, (), Instant::now());
+        match seam.bounded(async { Ok(tx.end(&probe).await) }).await? {
+            Ok(()) => Ok(Probe::Free),
+            Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
+                Ok(Probe::InFlight)
+            }
+            Err(error) => Probe::failed(seam, error),
+        }
     }
 }

@@ -94,47 +94,6 @@ impl Drop for Registered {
     }
 }
 
-pub(super) async fn claim(
-    seam: &Seam<Sqlite>,
-    request: &ClaimRequest<'_>,
-) -> Result<TxClaim<Sqlite>, StoreError> {
-    let key = request.key;
-    // A replay (or a mismatch) needs no write lock, and no place in the
-    // registry: concurrent replays of one key all replay.
-    if seam.state.in_flight(key) {
-        return Ok(TxClaim::InFlight);
-    }
-    if let Some(row) = seam.live_row(key).await? {
-        return Ok(TxClaim::Found(row));
-    }
-    let Some(registered) = Registered::enter(&seam.state.in_flight, key) else {
-        return Ok(TxClaim::InFlight);
-    };
-    // On a task of its own, which makes the transaction whole (connection,
-    // turn, registry place) before it returns it: a caller that stops
-    // waiting halfway must not leave a connection in the pool inside the
-    // transaction. A transaction nobody took closes its connection when
-    // dropped, which rolls it back.
-    let claim = tokio::spawn({
-        let seam = seam.clone();
-        let (key, fingerprint) = (key.clone(), *request.fingerprint);
-        let lifetime = request.lifetime_ms;
-        let wait = (!request.in_line).then_some(seam.timeout());
-        async move { insert_claim(&seam, registered, &key, &fingerprint, lifetime, wait).await }
-    });
-    match claim
-        .await
-        .map_err(|e| StoreError::Unavailable(e.into()))??
-    {
-        Some(tx) => Ok(TxClaim::Acquired(tx)),
-        // Committed by another process since the first look.
-        None => Ok(seam
-            .live_row(key)
-            .await?
-            .map_or(TxClaim::InFlight, TxClaim::Found)),
-    }
-}
-
 /// Takes this process's turn to write (waiting up to `wait`, or as long as
 /// it takes), then the database's write lock (waiting for a writer in
 /// another process as SQLite does: its busy timeout, the command timeout),
@@ -181,75 +140,6 @@ async fn insert_claim(
     }
 }
 
-pub(super) async fn complete(
-    seam: &Seam<Sqlite>,
-    tx: &mut SqliteTx,
-    key: &StorageKey,
-    record: Vec<u8>,
-    expiry: Expiry,
-) -> Result<(), StoreError> {
-    // Retention counts from now, the end of the handler: a kept expiry
-    // changes no index.
-    let (complete, ms) = match expiry {
-        Expiry::Kept => (&seam.state.complete, 0),
-        Expiry::Retention(ms) => (&seam.state.complete_later, ms),
-    };
-    let args = Args {
-        key: key.as_str(),
-        record: &record,
-        now: now_ms(),
-        ms,
-        ..Args::default()
-    };
-    let written = match Sqlite::execute(&mut **tx, complete, &args).await {
-        Ok(written) => written,
-        Err(error) => {
-            tx.close_on_drop();
-            return Err(seam.error(error));
-        }
-    };
-    if written != 1 {
-        // The claim's row is gone (the handler deleted it): committing now
-        // would keep the handler's writes without their record.
-        tx.close_on_drop();
-        return Err(StoreError::Refused(
-            "the claim's row is no longer in the transaction".into(),
-        ));
-    }
-    // A COMMIT that fails (a full disk) closes the connection: SQLite may
-    // have rolled the transaction back on its own, and a connection that
-    // believes itself inside one must never serve another request.
-    tx.commit_with("COMMIT").await.map_err(|e| seam.error(e))
-}
-
-/// Forgets a committed record, unless a claim of the key is in flight in
-/// this process (the registry, answered at once) — then as every engine
-/// does (see `TxEngine::tx_forget`): the record read first, and only what
-/// was read deleted.
-pub(super) async fn forget(seam: &Seam<Sqlite>, key: &StorageKey) -> Result<Forgotten, StoreError> {
-    if seam.state.in_flight(key) {
-        return Ok(Forgotten::InFlight);
-    }
-    tx_engine::forget(seam, key).await
-}
-
-/// Whether a claim is in flight for `key`: in this process (the registry),
-/// or in another one — a writer there holds the file's write lock, and its
-/// uncommitted row is invisible, so that is all that can be known of it.
-/// The lock is tried without waiting: a writer that holds it now may be
-/// this key's, whatever it commits a moment later.
-pub(super) async fn in_flight(seam: &Seam<Sqlite>, key: &StorageKey) -> Result<Probe, StoreError> {
-    if seam.state.in_flight(key) {
-        return Ok(Probe::InFlight);
-    }
-    // On a task of its own: a caller that stops waiting must not leave the
-    // connection inside the transaction.
-    let seam = seam.clone();
-    tokio::spawn(async move { try_the_write_lock(&seam).await })
-        .await
-        .map_err(|e| StoreError::Unavailable(e.into()))?
-}
-
 /// Takes the file's write lock (`BEGIN IMMEDIATE`) without waiting, and
 /// gives it back at once: whether another process holds it.
 async fn try_the_write_lock(seam: &Seam<Sqlite>) -> Result<Probe, StoreError> {
@@ -282,34 +172,113 @@ impl TxEngine for Sqlite {
         Ok(TxState::new(table))
     }
 
-    fn tx_claim(
+    async fn tx_claim(
         seam: &Seam<Self>,
-        claim: &ClaimRequest<'_>,
-    ) -> impl Future<Output = Result<TxClaim<Self>, StoreError>> + Send {
-        self::claim(seam, claim)
+        request: &ClaimRequest<'_>,
+    ) -> Result<TxClaim<Self>, StoreError> {
+        let key = request.key;
+        // A replay (or a mismatch) needs no write lock, and no place in the
+        // registry: concurrent replays of one key all replay.
+        if seam.state.in_flight(key) {
+            return Ok(TxClaim::InFlight);
+        }
+        if let Some(row) = seam.live_row(key).await? {
+            return Ok(TxClaim::Found(row));
+        }
+        let Some(registered) = Registered::enter(&seam.state.in_flight, key) else {
+            return Ok(TxClaim::InFlight);
+        };
+        // On a task of its own, which makes the transaction whole (connection,
+        // turn, registry place) before it returns it: a caller that stops
+        // waiting halfway must not leave a connection in the pool inside the
+        // transaction. A transaction nobody took closes its connection when
+        // dropped, which rolls it back.
+        let claim = tokio::spawn({
+            let seam = seam.clone();
+            let (key, fingerprint) = (key.clone(), *request.fingerprint);
+            let lifetime = request.lifetime_ms;
+            let wait = (!request.in_line).then_some(seam.timeout());
+            async move { insert_claim(&seam, registered, &key, &fingerprint, lifetime, wait).await }
+        });
+        match claim
+            .await
+            .map_err(|e| StoreError::Unavailable(e.into()))??
+        {
+            Some(tx) => Ok(TxClaim::Acquired(tx)),
+            // Committed by another process since the first look.
+            None => Ok(seam
+                .live_row(key)
+                .await?
+                .map_or(TxClaim::InFlight, TxClaim::Found)),
+        }
     }
 
-    fn tx_complete(
+    async fn tx_complete(
         seam: &Seam<Self>,
         tx: &mut SqliteTx,
         key: &StorageKey,
         record: Vec<u8>,
         expiry: Expiry,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        complete(seam, tx, key, record, expiry)
+    ) -> Result<(), StoreError> {
+        // Retention counts from now, the end of the handler: a kept expiry
+        // changes no index.
+        let (complete, ms) = match expiry {
+            Expiry::Kept => (&seam.state.complete, 0),
+            Expiry::Retention(ms) => (&seam.state.complete_later, ms),
+        };
+        let args = Args {
+            key: key.as_str(),
+            record: &record,
+            now: now_ms(),
+            ms,
+            ..Args::default()
+        };
+        let written = match Sqlite::execute(&mut **tx, complete, &args).await {
+            Ok(written) => written,
+            Err(error) => {
+                tx.close_on_drop();
+                return Err(seam.error(error));
+            }
+        };
+        if written != 1 {
+            // The claim's row is gone (the handler deleted it): committing now
+            // would keep the handler's writes without their record.
+            tx.close_on_drop();
+            return Err(StoreError::Refused(
+                "the claim's row is no longer in the transaction".into(),
+            ));
+        }
+        // A COMMIT that fails (a full disk) closes the connection: SQLite may
+        // have rolled the transaction back on its own, and a connection that
+        // believes itself inside one must never serve another request.
+        tx.commit_with("COMMIT").await.map_err(|e| seam.error(e))
     }
 
-    fn tx_in_flight(
-        seam: &Seam<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<Probe, StoreError>> + Send {
-        in_flight(seam, key)
+    /// Whether a claim is in flight for `key`: in this process (the registry),
+    /// or in another one — a writer there holds the file's write lock, and its
+    /// uncommitted row is invisible, so that is all that can be known of it.
+    /// The lock is tried without waiting: a writer that holds it now may be
+    /// this key's, whatever it commits a moment later.
+    async fn tx_in_flight(seam: &Seam<Self>, key: &StorageKey) -> Result<Probe, StoreError> {
+        if seam.state.in_flight(key) {
+            return Ok(Probe::InFlight);
+        }
+        // On a task of its own: a caller that stops waiting must not leave the
+        // connection inside the transaction.
+        let seam = seam.clone();
+        tokio::spawn(async move { try_the_write_lock(&seam).await })
+            .await
+            .map_err(|e| StoreError::Unavailable(e.into()))?
     }
 
-    fn tx_forget(
-        seam: &Seam<Self>,
-        key: &StorageKey,
-    ) -> impl Future<Output = Result<Forgotten, StoreError>> + Send {
-        forget(seam, key)
+    /// Forgets a committed record, unless a claim of the key is in flight in
+    /// this process (the registry, answered at once) — then as every engine
+    /// does (see `TxEngine::tx_forget`): the record read first, and only what
+    /// was read deleted.
+    async fn tx_forget(seam: &Seam<Self>, key: &StorageKey) -> Result<Forgotten, StoreError> {
+        if seam.state.in_flight(key) {
+            return Ok(Forgotten::InFlight);
+        }
+        tx_engine::forget(seam, key).await
     }
 }
