@@ -3,7 +3,7 @@
 
 /// What a store's table holds, counted at one moment (a scan of the table:
 /// an operator's question, not a request's). The SQL stores count rows,
-/// [`DynamoDbStore`](crate::DynamoDbStore) items.
+/// `DynamoDbStore` items.
 ///
 /// # Examples
 ///
