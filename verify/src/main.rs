@@ -13,7 +13,7 @@ Kafka order consumers)
 under random faults, records every attempt in DIR/history.jsonl, checks
 it, and writes DIR/report.txt and DIR/timeline.svg. Exits 1 when the
 checker found a violation, 2 on a usage error. The example binaries are
-the ones built beside this one (cargo build [--release] --examples).";
+the ones built beside this one (cargo build [--release] --examples --all-features).";
 
 fn usage(why: &str) -> ! {
     eprintln!("verify: {why}\n{USAGE}");
@@ -111,7 +111,7 @@ fn example(name: &str) -> PathBuf {
     let bin = exe.parent().unwrap().join("examples").join(name);
     if !bin.exists() {
         usage(&format!(
-            "{} is missing: build the examples first (cargo build --release --examples, or without --release for a debug build of this tool)",
+            "{} is missing: build the examples first (cargo build --release --examples --all-features, or without --release for a debug build of this tool)",
             bin.display()
         ));
     }

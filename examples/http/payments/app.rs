@@ -35,7 +35,9 @@ pub struct Settings {
     /// policy, linked from every rejection.
     pub docs_url: Option<String>,
     /// How long a charge's transaction may sit idle before the database
-    /// ends it (`PostgresStoreBuilder::transaction_timeout`).
+    /// ends it (`PostgresStoreBuilder::transaction_timeout`; SQLite has
+    /// no server to end it).
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub transaction_timeout: Duration,
     processor_latency: Duration,
     lease: Duration,

@@ -8,9 +8,12 @@ use std::{
 };
 
 use serde::Serialize;
+#[cfg(feature = "mysql")]
+use tower_idempotency::sqlx::{MySql, MySqlPool};
+#[cfg(feature = "postgres")]
+use tower_idempotency::sqlx::{PgPool, Postgres};
 use tower_idempotency::sqlx::{
-    self, Database, Decode, Encode, Executor, IntoArguments, MySql, MySqlPool, PgPool, Pool,
-    Postgres, Row, Sqlite, SqlitePool, Type,
+    self, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Sqlite, SqlitePool, Type,
 };
 
 /// A charge, as stored and as answered.
@@ -67,6 +70,7 @@ impl Engine for Sqlite {
     const LIST_EVENTS: &'static str = "SELECT id, type FROM processor_events ORDER BY rowid";
 }
 
+#[cfg(feature = "postgres")]
 impl Engine for Postgres {
     // `CREATE TABLE IF NOT EXISTS` races itself: instances started together
     // on a new database take turns on a transaction-scoped advisory lock.
@@ -90,6 +94,7 @@ impl Engine for Postgres {
     const LIST_EVENTS: &'static str = "SELECT id, type FROM processor_events ORDER BY n";
 }
 
+#[cfg(feature = "mysql")]
 impl Engine for MySql {
     const TABLES: &'static str = "CREATE TABLE IF NOT EXISTS charges (
         n BIGINT AUTO_INCREMENT PRIMARY KEY, id VARCHAR(64) NOT NULL UNIQUE,
@@ -259,7 +264,9 @@ where
 pub enum Charges {
     Memory(Arc<Mutex<Memory>>),
     Sqlite(SqlitePool),
+    #[cfg(feature = "postgres")]
     Postgres(PgPool),
+    #[cfg(feature = "mysql")]
     MySql(MySqlPool),
     /// DynamoDB's tables beside the records (written only in the request's
     /// transaction).
@@ -299,7 +306,9 @@ impl Charges {
                 Ok(())
             }
             Charges::Sqlite(pool) => insert(pool, charge).await,
+            #[cfg(feature = "postgres")]
             Charges::Postgres(pool) => insert(pool, charge).await,
+            #[cfg(feature = "mysql")]
             Charges::MySql(pool) => insert(pool, charge).await,
             #[cfg(feature = "dynamodb")]
             Charges::DynamoDb(..) => Err(in_transactions_only()),
@@ -328,7 +337,9 @@ impl Charges {
                 Ok(charge.clone())
             }
             Charges::Sqlite(pool) => insert_once(pool, charge, key).await,
+            #[cfg(feature = "postgres")]
             Charges::Postgres(pool) => insert_once(pool, charge, key).await,
+            #[cfg(feature = "mysql")]
             Charges::MySql(pool) => insert_once(pool, charge, key).await,
             #[cfg(feature = "dynamodb")]
             Charges::DynamoDb(..) => Err(in_transactions_only()),
@@ -345,7 +356,9 @@ impl Charges {
                 .cloned()
                 .unwrap_or_default()),
             Charges::Sqlite(pool) => list(pool, account).await,
+            #[cfg(feature = "postgres")]
             Charges::Postgres(pool) => list(pool, account).await,
+            #[cfg(feature = "mysql")]
             Charges::MySql(pool) => list(pool, account).await,
             #[cfg(feature = "dynamodb")]
             Charges::DynamoDb(client, tables) => crate::dynamo::list(client, tables, account)
@@ -364,7 +377,9 @@ impl Charges {
                 Ok(())
             }
             Charges::Sqlite(pool) => insert_event(pool, event).await,
+            #[cfg(feature = "postgres")]
             Charges::Postgres(pool) => insert_event(pool, event).await,
+            #[cfg(feature = "mysql")]
             Charges::MySql(pool) => insert_event(pool, event).await,
             #[cfg(feature = "dynamodb")]
             Charges::DynamoDb(..) => Err(in_transactions_only()),
@@ -375,7 +390,9 @@ impl Charges {
         match self {
             Charges::Memory(memory) => Ok(memory.lock().unwrap().events.clone()),
             Charges::Sqlite(pool) => list_events(pool).await,
+            #[cfg(feature = "postgres")]
             Charges::Postgres(pool) => list_events(pool).await,
+            #[cfg(feature = "mysql")]
             Charges::MySql(pool) => list_events(pool).await,
             #[cfg(feature = "dynamodb")]
             Charges::DynamoDb(client, tables) => crate::dynamo::list_events(client, tables)
@@ -410,8 +427,8 @@ macro_rules! sql_ledger_writes {
     )*};
 }
 
-sql_ledger_writes!(
-    sqlx::SqliteConnection,
-    sqlx::PgConnection,
-    sqlx::MySqlConnection
-);
+sql_ledger_writes!(sqlx::SqliteConnection);
+#[cfg(feature = "postgres")]
+sql_ledger_writes!(sqlx::PgConnection);
+#[cfg(feature = "mysql")]
+sql_ledger_writes!(sqlx::MySqlConnection);

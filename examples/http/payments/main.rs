@@ -111,9 +111,14 @@ use std::{env, sync::Arc};
 
 use axum::{Router, routing::get};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+#[cfg(feature = "redis")]
+use tower_idempotency::RedisStore;
+#[cfg(feature = "mysql")]
+use tower_idempotency::{MySqlStore, MySqlTxStore};
+#[cfg(feature = "postgres")]
+use tower_idempotency::{PostgresStore, PostgresTxStore};
 use tower_idempotency::{
-    MemoryStore, MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, RedisStore, SqliteStore,
-    SqliteTxStore, outbox::Outbox, sqlx, store::sql::Dialect,
+    MemoryStore, SqliteStore, SqliteTxStore, outbox::Outbox, store::sql::Dialect,
 };
 
 use app::{Emit, Settings, app};
@@ -123,7 +128,9 @@ use ledger::{Charges, create_tables};
 #[derive(Clone)]
 enum Database {
     Sqlite(String),
+    #[cfg(feature = "postgres")]
     Postgres(String),
+    #[cfg(feature = "mysql")]
     MySql(String),
 }
 
@@ -133,10 +140,16 @@ impl Database {
             Err(_) => Ok(Self::Sqlite("sqlite://payments.db".into())),
             Ok(url) if url.starts_with("sqlite:") => Ok(Self::Sqlite(url)),
             Ok(url) if url.starts_with("postgres:") || url.starts_with("postgresql:") => {
-                Ok(Self::Postgres(url))
+                #[cfg(feature = "postgres")]
+                return Ok(Self::Postgres(url));
+                #[cfg(not(feature = "postgres"))]
+                Err(without("DATABASE_URL=postgres://…", "postgres"))
             }
             Ok(url) if url.starts_with("mysql:") || url.starts_with("mariadb:") => {
-                Ok(Self::MySql(url.replacen("mariadb:", "mysql:", 1)))
+                #[cfg(feature = "mysql")]
+                return Ok(Self::MySql(url.replacen("mariadb:", "mysql:", 1)));
+                #[cfg(not(feature = "mysql"))]
+                Err(without("DATABASE_URL=mysql://…", "mysql"))
             }
             Ok(_) => Err(
                 "DATABASE_URL must be sqlite://PATH, postgres://… or mysql://… (or unset: payments.db)"
@@ -182,23 +195,8 @@ async fn main() {
         )
     } else if let Some(table) = dynamodb_table {
         dynamodb(&table, &settings).await
-    } else if let Ok(nodes) = env::var("REDIS_CLUSTER_NODES") {
-        let nodes: Vec<String> = nodes.split(',').map(|n| n.trim().to_owned()).collect();
-        let store = startup::retrying("REDIS_CLUSTER_NODES", async || {
-            Ok(RedisStore::builder().connect_cluster(nodes.clone()).await?)
-        })
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("REDIS_CLUSTER_NODES: {e}")));
-        tracing::info!("store: Redis Cluster (REDIS_CLUSTER_NODES)");
-        app(store, charges_apart().await, &settings)
-    } else if let Ok(url) = env::var("REDIS_URL") {
-        let store = startup::retrying("REDIS_URL", async || {
-            Ok(RedisStore::builder().connect(&url).await?)
-        })
-        .await
-        .unwrap_or_else(|e| exit_with(&format!("REDIS_URL: {e}")));
-        tracing::info!("store: Redis (REDIS_URL)");
-        app(store, charges_apart().await, &settings)
+    } else if env::var("REDIS_CLUSTER_NODES").is_ok() || env::var("REDIS_URL").is_ok() {
+        redis(&settings).await
     } else {
         startup::retrying("DATABASE_URL", async || {
             transactional(database.clone(), &settings).await
@@ -243,9 +241,55 @@ async fn dynamodb(table: &str, settings: &Settings) -> Router {
 
 #[cfg(not(feature = "dynamodb"))]
 async fn dynamodb(_: &str, _: &Settings) -> Router {
-    exit_with(
-        "DYNAMODB_TABLE: this build has no DynamoDB; build with `--features dynamodb` \
-         (cargo run --release -p tower-idempotency-http-examples --features dynamodb --example payments)",
+    exit_with(&without("DYNAMODB_TABLE", "dynamodb"))
+}
+
+/// Records in Redis, or Redis Cluster (`REDIS_CLUSTER_NODES`); charges
+/// beside them, committed on their own.
+#[cfg(feature = "redis")]
+async fn redis(settings: &Settings) -> Router {
+    let store = if let Ok(nodes) = env::var("REDIS_CLUSTER_NODES") {
+        let nodes: Vec<String> = nodes.split(',').map(|n| n.trim().to_owned()).collect();
+        let store = startup::retrying("REDIS_CLUSTER_NODES", async || {
+            Ok(RedisStore::builder().connect_cluster(nodes.clone()).await?)
+        })
+        .await
+        .unwrap_or_else(|e| exit_with(&format!("REDIS_CLUSTER_NODES: {e}")));
+        tracing::info!("store: Redis Cluster (REDIS_CLUSTER_NODES)");
+        store
+    } else {
+        let url = env::var("REDIS_URL").unwrap_or_default();
+        let store = startup::retrying("REDIS_URL", async || {
+            Ok(RedisStore::builder().connect(&url).await?)
+        })
+        .await
+        .unwrap_or_else(|e| exit_with(&format!("REDIS_URL: {e}")));
+        tracing::info!("store: Redis (REDIS_URL)");
+        store
+    };
+    app(store, charges_apart().await, settings)
+}
+
+#[cfg(not(feature = "redis"))]
+async fn redis(_: &Settings) -> Router {
+    exit_with(&without("REDIS_URL or REDIS_CLUSTER_NODES", "redis"))
+}
+
+/// A store this build was compiled without: the feature that brings it,
+/// and the command that builds it.
+#[cfg_attr(
+    all(
+        feature = "postgres",
+        feature = "mysql",
+        feature = "redis",
+        feature = "dynamodb"
+    ),
+    allow(dead_code)
+)]
+fn without(setting: &str, feature: &str) -> String {
+    format!(
+        "{setting}: this build has no {feature} store; build with `--features {feature}` \
+         (cargo run --release -p tower-idempotency-http-examples --features {feature} --example payments)"
     )
 }
 
@@ -298,6 +342,7 @@ async fn transactional(
             let emit = emit!(store, settings);
             with_outbox(app::<SqliteTxStore>(store, charges, settings), emit)
         }
+        #[cfg(feature = "postgres")]
         Database::Postgres(url) => {
             let store = PostgresStore::builder()
                 .transactional()
@@ -311,6 +356,7 @@ async fn transactional(
             let emit = emit!(store, settings);
             with_outbox(app::<PostgresTxStore>(store, charges, settings), emit)
         }
+        #[cfg(feature = "mysql")]
         Database::MySql(url) => {
             let store = MySqlStore::builder()
                 .transactional()
@@ -329,10 +375,13 @@ async fn transactional(
 
 /// Where charges live beside a Redis store: the `DATABASE_URL` database if
 /// set (committed on their own), else memory.
+#[cfg(feature = "redis")]
 async fn charges_apart() -> Charges {
-    let Ok(url) = env::var("DATABASE_URL") else {
+    use tower_idempotency::sqlx;
+
+    if env::var("DATABASE_URL").is_err() {
         return Charges::Memory(Arc::default());
-    };
+    }
     let charges = async || {
         Ok::<_, Box<dyn std::error::Error>>(match Database::from_env()? {
             Database::Sqlite(url) => {
@@ -343,11 +392,13 @@ async fn charges_apart() -> Charges {
                 create_tables(&pool).await?;
                 Charges::Sqlite(pool)
             }
-            Database::Postgres(_) => {
+            #[cfg(feature = "postgres")]
+            Database::Postgres(url) => {
                 let pool = sqlx::PgPool::connect(&url).await?;
                 create_tables(&pool).await?;
                 Charges::Postgres(pool)
             }
+            #[cfg(feature = "mysql")]
             Database::MySql(url) => {
                 let pool = sqlx::MySqlPool::connect(&url).await?;
                 create_tables(&pool).await?;

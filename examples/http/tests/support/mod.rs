@@ -14,4 +14,8 @@ pub mod process;
 
 #[cfg(feature = "dynamodb")]
 pub use tower_idempotency_harness::dynamodb;
-pub use tower_idempotency_harness::{mysql, postgres, redis_server, relay, sqlite, tmpfs};
+#[cfg(feature = "mysql")]
+pub use tower_idempotency_harness::mysql;
+#[cfg(feature = "postgres")]
+pub use tower_idempotency_harness::postgres;
+pub use tower_idempotency_harness::{redis_server, relay, sqlite, tmpfs};
