@@ -81,6 +81,12 @@
 //! can carry an outbox by implementing [`OutboxTable`]: the relay is written
 //! once over it.
 //!
+//! An outbox is typed by its database's dialect, as its store is:
+//! `Outbox<Sqlite>` beside a `SqliteTxStore`, `Outbox<Postgres>` beside a
+//! `PostgresTxStore`, `Outbox<MySql>` beside a `MySqlTxStore` (the
+//! dialects are `store::sql::sqlite::Sqlite`,
+//! `store::sql::postgres::Postgres` and `store::sql::mysql::MySql`).
+//!
 //! # Examples
 //!
 //! ```no_run
@@ -121,7 +127,7 @@
 //! let relay = OutboxRelay::new(outbox.clone(), Log).spawn();
 //! let app: Router = Router::new()
 //!     .route("/v1/charges", post(charge))
-//!     .layer(IdempotencyLayer::new(store).single_tenant())
+//!     .route_layer(IdempotencyLayer::new(store).single_tenant())
 //!     .with_state(outbox);
 //! # let _ = (app, relay); Ok(()) }
 //! ```

@@ -123,6 +123,12 @@ impl<D: OutboxEngine> Outbox<D> {
     /// which must exist unless
     /// [`create_table_if_missing`](OutboxBuilder::create_table_if_missing).
     ///
+    /// `store` is the handlers' transactional store, whose start-up check
+    /// needs the idempotency records' table too. A process that only
+    /// relays, started before any API instance made that table, opens its
+    /// store with `create_table_if_missing()` as the API does, or reaches
+    /// the outbox through the records alone with [`beside`](Self::beside).
+    ///
     /// # Examples
     ///
     /// See the [module docs](super).

@@ -15,6 +15,18 @@ pub const TABLE: &str = "idempotency_kafka_positions";
 /// never moves back: a store of an earlier one leaves a later one as it
 /// is, so a late commit of a consumer that lost its partition cannot undo
 /// the new owner's progress.
+///
+/// Implemented, each by its feature of this crate, for
+/// `PostgresTxStore` (`postgres`), `SqliteTxStore` (`sqlite`) and
+/// `MySqlTxStore` (`mysql`): a store's transactional form, whose
+/// transaction the position commits in.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot keep Kafka positions",
+    label = "not a transactional SQL store of an enabled feature",
+    note = "positions are kept by `PostgresTxStore` (feature `postgres` of tower-idempotency-kafka), \
+            `SqliteTxStore` (`sqlite`) or `MySqlTxStore` (`mysql`): build the store with \
+            `.transactional()` and enable its feature"
+)]
 pub trait Positions: Store + Clone {
     /// Creates the table if it is missing.
     fn create_positions_table(&self) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
