@@ -61,6 +61,21 @@ async fn redis_cluster_keeps_the_contract() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_keeps_the_contract() {
+    keeps_the_contract(SingleRedis::valkey()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_behind_the_replay_cache_keeps_the_contract() {
+    keeps_the_contract(CachedRedis::valkey()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valkey_cluster_keeps_the_contract() {
+    keeps_the_contract(Cluster::valkey()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_keeps_the_contract() {
     keeps_the_contract(Postgres::start()).await;
 }

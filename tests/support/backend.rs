@@ -1,5 +1,6 @@
 //! The stores the behaviour suite runs against: memory, one Redis node, a
-//! Redis Cluster, PostgreSQL, SQLite and MySQL/MariaDB (plain and
+//! Redis Cluster (each on Redis 7 and on Valkey 9, whose fenced writes are
+//! plain commands), PostgreSQL, SQLite and MySQL/MariaDB (plain and
 //! transactional), DynamoDB (lease and transactional, on dynoxide). Each
 //! `store()` call is a fresh namespace (a key prefix, a table).
 
@@ -13,13 +14,17 @@ use tower_idempotency::{
     DynamoDbStore, DynamoDbTxStore, MemoryStore, MySqlStore, MySqlTxStore, PostgresStore,
     PostgresTxStore, RedisStore, SqliteStore, SqliteTxStore, sqlx,
     store::{
-        CachedStore, Granted, StorageKey, Store, dynamodb::TransactWrites, sql::DeleteExpired,
+        CachedStore, Granted, StorageKey, Store, dynamodb::TransactWrites, redis::FencedWrites,
+        sql::DeleteExpired,
     },
     testing::TxEffects,
 };
 
 use super::{
-    cluster::RedisCluster, dynamodb, mysql, postgres::TestDatabase, redis_server::RedisServer,
+    cluster::RedisCluster,
+    dynamodb, mysql,
+    postgres::TestDatabase,
+    redis_server::{Flavour, RedisServer},
     sqlite::TestFile,
 };
 
@@ -94,16 +99,32 @@ impl SingleRedis {
     pub fn start() -> Self {
         Self(RedisServer::start())
     }
+
+    pub fn valkey() -> Self {
+        Self(RedisServer::valkey())
+    }
+}
+
+/// The way a store on `flavour` must have chosen: a detection that fell
+/// back to scripts on Valkey 9 fails the suite rather than passing it on
+/// the other path.
+fn expected_fencing(flavour: Flavour) -> FencedWrites {
+    match flavour {
+        Flavour::Redis => FencedWrites::Scripts,
+        Flavour::Valkey => FencedWrites::Commands,
+    }
 }
 
 impl Backend for SingleRedis {
     type Store = RedisStore;
     async fn store(&self) -> RedisStore {
-        RedisStore::builder()
+        let store = RedisStore::builder()
             .prefix(fresh_prefix())
             .connect(&self.0.url())
             .await
-            .expect("connect to the test redis-server")
+            .expect("connect to the test redis-server");
+        assert_eq!(store.fenced_writes(), expected_fencing(self.0.flavour()));
+        store
     }
 
     /// The value cut in half, its TTL kept.
@@ -146,6 +167,10 @@ impl CachedRedis {
     pub fn start() -> Self {
         Self(SingleRedis::start())
     }
+
+    pub fn valkey() -> Self {
+        Self(SingleRedis::valkey())
+    }
 }
 
 impl Backend for CachedRedis {
@@ -155,22 +180,31 @@ impl Backend for CachedRedis {
     }
 }
 
-pub struct Cluster(pub RedisCluster);
+pub struct Cluster(pub RedisCluster, Flavour);
 
 impl Cluster {
     pub fn start() -> Self {
-        Self(RedisCluster::start(3, 0))
+        Self(RedisCluster::start(3, 0), Flavour::Redis)
+    }
+
+    pub fn valkey() -> Self {
+        Self(
+            RedisCluster::start_flavour(Flavour::Valkey, 3, 0),
+            Flavour::Valkey,
+        )
     }
 }
 
 impl Backend for Cluster {
     type Store = RedisStore;
     async fn store(&self) -> RedisStore {
-        RedisStore::builder()
+        let store = RedisStore::builder()
             .prefix(fresh_prefix())
             .connect_cluster(self.0.urls())
             .await
-            .expect("connect to the test cluster")
+            .expect("connect to the test cluster");
+        assert_eq!(store.fenced_writes(), expected_fencing(self.1));
+        store
     }
 }
 

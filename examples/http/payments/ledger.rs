@@ -8,13 +8,13 @@ use std::{
 };
 
 use serde::Serialize;
+use tower_idempotency::sqlx::{
+    self, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Sqlite, SqlitePool, Type,
+};
 #[cfg(feature = "mysql")]
 use tower_idempotency::sqlx::{MySql, MySqlPool};
 #[cfg(feature = "postgres")]
 use tower_idempotency::sqlx::{PgPool, Postgres};
-use tower_idempotency::sqlx::{
-    self, Database, Decode, Encode, Executor, IntoArguments, Pool, Row, Sqlite, SqlitePool, Type,
-};
 
 /// A charge, as stored and as answered.
 #[derive(Clone, Serialize)]

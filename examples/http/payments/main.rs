@@ -113,13 +113,13 @@ use axum::{Router, routing::get};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 #[cfg(feature = "redis")]
 use tower_idempotency::RedisStore;
+use tower_idempotency::{
+    MemoryStore, SqliteStore, SqliteTxStore, outbox::Outbox, store::sql::Dialect,
+};
 #[cfg(feature = "mysql")]
 use tower_idempotency::{MySqlStore, MySqlTxStore};
 #[cfg(feature = "postgres")]
 use tower_idempotency::{PostgresStore, PostgresTxStore};
-use tower_idempotency::{
-    MemoryStore, SqliteStore, SqliteTxStore, outbox::Outbox, store::sql::Dialect,
-};
 
 use app::{Emit, Settings, app};
 use ledger::{Charges, create_tables};

@@ -61,6 +61,26 @@ pub(super) fn in_flight(fingerprint: &Fingerprint, token: LeaseToken, lease: Dur
     blob
 }
 
+/// Whether `value` is an in-flight claim held by `token`: what every
+/// fenced write checks, whichever way it is sent.
+pub(super) fn held_by(value: &[u8], token: LeaseToken) -> bool {
+    value.first() == Some(&IN_FLIGHT) && value.get(HEAD..DEADLINE_AT) == Some(&token.to_bytes()[..])
+}
+
+/// `claim` (an in-flight value) with a lease starting now: what
+/// `extend.lua` writes in place.
+pub(super) fn extended(claim: &[u8], lease: Duration) -> Vec<u8> {
+    let mut value = claim.to_vec();
+    value.truncate(DEADLINE_AT);
+    value.extend_from_slice(&deadline(lease));
+    value
+}
+
+/// Whether `value` is an in-flight claim (anyone's).
+pub(super) fn is_in_flight(value: &[u8]) -> bool {
+    value.first() == Some(&IN_FLIGHT)
+}
+
 fn after(at: SystemTime, d: Duration) -> u64 {
     unix_ms(at).saturating_add(d.as_millis().try_into().unwrap_or(u64::MAX))
 }
@@ -230,7 +250,13 @@ mod tests {
         assert!(
             matches!(decode(held.clone(), &fp), Claim::InFlight { retry_after } if retry_after <= lease && retry_after > lease - Duration::from_secs(5))
         );
-        assert!(matches!(decode(held, &other), Claim::Mismatch));
+        assert!(matches!(decode(held.clone(), &other), Claim::Mismatch));
+        // The fence: the state byte and the token, whatever the deadline.
+        assert!(held_by(&held, theirs) && !held_by(&held, mine));
+        let later = extended(&held, lease * 2);
+        assert_eq!(later.len(), held.len());
+        assert_eq!(later[..DEADLINE_AT], held[..DEADLINE_AT]);
+        assert!(held_by(&later, theirs) && is_in_flight(&later));
         assert!(
             matches!(decode(in_flight(&fp, mine, lease), &fp), Claim::Acquired(t) if t == mine)
         );

@@ -6,8 +6,10 @@ use std::{sync::Arc, time::Duration};
 use redis::Value;
 
 use super::{
-    COMPLETE, Durable, EXTEND, FORGET, Inner, KeyNames, RELEASE, RedisStore,
-    connection::Connection, key_names,
+    COMPLETE, Durable, EXTEND, FORGET, FencedWrites, Inner, KeyNames, RELEASE, RedisStore,
+    connection::Connection,
+    fenced::{Fencing, Server},
+    key_names,
 };
 use crate::{record::codec::Compression, store::StoreError};
 
@@ -65,6 +67,7 @@ pub struct RedisStoreBuilder {
     replicas: Option<(usize, Duration)>,
     key_names: KeyNames,
     compression: Compression,
+    fenced_writes: FencedWrites,
 }
 
 /// How long a cluster connection keeps waiting for a reply that our own
@@ -81,6 +84,7 @@ impl RedisStoreBuilder {
             replicas: None,
             key_names: KeyNames::default(),
             compression: Compression::none(),
+            fenced_writes: FencedWrites::Detect,
         }
     }
 
@@ -162,6 +166,25 @@ impl RedisStoreBuilder {
     /// ```
     pub fn eviction_policy_check(mut self, check: EvictionPolicyCheck) -> Self {
         self.eviction = check;
+        self
+    }
+
+    /// How fenced writes are sent (default [`FencedWrites::Detect`]: plain
+    /// conditional commands on Valkey 9.0+ and Redis 8.4+, Lua scripts
+    /// elsewhere). [`FencedWrites::Commands`] makes a server without the
+    /// commands a start-up error, for a deployment whose ACL forbids
+    /// scripts.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use tower_idempotency::{RedisStore, store::redis::FencedWrites};
+    ///
+    /// let builder = RedisStore::builder().fenced_writes(FencedWrites::Commands);
+    /// # let _ = builder;
+    /// ```
+    pub fn fenced_writes(mut self, fenced_writes: FencedWrites) -> Self {
+        self.fenced_writes = fenced_writes;
         self
     }
 
@@ -327,13 +350,24 @@ impl RedisStoreBuilder {
         connection: Connection,
         durable: Option<Connection>,
     ) -> Result<RedisStore, StoreError> {
-        check_version(&connection).await?;
+        let servers = servers(&connection).await?;
+        let fencing = Fencing::choose(&servers, self.fenced_writes)?;
         check_eviction_policy(&connection, self.eviction).await?;
         key_names::check(&connection, &self.prefix, self.key_names).await?;
-        // Load the scripts now so the first requests need no NOSCRIPT detour.
-        for lua in [&*EXTEND, &*COMPLETE, &*RELEASE, &*FORGET] {
-            connection.on_every_master(lua.load()).await?;
+        if fencing == Fencing::Scripts {
+            // Loaded now, so the first requests need no NOSCRIPT detour.
+            for lua in [&*EXTEND, &*COMPLETE, &*RELEASE, &*FORGET] {
+                connection
+                    .on_every_master(lua.load())
+                    .await
+                    .map_err(refused)?;
+            }
         }
+        let names: Vec<String> = servers.iter().map(ToString::to_string).collect();
+        tracing::info!(
+            servers = names.join(", "),
+            "idempotency: Redis store ready, fenced writes by {fencing}"
+        );
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 connection,
@@ -341,6 +375,8 @@ impl RedisStoreBuilder {
                 key_names: self.key_names,
                 compression: self.compression,
                 timeout: self.timeout,
+                fencing,
+                held: Default::default(),
                 durable: durable
                     .zip(self.replicas)
                     .map(|(connection, (replicas, timeout))| Durable {
@@ -353,9 +389,9 @@ impl RedisStoreBuilder {
     }
 }
 
-/// The claim's `SET … NX GET` needs Redis 7.0; fail at start-up, not
-/// on every request.
-async fn check_version(connection: &Connection) -> Result<(), StoreError> {
+/// Every master's server and version. The claim's `SET … NX GET` needs
+/// Redis 7.0: fail at start-up, not on every request.
+async fn servers(connection: &Connection) -> Result<Vec<Server>, StoreError> {
     let mut info = redis::cmd("INFO");
     info.arg("server");
     let mut replies = Vec::new();
@@ -364,19 +400,16 @@ async fn check_version(connection: &Connection) -> Result<(), StoreError> {
         .await?
         .iter()
         .for_each(|r| collect_strings(r, &mut replies));
-    for reply in &replies {
-        let version = reply.lines().find_map(|l| l.strip_prefix("redis_version:"));
-        let major = version.and_then(|v| v.split('.').next()?.trim().parse::<u32>().ok());
-        if let (Some(version), Some(major)) = (version, major)
-            && major < 7
-        {
-            return Err(StoreError::Misconfigured(format!(
-                "Redis {} is too old: the idempotency store needs Redis 7.0 or newer (SET NX GET)",
-                version.trim()
-            )));
-        }
+    let servers: Vec<Server> = replies
+        .iter()
+        .filter_map(|r| Server::from_info(r))
+        .collect();
+    if let Some(old) = servers.iter().find(|server| !server.claims()) {
+        return Err(StoreError::Misconfigured(format!(
+            "{old} is too old: the idempotency store needs Redis 7.0 or newer, or Valkey (SET NX GET)"
+        )));
     }
-    Ok(())
+    Ok(servers)
 }
 
 async fn check_eviction_policy(
@@ -459,7 +492,9 @@ fn refused(error: redis::RedisError) -> StoreError {
     if error.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) {
         return StoreError::Misconfigured(format!(
             "the Redis user may not run a command the store needs ({error}): allow it SET, GET, \
-             EVALSHA/EVAL and CONFIG GET (or opt out of the eviction-policy check)"
+             INFO, CONFIG GET (or opt out of the eviction-policy check) and EVALSHA/EVAL — or, \
+             on Valkey 9.0+ or Redis 8.4+, DELIFEQ or DELEX instead of scripts \
+             (FencedWrites::Commands)"
         ));
     }
     StoreError::from(error)

@@ -43,10 +43,15 @@
 //! command, `SET key <claim> NX PX <lease> GET`: it creates the claim or
 //! returns what is stored, and the client decides 409, 422 or replay from
 //! those bytes — so a replay costs one round trip and one `SET`. Extend,
-//! complete and release are compare-and-set on the lease token (fencing), the
-//! only thing a plain command cannot do: each is one Lua script. A first
-//! execution costs two round trips (claim, complete), plus one extension per
-//! third of a lease for slow handlers.
+//! complete, release and forget are compare-and-set on the lease token
+//! (fencing). On **Valkey 9.0+** (or Redis 8.4+) each is one plain
+//! conditional command — `SET … IFEQ … GET`, `DELIFEQ` (Redis: `DELEX …
+//! IFEQ`) — so the store runs no script and needs no scripting permission;
+//! on older servers each is one Lua script. [`FencedWrites`] says which
+//! (detected at start-up, on every master, and logged); the stored bytes
+//! are the same either way, so instances that chose differently share
+//! records. A first execution costs two round trips (claim, complete),
+//! plus one extension per third of a lease for slow handlers.
 //!
 //! # Layout
 //!
@@ -62,7 +67,7 @@
 //! server's clock) give `Retry-After` and how long a
 //! `CachedStore` (feature `cache`) may keep the record, less a 5 s
 //! margin for clocks that disagree; they never decide anything. `SET NX
-//! GET` needs Redis **7.0 or newer**. An in-flight record's TTL is the
+//! GET` needs Redis **7.0 or newer**, or any Valkey. An in-flight record's TTL is the
 //! lease; a completed record's TTL is the retention (`PX`), so nothing
 //! needs a sweeper. Records written by 0.1 still replay.
 //!
@@ -109,9 +114,11 @@
 mod blob;
 mod builder;
 mod connection;
+mod fenced;
 mod key_names;
 
 pub use self::builder::{EvictionPolicyCheck, RedisStoreBuilder};
+pub use self::fenced::FencedWrites;
 pub use self::key_names::KeyNames;
 
 use std::{
@@ -121,7 +128,10 @@ use std::{
 
 use redis::Value;
 
-use self::connection::{Connection, Lua};
+use self::{
+    connection::{Connection, Lua},
+    fenced::{Fencing, Held, Next},
+};
 use super::{
     Claim, Forgotten, KeyState, LeaseToken, StorageKey, Store, StoreError, claim_within, ttl_millis,
 };
@@ -169,6 +179,8 @@ struct Inner {
     compression: Compression,
     timeout: Duration,
     durable: Option<Durable>,
+    fencing: Fencing,
+    held: Held,
 }
 
 /// `WAIT` blocks the connection it is sent on until the replicas answer, so
@@ -189,6 +201,25 @@ impl RedisStore {
     /// The Redis key that holds a record.
     pub fn redis_key(&self, key: &StorageKey) -> String {
         self.inner.key_names.name(&self.inner.prefix, key)
+    }
+
+    /// How this store sends its fenced writes, as chosen at start-up:
+    /// [`FencedWrites::Commands`] or [`FencedWrites::Scripts`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), tower_idempotency::store::StoreError> {
+    /// use tower_idempotency::{RedisStore, store::redis::FencedWrites};
+    ///
+    /// let store = RedisStore::builder().connect("redis://127.0.0.1:6379").await?;
+    /// if store.fenced_writes() == FencedWrites::Scripts {
+    ///     println!("this server runs a Lua script per fenced write");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn fenced_writes(&self) -> FencedWrites {
+        self.inner.fencing.as_public()
     }
 
     /// One script call on one connection, bounded by the command timeout.
@@ -227,6 +258,7 @@ impl std::fmt::Debug for RedisStore {
             .field("key_names", &self.inner.key_names)
             .field("compression", &self.inner.compression)
             .field("timeout", &self.inner.timeout)
+            .field("fencing", &self.inner.fencing)
             .finish_non_exhaustive()
     }
 }
@@ -241,26 +273,31 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let token = LeaseToken::generate();
+        let claimed = blob::in_flight(fingerprint, token, lease);
         // One plain command: it creates the claim, or returns what is there
         // (the client then decides 409, 422 or replay from those bytes).
         let mut set = redis::cmd("SET");
         set.arg(self.redis_key(key))
-            .arg(blob::in_flight(fingerprint, token, lease))
+            .arg(&claimed)
             .arg("NX")
             .arg("PX")
             .arg(millis(lease, "lease")?)
             .arg("GET");
-        let connection = self.inner.connection.clone();
-        let compression = self.inner.compression.clone();
+        let inner = self.inner.clone();
         let fingerprint = *fingerprint;
         // Owned, so that it can outlive this call (see `claim_within`).
         let claim = async move {
-            let found = match connection.query(&set).await? {
+            let found = match inner.connection.query(&set).await? {
                 Value::Nil => None,
                 Value::BulkString(bytes) => Some(bytes),
                 _ => return Err(CorruptRecord("claim reply is not a string").into()),
             };
-            blob::decode_claim(found, &fingerprint, token, lease, &compression)
+            let claim = blob::decode_claim(found, &fingerprint, token, lease, &inner.compression)?;
+            // A conditional command compares with the claim it holds.
+            if let (Claim::Acquired(_), Fencing::Commands(_)) = (&claim, inner.fencing) {
+                inner.held.keep(token, claimed);
+            }
+            Ok(claim)
         };
         claim_within(self, key, Instant::now(), self.inner.timeout, lease, claim).await
     }
@@ -272,10 +309,18 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<bool, StoreError> {
         let lease_ms = millis(lease, "lease")?;
-        let deadline = blob::deadline(lease);
-        let args: [&[u8]; 3] = [&token.to_bytes(), lease_ms.as_bytes(), &deadline];
-        self.run_fenced(&self.inner.connection, &EXTEND, &self.redis_key(key), &args)
-            .await
+        let (on, key) = (&self.inner.connection, &self.redis_key(key));
+        match self.inner.fencing {
+            Fencing::Scripts => {
+                let deadline = blob::deadline(lease);
+                let args: [&[u8]; 3] = [&token.to_bytes(), lease_ms.as_bytes(), &deadline];
+                self.run_fenced(on, &EXTEND, key, &args).await
+            }
+            Fencing::Commands(_) => {
+                let extend = self.set_if_held(on, key, token, Next::Extended(lease), &lease_ms);
+                super::bounded(self.inner.timeout, extend).await
+            }
+        }
     }
 
     async fn complete(
@@ -291,8 +336,19 @@ impl Store for RedisStore {
         let on = durable.map_or(&self.inner.connection, |d| &d.connection);
         let retention_ms = millis(retention, "retention")?;
         let completed = blob::completed(fingerprint, &record, retention, &self.inner.compression);
-        let args: [&[u8]; 3] = [&token.to_bytes(), &completed, retention_ms.as_bytes()];
-        let stored = self.run_fenced(on, &COMPLETE, &redis_key, &args).await?;
+        let stored = match self.inner.fencing {
+            Fencing::Scripts => {
+                let args: [&[u8]; 3] = [&token.to_bytes(), &completed, retention_ms.as_bytes()];
+                self.run_fenced(on, &COMPLETE, &redis_key, &args).await?
+            }
+            Fencing::Commands(_) => {
+                let next = Next::Value(&completed);
+                let complete = self.set_if_held(on, &redis_key, *token, next, &retention_ms);
+                let stored = super::bounded(self.inner.timeout, complete).await?;
+                self.gave_up(*token);
+                stored
+            }
+        };
         if let (true, Some(durable)) = (stored, durable) {
             durable.wait(&redis_key).await;
         }
@@ -300,14 +356,20 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, key: &StorageKey, token: LeaseToken) -> Result<bool, StoreError> {
-        let args: [&[u8]; 1] = [&token.to_bytes()];
-        self.run_fenced(
-            &self.inner.connection,
-            &RELEASE,
-            &self.redis_key(key),
-            &args,
-        )
-        .await
+        let key = &self.redis_key(key);
+        match self.inner.fencing {
+            Fencing::Scripts => {
+                let args: [&[u8]; 1] = [&token.to_bytes()];
+                self.run_fenced(&self.inner.connection, &RELEASE, key, &args)
+                    .await
+            }
+            Fencing::Commands(delete) => {
+                let release = self.delete_if_held(delete, key, token);
+                let released = super::bounded(self.inner.timeout, release).await?;
+                self.gave_up(token);
+                Ok(released)
+            }
+        }
     }
 
     async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
@@ -326,6 +388,11 @@ impl Store for RedisStore {
     }
 
     async fn forget(&self, key: &StorageKey, force: bool) -> Result<Forgotten, StoreError> {
+        if let Fencing::Commands(delete) = self.inner.fencing {
+            let key = self.redis_key(key);
+            let forget = self.forget_by_commands(delete, &key, force);
+            return super::bounded(self.inner.timeout, forget).await;
+        }
         let args: [&[u8]; 1] = [if force { b"1" } else { b"0" }];
         let reply = self
             .run(&self.inner.connection, &FORGET, &self.redis_key(key), &args)
