@@ -4,5 +4,5 @@
 
 #[test]
 fn mistakes_are_told_with_their_fix() {
-    trybuild::TestCases::new().compile_fail("tests/compile_fail/cases/*.rs");
+    trybuild::TestCases::new().compile_fail("tests/cases/*.rs");
 }
