@@ -2,8 +2,8 @@
 //! driven side by side over loopback by `wrk`, alternating variants over
 //! several rounds, with the ratio to bare per round and the median.
 //!
-//! Run with: `cargo bench --all-features --bench load` (needs `wrk` and
-//! `redis-server` on PATH, PostgreSQL at `DATABASE_URL` and MySQL/MariaDB at
+//! Run with: `cargo bench --all-features --bench load` (needs `wrk`,
+//! `redis-server` and `valkey-server` on PATH, PostgreSQL at `DATABASE_URL` and MySQL/MariaDB at
 //! `MYSQL_URL`, or locally as in the tests; Debian/Ubuntu: `sudo apt-get
 //! install wrk redis-server postgresql mariadb-server`).
 //!
@@ -748,6 +748,87 @@ async fn floor(redis: redis::aio::ConnectionManager, request: Request, next: Nex
     Response::from_parts(parts, axum::body::Body::from(body))
 }
 
+/// The floor with the Redis store's guarantee, written by hand for a server
+/// with conditional commands (Valkey 9): the claim carries a lease token and
+/// the request's SHA-256 under the caller's scope, a duplicate in flight is
+/// told `409` and another body `422`, and the completion is fenced by the
+/// token (`SET … IFEQ <claim>`): two commands for a new key, one for a
+/// replay. What it leaves out is what the layer adds beyond the guarantee:
+/// headers in the record, `Retry-After`, leases kept alive, metrics.
+async fn fenced_floor(
+    valkey: redis::aio::ConnectionManager,
+    request: Request,
+    next: Next,
+) -> Response {
+    use sha2::{Digest, Sha256};
+
+    let (parts, body) = request.into_parts();
+    let (Some(key), Some(scope)) = (
+        parts
+            .headers
+            .get("idempotency-key")
+            .and_then(|v| v.to_str().ok()),
+        parts
+            .headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok()),
+    ) else {
+        return StatusCode::BAD_REQUEST.into_response();
+    };
+    let key = format!("fenced:{scope}:{key}");
+    let body = body.collect().await.unwrap().to_bytes();
+    let fingerprint = Sha256::new()
+        .chain_update(parts.method.as_str())
+        .chain_update(parts.uri.path())
+        .chain_update(&body)
+        .finalize();
+    let mut claim = vec![b'i'];
+    claim.extend_from_slice(&fingerprint);
+    claim.extend_from_slice(&fastrand::u128(..).to_be_bytes());
+    let mut conn = valkey.clone();
+    let found: Option<Vec<u8>> = redis::cmd("SET")
+        .arg(&key)
+        .arg(&claim)
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .arg("GET")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    match found {
+        None => {}
+        Some(found) if found.get(1..33) != Some(&fingerprint[..]) => {
+            return StatusCode::UNPROCESSABLE_ENTITY.into_response();
+        }
+        Some(found) if found[0] == b'c' => {
+            let body = found[33..].to_vec();
+            return (StatusCode::CREATED, [("idempotent-replayed", "true")], body).into_response();
+        }
+        Some(_) => return StatusCode::CONFLICT.into_response(),
+    }
+    let request = Request::from_parts(parts, axum::body::Body::from(body));
+    let (parts, body) = next.run(request).await.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    let mut record = vec![b'c'];
+    record.extend_from_slice(&fingerprint);
+    record.extend_from_slice(&body);
+    // Written only over this very claim: a holder whose lease lapsed and
+    // was taken over never overwrites the newer record.
+    let _: Option<Vec<u8>> = redis::cmd("SET")
+        .arg(&key)
+        .arg(&record)
+        .arg("IFEQ")
+        .arg(&claim)
+        .arg("GET")
+        .arg("EX")
+        .arg(RETENTION.as_secs())
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    Response::from_parts(parts, axum::body::Body::from(body))
+}
+
 async fn serve(app: Router) -> SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -773,6 +854,7 @@ macro_rules! outbox_of {
 
 async fn start_variants(
     redis_url: &str,
+    valkey_url: &str,
     pool: PgPool,
     sqlite: SqliteTxStore,
     mysql: MySqlTxStore,
@@ -791,6 +873,19 @@ async fn start_variants(
             .connect(redis_url)
             .await
             .expect("connect to the benchmark's redis-server")
+    };
+    let valkey = || async {
+        RedisStore::builder()
+            .connect(valkey_url)
+            .await
+            .expect("connect to the benchmark's valkey-server")
+    };
+    let fenced_floor_app = {
+        let client = redis::Client::open(valkey_url).unwrap();
+        let manager = redis::aio::ConnectionManager::new(client).await.unwrap();
+        routes().layer(middleware::from_fn(move |req, next| {
+            fenced_floor(manager.clone(), req, next)
+        }))
     };
     let client = redis::Client::open(redis_url).unwrap();
     let manager = redis::aio::ConnectionManager::new(client).await.unwrap();
@@ -864,6 +959,32 @@ async fn start_variants(
             Keys::Replay,
             &["bare"],
             layered(cached_store(redis().await)),
+        ),
+        // Valkey 9: the store's fenced writes are plain commands, measured
+        // against the same guarantee by hand on the same server.
+        (
+            "valkey-floor",
+            Keys::Unique,
+            &["bare"],
+            fenced_floor_app.clone(),
+        ),
+        (
+            "valkey",
+            Keys::Unique,
+            &["valkey-floor", "redis"],
+            layered(valkey().await),
+        ),
+        (
+            "valkey-replay-floor",
+            Keys::Replay,
+            &["bare"],
+            fenced_floor_app,
+        ),
+        (
+            "valkey-replay",
+            Keys::Replay,
+            &["valkey-replay-floor"],
+            layered(valkey().await),
         ),
         (
             "redis-zstd",
@@ -1348,7 +1469,7 @@ impl Costs {
                 "{:.2} write xacts, {:.0} WAL bytes, {:.1} pg cpu us",
                 self.pg_xids, self.pg_wal_bytes, self.pg_cpu_us
             )
-        } else if v.name.starts_with("redis") {
+        } else if v.name.starts_with("redis") || v.name.starts_with("valkey") {
             format!("{:.2} Redis calls", self.redis_calls)
         } else {
             String::new()
@@ -1386,6 +1507,7 @@ fn main() {
     }
 
     let redis = RedisServer::start();
+    let valkey = RedisServer::valkey();
     let database = TestDatabase::create();
     let runtime = Arc::new(
         tokio::runtime::Builder::new_multi_thread()
@@ -1458,7 +1580,13 @@ fn main() {
     });
     let mysql_pool = mysql.pool().clone();
     let sqlite_pool = sqlite.pool().clone();
-    let variants = runtime.block_on(start_variants(&redis.url(), pool.clone(), sqlite, mysql));
+    let variants = runtime.block_on(start_variants(
+        &redis.url(),
+        &valkey.url(),
+        pool.clone(),
+        sqlite,
+        mysql,
+    ));
     let nonce = std::process::id();
 
     println!(
@@ -1497,7 +1625,9 @@ fn main() {
             }
             let pg_before = runtime.block_on(pg_counters(&pool));
             let my_before = runtime.block_on(my_counters(&mysql_pool));
-            let redis_before = redis_calls(redis.port());
+            // Only one variant runs at a time: the two servers' calls are
+            // that variant's.
+            let redis_before = redis_calls(redis.port()) + redis_calls(valkey.port());
             let run = measure(
                 v,
                 &format!("r{nonce}-{round}-{}", v.name),
@@ -1513,7 +1643,9 @@ fn main() {
                 pg_xids: (pg_after.xids - pg_before.xids) / requests,
                 pg_wal_bytes: (pg_after.wal_bytes - pg_before.wal_bytes) / requests,
                 pg_cpu_us: (pg_after.cpu_us - pg_before.cpu_us) / requests,
-                redis_calls: (redis_calls(redis.port()) - redis_before) / requests,
+                redis_calls: (redis_calls(redis.port()) + redis_calls(valkey.port())
+                    - redis_before)
+                    / requests,
             };
             results[i].push((run, costs));
         }
@@ -1598,5 +1730,5 @@ fn main() {
         errors, 0,
         "some requests failed or were rejected; the numbers above are not comparable"
     );
-    drop(redis);
+    drop((redis, valkey));
 }

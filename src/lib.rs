@@ -113,8 +113,8 @@
 //! | Feature | Default | Adds |
 //! |---|---|---|
 //! | `memory` | yes | [`MemoryStore`] |
-//! | `redis` | | [`RedisStore`] on one node (re-exports `redis`) |
-//! | `cluster` | | Redis Cluster for [`RedisStore`] |
+//! | `redis` | | [`RedisStore`] on one Redis or Valkey node (re-exports `redis`) |
+//! | `cluster` | | Redis Cluster or Valkey Cluster for [`RedisStore`] |
 //! | `sqlite` | | [`SqliteStore`], [`SqliteTxStore`] (bundled SQLite; re-exports `sqlx`) |
 //! | `postgres` | | [`PostgresStore`], [`PostgresTxStore`] (re-exports `sqlx`) |
 //! | `mysql` | | [`MySqlStore`], [`MySqlTxStore`] for MySQL 8.0+ and MariaDB 10.6+ (re-exports `sqlx`) |

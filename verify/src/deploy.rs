@@ -33,6 +33,8 @@ pub enum StoreKind {
     /// Records in Redis, charges in a SQLite file, each under its
     /// downstream key.
     Redis,
+    /// As `Redis`, on Valkey 9: every fenced write a plain command.
+    Valkey,
     /// Redis, the charges without a downstream key: the documented window
     /// of a lease store, measured.
     RedisNoDownstreamKey,
@@ -52,6 +54,7 @@ impl StoreKind {
             "postgres" => Self::Postgres,
             "mysql" => Self::MySql,
             "redis" => Self::Redis,
+            "valkey" => Self::Valkey,
             "redis-no-downstream-key" => Self::RedisNoDownstreamKey,
             "redis-cluster" => Self::RedisCluster,
             "dynamodb" => Self::DynamoDb,
@@ -65,6 +68,7 @@ impl StoreKind {
             Self::Postgres => "postgres",
             Self::MySql => "mysql",
             Self::Redis => "redis",
+            Self::Valkey => "valkey",
             Self::RedisNoDownstreamKey => "redis-no-downstream-key",
             Self::RedisCluster => "redis-cluster",
             Self::DynamoDb => "dynamodb",
@@ -143,8 +147,11 @@ impl Deployment {
                 let upstream = db.host_port();
                 (Store::MySql(db), Some(upstream))
             }
-            StoreKind::Redis | StoreKind::RedisNoDownstreamKey => {
-                let redis = RedisServer::start();
+            StoreKind::Redis | StoreKind::RedisNoDownstreamKey | StoreKind::Valkey => {
+                let redis = match kind {
+                    StoreKind::Valkey => RedisServer::valkey(),
+                    _ => RedisServer::start(),
+                };
                 let upstream = redis.url().trim_start_matches("redis://").to_owned();
                 (Store::Redis(redis, TestFile::create()), Some(upstream))
             }

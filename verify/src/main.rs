@@ -5,7 +5,7 @@ use std::{path::PathBuf, process::ExitCode, time::Duration};
 use tower_idempotency_verify::{chain, deploy::StoreKind, run, workload::Workload};
 
 const USAGE: &str =
-    "usage: verify [--store sqlite|postgres|mysql|redis|redis-cluster|redis-no-downstream-key|dynamodb|sqs-chain|kafka-chain] \
+    "usage: verify [--store sqlite|postgres|mysql|redis|valkey|redis-cluster|redis-no-downstream-key|dynamodb|sqs-chain|kafka-chain] \
 [--seed N] [--secs N] [--instances N] [--workers N] [--out DIR]
 
 Runs the payments example (or, with sqs-chain and kafka-chain, the SQS or
