@@ -708,6 +708,25 @@ fn layered<St: Store>(store: St) -> Router {
     routes().layer(layer(store))
 }
 
+/// A floor's claim: `SET key value NX PX 30000 GET` — `None` when the key
+/// was free and is now claimed, else what it holds.
+async fn claim_or_found(
+    conn: &mut redis::aio::ConnectionManager,
+    key: &str,
+    value: &[u8],
+) -> Option<Vec<u8>> {
+    redis::cmd("SET")
+        .arg(key)
+        .arg(value)
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .arg("GET")
+        .query_async(conn)
+        .await
+        .unwrap()
+}
+
 /// The floor: a hand-written middleware that does only the unavoidable Redis
 /// work — one `SET NX GET` that claims a new key or returns the stored body,
 /// and one `SET` to store the response: two round trips for a new key, one
@@ -722,17 +741,7 @@ async fn floor(redis: redis::aio::ConnectionManager, request: Request, next: Nex
     };
     let key = format!("floor:{key}");
     let mut conn = redis.clone();
-    let previous: Option<Vec<u8>> = redis::cmd("SET")
-        .arg(&key)
-        .arg("-")
-        .arg("NX")
-        .arg("PX")
-        .arg(30_000)
-        .arg("GET")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    match previous {
+    match claim_or_found(&mut conn, &key, b"-").await {
         None => {}
         Some(body) if body != b"-" => {
             return (StatusCode::CREATED, [("idempotent-replayed", "true")], body).into_response();
@@ -786,17 +795,7 @@ async fn fenced_floor(
     claim.extend_from_slice(&fingerprint);
     claim.extend_from_slice(&fastrand::u128(..).to_be_bytes());
     let mut conn = valkey.clone();
-    let found: Option<Vec<u8>> = redis::cmd("SET")
-        .arg(&key)
-        .arg(&claim)
-        .arg("NX")
-        .arg("PX")
-        .arg(30_000)
-        .arg("GET")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    match found {
+    match claim_or_found(&mut conn, &key, &claim).await {
         None => {}
         Some(found) if found.get(1..33) != Some(&fingerprint[..]) => {
             return StatusCode::UNPROCESSABLE_ENTITY.into_response();
