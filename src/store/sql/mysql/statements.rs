@@ -184,16 +184,18 @@ impl TxStatements {
     }
 
     /// Begins the request's transaction with the claim in it, in one round
-    /// trip: the transaction begins (on MySQL with its bound,
-    /// `wait_timeout`, and the claim's lock wait), the claim's row is
-    /// inserted, expiring after `lifetime_ms`, its fingerprint carrying the
-    /// session's mark ([`SESSION_NOT_READY`]), and only then does the
-    /// session stop committing each statement on its own — so that even
-    /// after a deadlock rolled everything back, nothing a handler writes
-    /// later commits without its record, while a claim that found the key
-    /// taken leaves the session as it was. A row another transaction has
-    /// not committed makes the insert fail at once (1205): in flight; a
-    /// committed one fails it with 1062: read next.
+    /// trip of two statements: the session stops committing each statement
+    /// on its own (so that even after a deadlock rolled everything back,
+    /// nothing a handler writes later commits without its record), on
+    /// MySQL with the transaction's bound (`wait_timeout`) and the claim's
+    /// lock wait in the same `SET`; then the claim's row is inserted,
+    /// expiring after `lifetime_ms`, its fingerprint carrying the session's
+    /// mark ([`SESSION_NOT_READY`]). Every way the transaction ends
+    /// restores the session ([`Self::end`]), a claim that found the key
+    /// taken too: that costs a replay one statement, which a first
+    /// execution would otherwise pay (a `BEGIN`). A row another transaction
+    /// has not committed makes the insert fail at once (1205): in flight;
+    /// a committed one fails it with 1062: read next.
     pub(super) fn claim(
         &self,
         key: &str,
@@ -216,9 +218,9 @@ impl TxStatements {
     /// [`Self::claim`].
     fn in_transaction(&self, bound: Duration, statement: &str) -> String {
         match self.flavor {
-            Flavor::MariaDb => format!("BEGIN; {statement}; SET autocommit = 0"),
+            Flavor::MariaDb => format!("SET autocommit = 0; {statement}"),
             Flavor::MySql => format!(
-                "SET wait_timeout = {}, innodb_lock_wait_timeout = 1; BEGIN; {statement}; SET autocommit = 0",
+                "SET autocommit = 0, wait_timeout = {}, innodb_lock_wait_timeout = 1; {statement}",
                 seconds(bound)
             ),
         }
@@ -229,14 +231,9 @@ impl TxStatements {
     /// COMMITTED a plain read sees the latest commit, and holds no lock a
     /// concurrent replay would wait for.
     pub(super) fn read_after_rollback(&self, key: &str) -> String {
-        // The claim failed before the session stopped committing on its
-        // own: on MariaDB there is nothing to restore.
-        let end = match self.flavor {
-            Flavor::MariaDb => "ROLLBACK".to_owned(),
-            Flavor::MySql => self.end("ROLLBACK"),
-        };
         format!(
-            "{end}; SELECT CAST(0 AS SIGNED), fingerprint, token, record, {MS_LEFT} FROM {} WHERE `key` = {}",
+            "{}; SELECT CAST(0 AS SIGNED), fingerprint, token, record, {MS_LEFT} FROM {} WHERE `key` = {}",
+            self.end("ROLLBACK"),
             self.table,
             hex(key.as_bytes())
         )
