@@ -10,10 +10,16 @@
 //! the working directory, in one transaction per charge: exactly one charge
 //! per key, even across crashes and restarts — with nothing to install.
 //!
+//! SQLite is built in; every other store is a feature of this package
+//! (`postgres`, `mysql`, `redis`, `dynamodb`: `cargo run --release -p
+//! tower-idempotency-http-examples --features postgres --example
+//! payments`), and a build without it, started on that store, exits naming
+//! it.
+//!
 //! Environment: `BIND_ADDR` (default `127.0.0.1:3000`); `DATABASE_URL`
 //! (unset: `payments.db`; `sqlite://PATH`: that file, created if missing;
 //! `postgres://…` or `mysql://…` (MySQL or MariaDB), an existing database:
-//! charges and records there, one transaction per charge); `REDIS_URL` (set: records in Redis; charges in the
+//! charges and records there, one transaction per charge); `REDIS_URL` (Redis or Valkey; set: records there; charges in the
 //! `DATABASE_URL` database if set, else in memory, committed on their own —
 //! the crash window the SQL stores close); `REDIS_CLUSTER_NODES`
 //! (comma-separated `redis://host:port` seeds: Redis Cluster, likewise);
