@@ -4,7 +4,8 @@
 //! conditional on the claim's token — side by side in one run on a
 //! dynoxide server: first executions and replays, requests per second and
 //! their ratio per round; then the capacity units DynamoDB reports for
-//! each step of a first execution and a replay.
+//! each step of a first execution and a replay, and the requests the store
+//! sends for each (counted on its client).
 //!
 //! Run with: `cargo bench --features dynamodb --bench dynamodb` (needs
 //! `dynoxide` on PATH: scripts/services installs it). `DDB_SECS` (per run,
@@ -41,6 +42,54 @@ use tower_idempotency::{
 use tower_idempotency_harness::dynamodb::{DynamoServer, table_name};
 
 const BODY: &str = r#"{"amount":1999,"currency":"eur"}"#;
+
+/// The requests a client sends, by operation (its `X-Amz-Target`, less the
+/// API version): what a first execution or a replay costs DynamoDB,
+/// whatever the emulator makes of the CPU.
+#[derive(Clone, Debug, Default)]
+struct Requests(Arc<std::sync::Mutex<std::collections::BTreeMap<String, u64>>>);
+
+impl aws_smithy_runtime_api::client::interceptors::Intercept for Requests {
+    fn name(&self) -> &'static str {
+        "Requests"
+    }
+
+    fn read_before_transmit(
+        &self,
+        context: &aws_smithy_runtime_api::client::interceptors::context::BeforeTransmitInterceptorContextRef<'_>,
+        _: &aws_smithy_runtime_api::client::runtime_components::RuntimeComponents,
+        _: &mut aws_smithy_types::config_bag::ConfigBag,
+    ) -> Result<(), aws_smithy_runtime_api::box_error::BoxError> {
+        let target = context
+            .request()
+            .headers()
+            .get("x-amz-target")
+            .unwrap_or("?");
+        let operation = target.rsplit('.').next().unwrap_or(target).to_owned();
+        *self.0.lock().unwrap().entry(operation).or_default() += 1;
+        Ok(())
+    }
+}
+
+impl Requests {
+    /// The requests sent while `n` requests went through `app`, per request.
+    async fn per(&self, app: &Router, keys: impl Iterator<Item = String>) -> String {
+        self.0.lock().unwrap().clear();
+        let mut n = 0;
+        for key in keys {
+            let reply = app.clone().oneshot(request(&key)).await.unwrap();
+            assert_eq!(reply.status(), StatusCode::CREATED, "{key}");
+            n += 1;
+        }
+        let counted = self.0.lock().unwrap();
+        let total: u64 = counted.values().sum();
+        let each: Vec<String> = counted
+            .iter()
+            .map(|(operation, count)| format!("{operation} {:.2}", *count as f64 / n as f64))
+            .collect();
+        format!("{:.2} ({})", total as f64 / n as f64, each.join(", "))
+    }
+}
 const ANSWER: &str = r#"{"id":"ch_1","amount":1999,"currency":"eur","status":"succeeded"}"#;
 
 fn env_number(name: &str, default: u64) -> u64 {
@@ -239,7 +288,16 @@ async fn main() {
     let server = DynamoServer::start();
     let client = server.client();
     let (layered_table, floor_table) = (table_name(), table_name());
-    let store = DynamoDbStore::builder(client.clone())
+    // The store's own client counts what it sends.
+    let requests = Requests::default();
+    let counted = Client::from_conf(
+        client
+            .config()
+            .to_builder()
+            .interceptor(requests.clone())
+            .build(),
+    );
+    let store = DynamoDbStore::builder(counted)
         .table(&layered_table)
         .create_table_if_missing()
         .build()
@@ -302,4 +360,13 @@ async fn main() {
         median(replays)
     );
     capacity(&client, &floor_table).await;
+    let first = requests
+        .per(&layered, (0..200).map(|i| format!("counted-{i}")))
+        .await;
+    let replay = requests
+        .per(&layered, (0..200).map(|_| "counted-0".to_owned()))
+        .await;
+    println!(
+        "the store's requests (counted on its client, 200 each): a first execution {first}; a replay {replay}"
+    );
 }
