@@ -64,7 +64,7 @@ pub(super) fn in_flight(fingerprint: &Fingerprint, token: LeaseToken, lease: Dur
 /// Whether `value` is an in-flight claim held by `token`: what every
 /// fenced write checks, whichever way it is sent.
 pub(super) fn held_by(value: &[u8], token: LeaseToken) -> bool {
-    value.first() == Some(&IN_FLIGHT) && value.get(HEAD..DEADLINE_AT) == Some(&token.to_bytes()[..])
+    is_in_flight(value) && value.get(HEAD..DEADLINE_AT) == Some(&token.to_bytes()[..])
 }
 
 /// `claim` (an in-flight value) with a lease starting now: what
@@ -155,7 +155,7 @@ fn met(
     lease: Duration,
     compression: &Compression,
 ) -> Result<Found, CorruptRecord> {
-    if found.first() == Some(&IN_FLIGHT) {
+    if is_in_flight(&found) {
         let stored = found.get(1..HEAD).ok_or(CorruptRecord("truncated claim"))?;
         let held = found
             .get(HEAD..DEADLINE_AT)
@@ -202,7 +202,7 @@ pub(super) fn inspect(
     let Some(found) = found else {
         return Ok(KeyState::Absent);
     };
-    if found.first() == Some(&IN_FLIGHT) {
+    if is_in_flight(&found) {
         return Ok(KeyState::InFlight {
             retry_after: until(lease_deadline(&found)?),
         });

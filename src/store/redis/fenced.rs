@@ -22,11 +22,8 @@ use std::{
 
 use redis::Value;
 
-use super::{RedisStore, blob, connection::Connection};
-use crate::{
-    record::CorruptRecord,
-    store::{Forgotten, LeaseToken, StoreError},
-};
+use super::{RedisStore, blob, connection::Connection, get, value_or_nil};
+use crate::store::{Forgotten, LeaseToken, StoreError};
 
 /// How a [`RedisStore`] sends its fenced writes (extend, complete, release,
 /// forget). Either way the protocol and the stored bytes are the same, so
@@ -261,17 +258,16 @@ impl RedisStore {
                 .arg("GET")
                 .arg("PX")
                 .arg(ttl_ms);
-            match on.query(&set).await? {
-                Value::Nil => return Ok(false),
-                Value::BulkString(met) if met == claim => {
+            match value_or_nil(on.query(&set).await?, "SET IFEQ reply is not a string")? {
+                None => return Ok(false),
+                Some(met) if met == claim => {
                     if let Next::Extended(_) = next {
                         self.inner.held.keep(token, value.into_owned());
                     }
                     return Ok(true);
                 }
                 // Not written: what stands instead, decided again.
-                Value::BulkString(met) => claim = met,
-                _ => return Err(CorruptRecord("SET IFEQ reply is not a string").into()),
+                Some(met) => claim = met,
             }
         }
     }
@@ -364,16 +360,6 @@ impl RedisStore {
     /// The holder is done with its claim, whatever came of it.
     pub(super) fn gave_up(&self, token: LeaseToken) {
         self.inner.held.give_back(token);
-    }
-}
-
-async fn get(on: &Connection, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-    let mut get = redis::cmd("GET");
-    get.arg(key);
-    match on.query(&get).await? {
-        Value::Nil => Ok(None),
-        Value::BulkString(value) => Ok(Some(value)),
-        _ => Err(CorruptRecord("GET reply is not a string").into()),
     }
 }
 

@@ -287,11 +287,10 @@ impl Store for RedisStore {
         let fingerprint = *fingerprint;
         // Owned, so that it can outlive this call (see `claim_within`).
         let claim = async move {
-            let found = match inner.connection.query(&set).await? {
-                Value::Nil => None,
-                Value::BulkString(bytes) => Some(bytes),
-                _ => return Err(CorruptRecord("claim reply is not a string").into()),
-            };
+            let found = value_or_nil(
+                inner.connection.query(&set).await?,
+                "claim reply is not a string",
+            )?;
             let claim = blob::decode_claim(found, &fingerprint, token, lease, &inner.compression)?;
             // A conditional command compares with the claim it holds.
             if let (Claim::Acquired(_), Fencing::Commands(_)) = (&claim, inner.fencing) {
@@ -373,17 +372,8 @@ impl Store for RedisStore {
     }
 
     async fn inspect(&self, key: &StorageKey) -> Result<KeyState, StoreError> {
-        let mut get = redis::cmd("GET");
-        get.arg(self.redis_key(key));
-        let found = super::bounded(self.inner.timeout, async {
-            Ok(self.inner.connection.query(&get).await?)
-        })
-        .await?;
-        let found = match found {
-            Value::Nil => None,
-            Value::BulkString(bytes) => Some(bytes),
-            _ => return Err(CorruptRecord("GET reply is not a string").into()),
-        };
+        let key = self.redis_key(key);
+        let found = super::bounded(self.inner.timeout, get(&self.inner.connection, &key)).await?;
         Ok(blob::inspect(found, &self.inner.compression)?)
     }
 
@@ -429,6 +419,26 @@ impl Durable {
             ),
             Err(error) => tracing::warn!(key, %error, "idempotency: WAIT failed"),
         }
+    }
+}
+
+/// What `key` holds: `GET`.
+async fn get(on: &Connection, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+    let mut get = redis::cmd("GET");
+    get.arg(key);
+    Ok(value_or_nil(
+        on.query(&get).await?,
+        "GET reply is not a string",
+    )?)
+}
+
+/// A reply that is a value or none (`GET`, `SET … GET`); anything else is
+/// `otherwise`.
+fn value_or_nil(reply: Value, otherwise: &'static str) -> Result<Option<Vec<u8>>, CorruptRecord> {
+    match reply {
+        Value::Nil => Ok(None),
+        Value::BulkString(value) => Ok(Some(value)),
+        _ => Err(CorruptRecord(otherwise)),
     }
 }
 
