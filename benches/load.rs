@@ -1626,7 +1626,8 @@ fn main() {
             let my_before = runtime.block_on(my_counters(&mysql_pool));
             // Only one variant runs at a time: the two servers' calls are
             // that variant's.
-            let redis_before = redis_calls(redis.port()) + redis_calls(valkey.port());
+            let servers_calls = || redis_calls(redis.port()) + redis_calls(valkey.port());
+            let redis_before = servers_calls();
             let run = measure(
                 v,
                 &format!("r{nonce}-{round}-{}", v.name),
@@ -1642,9 +1643,7 @@ fn main() {
                 pg_xids: (pg_after.xids - pg_before.xids) / requests,
                 pg_wal_bytes: (pg_after.wal_bytes - pg_before.wal_bytes) / requests,
                 pg_cpu_us: (pg_after.cpu_us - pg_before.cpu_us) / requests,
-                redis_calls: (redis_calls(redis.port()) + redis_calls(valkey.port())
-                    - redis_before)
-                    / requests,
+                redis_calls: (servers_calls() - redis_before) / requests,
             };
             results[i].push((run, costs));
         }
