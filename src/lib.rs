@@ -231,6 +231,9 @@ pub mod guide;
 mod http;
 mod key;
 mod lock;
+#[cfg(feature = "mcp")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mcp")))]
+pub mod mcp;
 pub mod message;
 mod observe;
 pub mod outbox;

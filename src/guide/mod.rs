@@ -11,6 +11,7 @@
 //! | [`outbox`] | the handler's outgoing messages, committed with its record and relayed with stable ids |
 //! | [`client`] | calling an idempotent API safely |
 //! | [`grpc`] | tonic services |
+//! | [`mcp`] | MCP tool calls from AI agents: where the key goes, what is stored, the error codes |
 //! | [`operations`] | inspecting and forgetting a key, publishing your policy, logs and metrics |
 //! | [`capacity`] | what a record costs, and compressing it |
 
@@ -44,6 +45,10 @@ pub mod client {
 
 pub mod grpc {
     #![doc = include_str!("grpc.md")]
+}
+
+pub mod mcp {
+    #![doc = include_str!("mcp.md")]
 }
 
 pub mod operations {

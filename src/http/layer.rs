@@ -660,6 +660,24 @@ impl<St: Clone, Sc: Clone, P: Clone, F: Clone> IdempotencyLayer<St, Sc, P, F> {
     }
 }
 
+#[cfg(feature = "mcp")]
+impl<St: Clone, Sc: Clone, P: Clone> IdempotencyLayer<St, Sc, P, DefaultFingerprint> {
+    /// What another door over the same protocol reads: this layer's store,
+    /// scope, policy and settings, with the door's own fingerprint.
+    pub(crate) fn into_shared<F2>(self, fingerprint: F2) -> Arc<Shared<St, Sc, P, F2>> {
+        self.rebuild(|s| Shared {
+            store: s.store,
+            scope: s.scope,
+            policy: s.policy,
+            fingerprint,
+            config: s.config,
+            render: s.render,
+            outage_log: s.outage_log,
+        })
+        .shared
+    }
+}
+
 impl<St, Sc, P, F> IdempotencyLayer<St, Sc, P, F> {
     /// Wraps `inner`, as [`Layer::layer`] does — an inherent method, so
     /// that on a layer whose scope is not chosen the compiler asks for

@@ -107,6 +107,7 @@ impl IdempotencyOutcome {
             Self::Bypassed(BypassReason::UnguardedMethod) => "bypassed_method",
             Self::Bypassed(BypassReason::UnguardedPath) => "bypassed_path",
             Self::Bypassed(BypassReason::NoKey) => "bypassed_no_key",
+            Self::Bypassed(BypassReason::UnguardedTool) => "bypassed_tool",
             Self::Bypassed(BypassReason::NoScope) => "bypassed_no_scope",
             Self::Unprotected => "unprotected",
         }
@@ -180,6 +181,9 @@ pub enum BypassReason {
     UnguardedPath,
     /// No `Idempotency-Key` and the key is not required.
     NoKey,
+    /// An MCP tool the door was told not to guard
+    /// ([`McpIdempotencyLayer::unguarded`](crate::mcp::McpIdempotencyLayer::unguarded)).
+    UnguardedTool,
     /// The scope extractor returned `None`, and the layer
     /// [passes such requests through](crate::IdempotencyLayer::pass_through_without_scope).
     NoScope,

@@ -1,0 +1,123 @@
+//! The MCP door: an AI agent's `tools/call` runs once, however often it is
+//! re-sent.
+//!
+//! MCP clients retry by protocol: a client whose response stream breaks
+//! re-issues the request with a new JSON-RPC id, and closing the stream is
+//! itself the cancellation — although the tool may already have charged
+//! the card. [`McpIdempotencyLayer`] goes in front of any Streamable HTTP
+//! MCP endpoint (rmcp's `StreamableHttpService`, say) and runs each keyed
+//! tool call through the same protocol as the HTTP layer: the first call
+//! under a key runs, its final JSON-RPC response is stored, and every retry
+//! gets that response with its own id.
+//!
+//! - **Only `tools/call` is guarded.** It is chosen from the transport's
+//!   `Mcp-Method` and `Mcp-Name` headers, so every other method
+//!   (`server/discover`, `tools/list`, notifications, …) passes through
+//!   unread. A request without `Mcp-Method` (a client of a protocol version
+//!   before 2026-07-28) is read to find out.
+//! - **The key** is `params._meta["idempotency-key"]` by default
+//!   ([`key_in_meta`](McpIdempotencyLayer::key_in_meta),
+//!   [`key_from_arguments`](McpIdempotencyLayer::key_from_arguments)). A tool
+//!   that requires one and has none is refused with `-32602`, naming where
+//!   the key goes; nothing runs.
+//! - **The fingerprint** is the tool's name and its arguments (canonical
+//!   JSON): never the JSON-RPC id, never `_meta`, which carry progress
+//!   tokens and trace context that change on every retry.
+//! - **What is stored** is the call's final response, whether the server
+//!   answered `application/json` or an SSE stream (progress notifications
+//!   are not part of it; a guarded call is answered `application/json`). A
+//!   tool result is stored — an `isError: true` one too: a declined card is
+//!   an answer. A JSON-RPC error (invalid params, an internal error) and an
+//!   interim `resultType: "input_required"` result are never stored: the
+//!   key is released and, on a transactional store, the tool's writes roll
+//!   back.
+//! - **A replay** is that response with the retry's own `id`, byte for byte
+//!   the same otherwise, and the header `Idempotent-Replayed: true`.
+//! - **Refusals** are JSON-RPC errors with the request's id, their codes in
+//!   [`codes`].
+//! - **Scopes** are the HTTP layer's: the same key under two tenants is two
+//!   calls.
+//! - **A client that hangs up** does not stop the call: it runs to a
+//!   decision (the record commits or the key is released), and the retry
+//!   with a new id gets its outcome.
+//!
+//! # Examples
+//!
+//! ```
+//! use http::request::Parts;
+//! use tower_idempotency::{IdempotencyLayer, MemoryStore, mcp::McpIdempotencyLayer};
+//!
+//! /// Put in the request's extensions by your authentication middleware.
+//! #[derive(Clone)]
+//! struct Account(String);
+//!
+//! let door = McpIdempotencyLayer::new(
+//!     IdempotencyLayer::new(MemoryStore::new())
+//!         .scope_with(|parts: &Parts| parts.extensions.get::<Account>().map(|a| a.0.clone())),
+//! )
+//! .require_key_for(["create_charge"])
+//! .unguarded(["list_charges"]);
+//! // axum::Router::new().nest_service("/mcp", door.layer(rmcp_streamable_http_service))
+//! # let _ = door;
+//! ```
+//!
+//! The guide: [`crate::guide::mcp`].
+
+mod answer;
+mod call;
+mod layer;
+mod server;
+mod service;
+
+pub use layer::McpIdempotencyLayer;
+pub use service::McpIdempotencyService;
+
+/// The JSON-RPC error codes the door answers with. They are stable: a
+/// client may act on them.
+///
+/// The door's own codes are in the range JSON-RPC leaves to servers
+/// (`-32000` to `-32099`), clear of those MCP defines (`-32002`, `-32020`,
+/// `-32042`); the others are JSON-RPC's and MCP's own, used as they define
+/// them.
+///
+/// # Examples
+///
+/// ```
+/// use tower_idempotency::mcp::codes;
+///
+/// // A client waits and re-sends the same call, with the same key.
+/// fn should_retry(code: i64) -> bool {
+///     code == codes::IN_FLIGHT as i64 || code == codes::STORE_UNAVAILABLE as i64
+/// }
+/// assert!(should_retry(-32010));
+/// assert!(!should_retry(codes::KEY_REUSED as i64));
+/// ```
+pub mod codes {
+    /// A call with this key is still running: nothing was run. Re-send the
+    /// same call with the same key after `error.data.retryAfterMs`
+    /// milliseconds (also sent as `Retry-After`).
+    pub const IN_FLIGHT: i32 = -32010;
+    /// This key was first used with another tool or other arguments: nothing
+    /// was run. A new call needs a new key.
+    pub const KEY_REUSED: i32 = -32011;
+    /// The idempotency store cannot be reached: nothing was run. Re-send
+    /// the same call after `error.data.retryAfterMs` milliseconds.
+    pub const STORE_UNAVAILABLE: i32 = -32012;
+    /// The call under this key completed, but its answer was too large to
+    /// keep: it will not run again, and cannot be replayed.
+    pub const UNREPLAYABLE: i32 = -32013;
+    /// JSON-RPC's invalid params: a guarded tool's key is missing or not a
+    /// valid key (the message says where it goes).
+    pub const INVALID_PARAMS: i32 = -32602;
+    /// JSON-RPC's invalid request: not a JSON-RPC message, a batch that
+    /// calls a tool, or a body over the size limit.
+    pub const INVALID_REQUEST: i32 = -32600;
+    /// JSON-RPC's parse error: the body is not JSON.
+    pub const PARSE_ERROR: i32 = -32700;
+    /// JSON-RPC's internal error: the server failed (no scope for the
+    /// caller, an unreadable answer); the key was released.
+    pub const INTERNAL_ERROR: i32 = -32603;
+    /// MCP's header mismatch: `Mcp-Method` or `Mcp-Name` disagrees with the
+    /// body (HTTP `400`).
+    pub const HEADER_MISMATCH: i32 = -32020;
+}
