@@ -2,8 +2,10 @@
 //! binaries `cargo test` builds beside the tests.
 
 use std::{
+    io::{BufRead, BufReader, Read},
     path::PathBuf,
-    process::{Command, Stdio},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
 };
 
 /// An example binary built by `cargo test` beside the tests, or a panic
@@ -55,4 +57,82 @@ pub fn run_example_to_exit_within(
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status, text)
+}
+
+/// An example serving on a port, as a child process: killed when dropped.
+pub struct Example {
+    pub child: Child,
+    pub addr: String,
+    /// Everything the process printed (stdout and stderr) after its first line.
+    output: Arc<Mutex<String>>,
+}
+
+impl Example {
+    /// Starts the example `name` with `env` on `127.0.0.1:port` and waits
+    /// for its "listening on" line.
+    pub fn start_named(name: &str, port: u16, env: &[(&str, &str)]) -> Self {
+        let addr = format!("127.0.0.1:{port}");
+        let mut child = Command::new(example_binary(name))
+            .env("BIND_ADDR", &addr)
+            .env("RUST_LOG", "off")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start the {name} example: {e}"));
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let output = Arc::new(Mutex::new(String::new()));
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let n = stdout.read_line(&mut line).unwrap();
+            assert!(n > 0, "the {name} example exited before listening");
+            if line.starts_with("listening on") {
+                break;
+            }
+            output.lock().unwrap().push_str(&line);
+        }
+        let stderr = child.stderr.take().unwrap();
+        for mut stream in [Box::new(stdout) as Box<dyn Read + Send>, Box::new(stderr)] {
+            let output = output.clone();
+            std::thread::spawn(move || {
+                let mut buf = [0; 4096];
+                while let Ok(n) = stream.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    output
+                        .lock()
+                        .unwrap()
+                        .push_str(&String::from_utf8_lossy(&buf[..n]));
+                }
+            });
+        }
+        Self {
+            child,
+            addr,
+            output,
+        }
+    }
+
+    /// Sends `signal` (`STOP`, `CONT`, …) to the process, as `kill -SIGNAL`.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([format!("-{signal}"), self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success(), "kill -{signal}");
+    }
+
+    /// What the process printed so far, besides its "listening on" line.
+    pub fn output(&self) -> String {
+        self.output.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Example {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

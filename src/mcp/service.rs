@@ -129,12 +129,6 @@ where
                     BypassReason::UnguardedMethod,
                 );
             }
-            Head::ToolCall(Some(name)) if self.door.unguarded.contains(&*name) => {
-                return passed(
-                    self.inner.call(request.map(Body::new)),
-                    BypassReason::UnguardedTool,
-                );
-            }
             Head::Unreadable(why) => {
                 let refusal =
                     Refusal::new(codes::HEADER_MISMATCH, why).status(StatusCode::BAD_REQUEST);

@@ -1,98 +1,22 @@
 //! The `payments` example as a child process, built by `cargo test` beside
 //! the tests: started, SIGKILLed and restarted like a real deployment.
 
-use std::{
-    io::{BufRead, BufReader, Read},
-    path::PathBuf,
-    process::{Child, Command, Stdio},
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::time::Duration;
 
 use super::{
     http::{HttpClient, Reply},
-    process::{example_binary, run_example_to_exit},
+    process::run_example_to_exit,
     redis_server::free_port,
 };
 
-fn payments_binary() -> PathBuf {
-    example_binary("payments")
-}
-
-pub struct Payments {
-    pub child: Child,
-    pub addr: String,
-    /// Everything the process printed (stdout and stderr) after its first line.
-    output: Arc<Mutex<String>>,
-}
+/// The `payments` example as a process.
+pub use super::process::Example as Payments;
 
 impl Payments {
     /// Starts the example with `env` on `127.0.0.1:port` and waits for its
     /// "listening on" line.
     pub fn start(port: u16, env: &[(&str, &str)]) -> Self {
-        let addr = format!("127.0.0.1:{port}");
-        let mut child = Command::new(payments_binary())
-            .env("BIND_ADDR", &addr)
-            .env("RUST_LOG", "off")
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the payments example");
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let output = Arc::new(Mutex::new(String::new()));
-        let mut line = String::new();
-        loop {
-            line.clear();
-            let n = stdout.read_line(&mut line).unwrap();
-            assert!(n > 0, "the example exited before listening");
-            if line.starts_with("listening on") {
-                break;
-            }
-            output.lock().unwrap().push_str(&line);
-        }
-        let stderr = child.stderr.take().unwrap();
-        for mut stream in [Box::new(stdout) as Box<dyn Read + Send>, Box::new(stderr)] {
-            let output = output.clone();
-            std::thread::spawn(move || {
-                let mut buf = [0; 4096];
-                while let Ok(n) = stream.read(&mut buf) {
-                    if n == 0 {
-                        break;
-                    }
-                    output
-                        .lock()
-                        .unwrap()
-                        .push_str(&String::from_utf8_lossy(&buf[..n]));
-                }
-            });
-        }
-        Self {
-            child,
-            addr,
-            output,
-        }
-    }
-
-    /// Sends `signal` (`STOP`, `CONT`, …) to the process, as `kill -SIGNAL`.
-    pub fn signal(&self, signal: &str) {
-        let status = std::process::Command::new("kill")
-            .args([format!("-{signal}"), self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success(), "kill -{signal}");
-    }
-
-    /// What the process printed so far, besides its "listening on" line.
-    pub fn output(&self) -> String {
-        self.output.lock().unwrap().clone()
-    }
-}
-
-impl Drop for Payments {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        Self::start_named("payments", port, env)
     }
 }
 
