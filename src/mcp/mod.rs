@@ -65,6 +65,7 @@
 
 mod answer;
 mod call;
+mod decide;
 mod layer;
 mod server;
 mod service;

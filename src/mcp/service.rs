@@ -21,8 +21,9 @@ use tower_service::Service;
 
 use super::{
     answer::{self, Refusal},
-    call::{self, Head, Unreadable},
+    call::{self, Head},
     codes,
+    decide::{Decision, Labelled, decide},
     layer::{CallFingerprint, Door, ToolCallFingerprint},
     server::{CallId, FinalResponse},
 };
@@ -151,14 +152,6 @@ where
     }
 }
 
-/// What a guarded request's head said.
-enum Labelled {
-    /// `Mcp-Method: tools/call`, and the tool `Mcp-Name` names.
-    ToolCall(Option<String>),
-    /// No `Mcp-Method`.
-    No,
-}
-
 /// A request the door lets through untouched.
 fn passed<F, B, E>(answered: F, reason: BypassReason) -> Answer<E>
 where
@@ -234,87 +227,15 @@ where
             reason,
         )
     };
-    let call = match call::body(&bytes) {
-        Ok(call::Body::ToolCall(call)) => call,
-        Ok(call::Body::Other { method }) => {
-            if let Labelled::ToolCall(_) = labelled {
-                let method = method.as_deref().unwrap_or("none");
-                let refusal = Refusal::new(
-                    codes::HEADER_MISMATCH,
-                    format!("Mcp-Method says tools/call, but the body's method is {method}"),
-                )
-                .status(StatusCode::BAD_REQUEST);
-                return refused(refusal, None, RejectionKind::BodyUnreadable).await;
-            }
-            return pass(parts, bytes, BypassReason::UnguardedMethod).await;
-        }
-        Ok(call::Body::Batch {
-            calls_a_tool: false,
-        }) => {
-            return pass(parts, bytes, BypassReason::UnguardedMethod).await;
-        }
-        Ok(call::Body::Batch { calls_a_tool: true }) => {
-            let refusal = Refusal::new(
-                codes::INVALID_REQUEST,
-                "a JSON-RPC batch that calls a tool cannot be deduplicated: send each tools/call on its own",
-            )
-            .status(StatusCode::BAD_REQUEST);
-            return refused(refusal, None, RejectionKind::BodyUnreadable).await;
-        }
-        Err(Unreadable::NotJson) => {
-            let refusal = Refusal::new(codes::PARSE_ERROR, "the request body is not JSON")
-                .status(StatusCode::BAD_REQUEST);
-            return refused(refusal, None, RejectionKind::BodyUnreadable).await;
-        }
-        Err(Unreadable::NotJsonRpc(why)) => {
-            let refusal = Refusal::new(codes::INVALID_REQUEST, why).status(StatusCode::BAD_REQUEST);
-            return refused(refusal, None, RejectionKind::BodyUnreadable).await;
-        }
+    let (key, id, fingerprint) = match decide(&bytes, &labelled, &door) {
+        Decision::Pass(reason) => return pass(parts, bytes, reason).await,
+        Decision::Refuse { refusal, id, kind } => return refused(refusal, id, kind).await,
+        Decision::Guard {
+            key,
+            id,
+            fingerprint,
+        } => (key, id, fingerprint),
     };
-    let tool = call.params.name.as_str();
-    if let Labelled::ToolCall(Some(named)) = &labelled
-        && named != tool
-    {
-        let refusal = Refusal::new(
-            codes::HEADER_MISMATCH,
-            format!("Mcp-Name says {named}, but the body calls {tool}"),
-        )
-        .status(StatusCode::BAD_REQUEST);
-        return refused(refusal, call.id, RejectionKind::BodyUnreadable).await;
-    }
-    // A call without an id is a notification: nothing answers it, and the
-    // server refuses it as a call.
-    let Some(id) = call.id.map(ToOwned::to_owned) else {
-        return pass(parts, bytes, BypassReason::NoKey).await;
-    };
-    if door.unguarded.contains(tool) {
-        return pass(parts, bytes, BypassReason::UnguardedTool).await;
-    }
-    let key = match call.key(&door.key) {
-        Ok(Some(key)) => key,
-        Ok(None) if door.requires_key(tool) => {
-            let refusal = Refusal::new(
-                codes::INVALID_PARAMS,
-                format!(
-                    "the tool {tool} needs an idempotency key: a unique string in {}, the same on every retry of this call",
-                    door.key.describe()
-                ),
-            );
-            return refused(refusal, Some(&id), RejectionKind::MissingKey).await;
-        }
-        Ok(None) => return pass(parts, bytes, BypassReason::NoKey).await,
-        Err(why) => {
-            let refusal = Refusal::new(
-                codes::INVALID_PARAMS,
-                format!(
-                    "the idempotency key in {} is not valid: {why}",
-                    door.key.describe()
-                ),
-            );
-            return refused(refusal, Some(&id), RejectionKind::InvalidKey(why)).await;
-        }
-    };
-    let fingerprint = call.fingerprint();
     let Some(scope) = shared.scope.scope(&parts) else {
         if shared.config.pass_through_without_scope {
             return pass(parts, bytes, BypassReason::NoScope).await;

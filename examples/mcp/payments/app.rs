@@ -74,13 +74,20 @@ impl Ledger {
                 charges::insert::<sqlx::MySql>(&mut *tx, account, charge).await
             }
         };
-        written.map_err(|error| {
-            tracing::error!(%error, "create_charge: the charge could not be written");
-            ErrorData::internal_error(
-                "the charge could not be recorded; nothing was charged",
-                None,
-            )
-        })
+        written.map_err(not_written)
+    }
+
+    /// Records `charge` on its own, committed at once: the benchmark's
+    /// server without the door.
+    async fn insert_alone(&self, account: &str, charge: &Charge) -> Result<(), ErrorData> {
+        let written = match self {
+            Self::Sqlite(pool) => charges::insert(pool, account, charge).await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(pool) => charges::insert(pool, account, charge).await,
+            #[cfg(feature = "mysql")]
+            Self::MySql(pool) => charges::insert(pool, account, charge).await,
+        };
+        written.map_err(not_written)
     }
 
     async fn list(&self, account: &str) -> Result<Vec<Charge>, sqlx::Error> {
@@ -92,6 +99,14 @@ impl Ledger {
             Self::MySql(pool) => charges::list(pool, account).await,
         }
     }
+}
+
+fn not_written(error: sqlx::Error) -> ErrorData {
+    tracing::error!(%error, "create_charge: the charge could not be written");
+    ErrorData::internal_error(
+        "the charge could not be recorded; nothing was charged",
+        None,
+    )
 }
 
 /// The call's transaction, lent by the MCP door.
@@ -162,15 +177,19 @@ pub struct ChargeList {
 pub struct Payments {
     ledger: Ledger,
     processor_latency: Duration,
+    /// Whether charges go in the call's transaction (behind the door), or
+    /// commit on their own (the benchmark's floor).
+    in_call: bool,
     tool_router: ToolRouter<Self>,
 }
 
 #[tool_router]
 impl Payments {
-    pub fn new(ledger: Ledger, processor_latency: Duration) -> Self {
+    pub fn new(ledger: Ledger, processor_latency: Duration, in_call: bool) -> Self {
         Self {
             ledger,
             processor_latency,
+            in_call,
             tool_router: Self::tool_router(),
         }
     }
@@ -204,7 +223,11 @@ impl Payments {
             currency: new.currency,
             description: new.description,
         };
-        self.ledger.insert(&parts, &account, &charge).await?;
+        if self.in_call {
+            self.ledger.insert(&parts, &account, &charge).await?;
+        } else {
+            self.ledger.insert_alone(&account, &charge).await?;
+        }
         let structured = serde_json::to_value(&charge).expect("a charge serialises");
         Ok(CallToolResult::structured(structured))
     }
@@ -245,17 +268,41 @@ pub fn app<St: Store + Clone>(store: St, ledger: Ledger, settings: &Settings) ->
     )
     .require_key_for(["create_charge"])
     .unguarded(["list_charges"]);
-    let server = Payments::new(ledger, settings.processor_latency);
-    let mcp = StreamableHttpService::new(
+    let server = Payments::new(ledger, settings.processor_latency, true);
+    routed(door.layer(tool_server(server, settings)))
+}
+
+/// The same tool server without the door, each charge committed on its
+/// own: what the benchmark compares the door with.
+#[allow(dead_code)] // the benchmark's, not the example's
+pub fn bare(ledger: Ledger, settings: &Settings) -> Router {
+    let server = Payments::new(ledger, settings.processor_latency, false);
+    routed(tool_server(server, settings))
+}
+
+/// rmcp's Streamable HTTP service: stateless (protocol 2026-07-28).
+fn tool_server(
+    server: Payments,
+    settings: &Settings,
+) -> StreamableHttpService<Payments, NeverSessionManager> {
+    StreamableHttpService::new(
         move || Ok(server.clone()),
         Arc::new(NeverSessionManager::default()),
         StreamableHttpServerConfig::default()
             .with_legacy_session_mode(false)
             .with_json_response(settings.json_response)
             .with_sse_keep_alive(None),
-    );
+    )
+}
+
+fn routed<S>(mcp: S) -> Router
+where
+    S: tower::Service<Request, Error = std::convert::Infallible> + Clone + Send + Sync + 'static,
+    S::Response: IntoResponse,
+    S::Future: Send + 'static,
+{
     Router::new()
-        .route_service("/mcp", door.layer(mcp))
+        .route_service("/mcp", mcp)
         .layer(middleware::from_fn(authenticate))
 }
 

@@ -21,21 +21,52 @@ use tower_idempotency_harness::{redis_server::free_port, sqlite::TestFile};
 use http_support::{HttpClient, Reply};
 use process::Example;
 
-/// The example on a database file of its own.
+/// A database of the test's own: charges and records.
+enum Database {
+    Sqlite(TestFile),
+    #[cfg(feature = "postgres")]
+    Postgres(tower_idempotency_harness::postgres::TestDatabase),
+    #[cfg(feature = "mysql")]
+    MySql(tower_idempotency_harness::mysql::TestDatabase),
+}
+
+impl Database {
+    fn url(&self) -> String {
+        match self {
+            Self::Sqlite(file) => file.url(),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(db) => db.url().to_owned(),
+            #[cfg(feature = "mysql")]
+            Self::MySql(db) => db.url().to_owned(),
+        }
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        match self {
+            Self::Sqlite(file) => file.count(sql).await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(db) => db.count(sql).await,
+            #[cfg(feature = "mysql")]
+            Self::MySql(db) => db.count(sql).await,
+        }
+    }
+}
+
+/// The example on a database of its own.
 struct Server {
     example: Example,
-    file: TestFile,
+    file: Database,
     client: HttpClient,
 }
 
 impl Server {
     fn start(env: &[(&str, &str)]) -> Self {
-        Self::on(TestFile::create(), free_port(), env)
+        Self::on(Database::Sqlite(TestFile::create()), free_port(), env)
     }
 
     /// On `file`, at `port`, with `env`; the tool's log lines printed, so a
     /// test can tell when a call is under way.
-    fn on(file: TestFile, port: u16, env: &[(&str, &str)]) -> Self {
+    fn on(file: Database, port: u16, env: &[(&str, &str)]) -> Self {
         let url = file.url();
         let mut all = vec![
             ("DATABASE_URL", url.as_str()),
@@ -242,7 +273,28 @@ async fn a_call_re_sent_with_new_ids_and_other_meta_charges_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn twenty_concurrent_duplicates_charge_once() {
-    let server = Server::start(&[("PROCESSOR_LATENCY_MS", "300")]);
+    concurrent_duplicates_charge_once(Server::start(&[("PROCESSOR_LATENCY_MS", "300")])).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_duplicates_charge_once_on_postgres() {
+    let db = Database::Postgres(tower_idempotency_harness::postgres::TestDatabase::create());
+    let server = Server::on(db, free_port(), &[("PROCESSOR_LATENCY_MS", "300")]);
+    concurrent_duplicates_charge_once(server).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_concurrent_duplicates_charge_once_on_mysql() {
+    let db = Database::MySql(tower_idempotency_harness::mysql::TestDatabase::create());
+    let server = Server::on(db, free_port(), &[("PROCESSOR_LATENCY_MS", "300")]);
+    concurrent_duplicates_charge_once(server).await;
+}
+
+/// 20 duplicates at once: one charge; every other answer the charge or the
+/// in-flight refusal. Then a retry with a new id replays it.
+async fn concurrent_duplicates_charge_once(server: Server) {
     let replies = futures_util::future::join_all((0..20).map(|i| {
         server.send(
             Call::charge("order-burst", 500)
@@ -268,7 +320,14 @@ async fn twenty_concurrent_duplicates_charge_once() {
         charged.iter().all(|id| *id == charged[0]),
         "one charge: {charged:?}"
     );
+    let retry = until_answered(&server, Call::charge("order-burst", 500)).await;
+    assert!(retry.is_replay());
+    assert_eq!(
+        message(&retry)["result"]["structuredContent"]["id"],
+        charged[0]
+    );
     assert_eq!(server.charges().await, 1);
+    assert_eq!(server.begun(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
