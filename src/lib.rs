@@ -75,6 +75,10 @@
 //! - **gRPC** — the same layer on a tonic server: unary calls guarded, the
 //!   reply replayed with its trailers, rejections as gRPC statuses
 //!   ([`guide::grpc`]).
+//! - **MCP** — `mcp::McpIdempotencyLayer` (feature `mcp`) in front of a
+//!   Streamable HTTP MCP server: an AI agent's `tools/call`, re-sent with a
+//!   new id, runs once; the final JSON-RPC response is replayed with the
+//!   retry's id ([`guide::mcp`]).
 //! - **Queue consumers** — [`message::IdempotencyProcessor`]: the same
 //!   protocol keyed by a business identifier, which keeps each delivery in
 //!   hand until it is decided, so that no order is lost ([`message`],
@@ -123,6 +127,7 @@
 //! | `metrics` | | counters and histograms through the `metrics` facade |
 //! | `compression` | | zstd for stored bodies ([`codec::Compression`], opt-in per store) |
 //! | `client` | | `client::IdempotentClientLayer`: one key per call, safe retries |
+//! | `mcp` | | `mcp::McpIdempotencyLayer`: an MCP `tools/call` runs once, in front of any Streamable HTTP MCP server |
 //! | `openapi` | | `openapi::IdempotencyDocs`: the layer's headers and refusals in a utoipa 6 document (re-exports `utoipa`) |
 //! | `testing` | | `testing::StoreContract`: the store contract, for a custom store's tests |
 //! | `opentelemetry` | | W3C trace context across a chain: the outbox writes the request's `traceparent` into its messages, the consumer door continues it |

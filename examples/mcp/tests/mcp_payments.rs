@@ -386,6 +386,16 @@ async fn other_methods_and_unguarded_tools_pass_through_untouched() {
         "{tools}"
     );
     assert!(!list.is_replay());
+    let create = tools
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "create_charge")
+        .unwrap();
+    assert!(
+        create["outputSchema"]["properties"]["id"].is_object(),
+        "the charge's schema: {create}"
+    );
 
     server
         .send(Call::charge("order-3", 100).request(&server))
