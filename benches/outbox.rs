@@ -9,7 +9,10 @@
 //! - **commit → publish**: the latency from a request's commit to its
 //!   message's publication by a relay in another process's place (its
 //!   own pool, woken by `LISTEN/NOTIFY`), p50 and p99;
-//! - **idle cost**: the statements an idle relay runs per second.
+//! - **idle cost**: the statements an idle relay runs per second;
+//! - **takeover**: a relay killed between publishing and marking (it stops
+//!   renewing its claim), and the seconds until a relay on the defaults
+//!   beside it publishes the message again.
 //!
 //! The publisher keeps messages in memory (the broker's own cost is not the
 //! relay's; `examples/consumers/benches/messages.rs` compares the relay with
@@ -44,6 +47,56 @@ impl Publisher for Kept {
             .push((message.id.clone(), Instant::now()));
         Ok(())
     }
+}
+
+/// Publishes, then never returns: a relay that dies before it marks.
+struct PublishesThenHangs(Kept);
+
+impl Publisher for PublishesThenHangs {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        self.0.publish(message).await?;
+        std::future::pending().await
+    }
+}
+
+/// One message, a relay that publishes it and dies before marking it (its
+/// round dropped: no renewal, no mark), and a relay on the defaults
+/// running beside it: seconds from the death to the message's next
+/// publication.
+async fn takeover(pool: &sqlx::PgPool, outbox: &Outbox<Postgres>, round: u32) -> f64 {
+    pending(pool, 1, 1, &format!("takeover{round}-")).await;
+    let first = Kept::default();
+    let dying = OutboxRelay::new(outbox.clone(), PublishesThenHangs(first.clone()));
+    {
+        let work = dying.run_once();
+        tokio::pin!(work);
+        let bound = Instant::now() + Duration::from_secs(30);
+        while first.0.lock().unwrap().is_empty() {
+            assert!(Instant::now() < bound, "never published");
+            tokio::select! {
+                _ = &mut work => panic!("a hung publish never ends its round"),
+                () = tokio::time::sleep(Duration::from_millis(1)) => {}
+            }
+        }
+    }
+    let died = Instant::now();
+    let next = Kept::default();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let relay = OutboxRelay::new(outbox.clone(), next.clone());
+    let running = tokio::spawn(relay.run(async move {
+        let _ = stopped.await;
+    }));
+    while next.0.lock().unwrap().is_empty() {
+        assert!(
+            died.elapsed() < Duration::from_secs(120),
+            "never taken over"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = died.elapsed();
+    let _ = stop.send(());
+    running.await.unwrap();
+    took.as_secs_f64()
 }
 
 async fn store(url: &str) -> PostgresTxStore {
@@ -239,9 +292,9 @@ async fn main() {
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     println!("outbox relay on PostgreSQL, one relay, {rounds} rounds");
     println!(
-        "| round | 4 000 on 64 keys msg/s | 4 000 on 1 key msg/s | ratio | sweep rows/s | commit→publish p50 / p99 ms | idle statements/s |"
+        "| round | 4 000 on 64 keys msg/s | 4 000 on 1 key msg/s | ratio | sweep rows/s | commit→publish p50 / p99 ms | idle statements/s | killed relay → next publication s |"
     );
-    println!("|---|---:|---:|---:|---:|---|---:|");
+    println!("|---|---:|---:|---:|---:|---|---:|---:|");
     for round in 0..rounds {
         pending(&pool, 4000, 64, &format!("spread{round}-")).await;
         let spread = drain(&outbox, 4000).await;
@@ -260,8 +313,9 @@ async fn main() {
             .unwrap();
         let latencies = latency(&url, 200, round).await;
         let idle = idle().await;
+        let takeover = takeover(&pool, &outbox, round).await;
         println!(
-            "| {} | {spread:.0} | {hot:.0} | {:.2} | {swept:.0} | {:.1} / {:.1} | {idle:.2} |",
+            "| {} | {spread:.0} | {hot:.0} | {:.2} | {swept:.0} | {:.1} / {:.1} | {idle:.2} | {takeover:.2} |",
             round + 1,
             hot / spread,
             percentile(&latencies, 0.5).as_secs_f64() * 1000.0,

@@ -43,6 +43,18 @@ impl Publisher for Hangs {
     }
 }
 
+/// A broker that takes its time to confirm each message; `publishing`
+/// once it has begun.
+struct Slow(Broker, Duration, Arc<AtomicBool>);
+
+impl Publisher for Slow {
+    async fn publish(&self, message: &OutboxMessage) -> Result<(), PublishError> {
+        self.2.store(true, Ordering::SeqCst);
+        tokio::time::sleep(self.1).await;
+        self.0.publish(message).await
+    }
+}
+
 /// Fails the message `at` once (the broker unavailable), then passes on.
 struct FailsOnce {
     broker: Broker,
@@ -300,6 +312,39 @@ macro_rules! outbox_suite {
                 let ids = broker.ids();
                 assert_eq!(ids.len(), 2);
                 assert_eq!(ids[0], ids[1], "republished with the same id");
+            }
+
+            /// A relay whose broker takes longer than its claim to confirm
+            /// keeps the claim alive: another relay looking meanwhile takes
+            /// nothing, and the message is published once.
+            async fn a_slow_broker_keeps_the_claim_alive_and_nothing_goes_out_twice(b: B) {
+                let (store, _charges, outbox) = outbox_of(&b).await;
+                enqueue_many(&store, &outbox, 1, 1).await;
+                let broker = Broker::default();
+                let claim = Duration::from_millis(1500);
+                let publishing = Arc::new(AtomicBool::new(false));
+                let slow = OutboxRelay::new(
+                    outbox.clone(),
+                    Slow(broker.clone(), claim * 3, publishing.clone()),
+                )
+                .claim_for(claim);
+                let slow = tokio::spawn(async move { slow.run_once().await });
+                while !publishing.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                let other = OutboxRelay::new(outbox.clone(), broker.clone()).claim_for(claim);
+                let mut looked = 0;
+                while !slow.is_finished() {
+                    let round = other.run_once().await.unwrap();
+                    assert_eq!(round.claimed, 0, "left to the live relay");
+                    looked += 1;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                let round = slow.await.unwrap().unwrap();
+                assert_eq!((round.claimed, round.published), (1, 1));
+                assert!(looked > 10, "the other relay looked while it published");
+                assert_eq!(other.run_once().await.unwrap().claimed, 0, "marked sent");
+                assert_eq!(broker.count(), 1, "published once");
             }
 
             /// A message the broker refuses is kept, reported, and published once
@@ -771,6 +816,11 @@ macro_rules! outbox_suite {
             async fn relay_dead_before_marking() {
                 a_relay_dead_before_marking_is_followed_by_a_republish_with_the_same_id(backend())
                     .await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn slow_broker() {
+                a_slow_broker_keeps_the_claim_alive_and_nothing_goes_out_twice(backend()).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

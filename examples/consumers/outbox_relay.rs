@@ -47,8 +47,9 @@
 //! `RELAY_BATCH` (default 256), `RELAY_POLL_MS` (default 1000: how often
 //! an idle relay looks; it wakes at once at a commit it hears of — every
 //! commit on PostgreSQL, through `LISTEN`),
-//! `RELAY_CLAIM_MS` (default 30000: how long a message another relay
-//! claimed is left to it); `PUBLISHED_PAUSE_MS` (default 0: a pause after
+//! `RELAY_CLAIM_MS` (default 3000: how long a claim holds its messages
+//! without word from its relay — a live relay renews it while it works, a
+//! killed one's messages are taken over once it lapses); `PUBLISHED_PAUSE_MS` (default 0: a pause after
 //! each publication, before it is marked sent — the window a crash
 //! republishes, widened for the tests).
 //!
@@ -152,7 +153,7 @@ async fn relay(outbox: impl OutboxTable, publisher: Announced) {
     let relay = OutboxRelay::new(outbox, publisher)
         .batch(number("RELAY_BATCH", 256) as u32)
         .poll_interval(Duration::from_millis(number("RELAY_POLL_MS", 1000)))
-        .claim_for(Duration::from_millis(number("RELAY_CLAIM_MS", 30_000)));
+        .claim_for(Duration::from_millis(number("RELAY_CLAIM_MS", 3_000)));
     let mut term = signal(SignalKind::terminate())
         .unwrap_or_else(|e| exit_with(&format!("listening for SIGTERM: {e}")));
     println!("relaying {}", env::var("OUTBOX_BROKER").unwrap_or_default());

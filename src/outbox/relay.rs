@@ -139,8 +139,8 @@ enum Outcome {
 impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
     /// A relay of `table` (an `Outbox`, with a SQL feature) through
     /// `publisher`: batches of 256, a poll every second while idle (at once
-    /// when a commit is heard of), claims of 30 s, back-off from 500 ms to
-    /// 30 s, sent messages kept 7 days.
+    /// when a commit is heard of), claims of 3 s kept alive while they are
+    /// worked on, back-off from 500 ms to 30 s, sent messages kept 7 days.
     ///
     /// # Examples
     ///
@@ -151,7 +151,7 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
             publisher,
             batch: 256,
             poll: Duration::from_secs(1),
-            claim_for: Duration::from_secs(30),
+            claim_for: Duration::from_secs(3),
             backoff: (Duration::from_millis(500), Duration::from_secs(30)),
             retention: Duration::from_secs(7 * 24 * 3600),
             outage: Mutex::new(None),
@@ -194,9 +194,16 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
         self
     }
 
-    /// How long a claimed message is left to its relay (default 30 s):
-    /// longer than publishing a batch takes. A relay that died is replaced
-    /// after it, publishing again with the same id.
+    /// How long a claim holds its messages without word from its relay
+    /// (default 3 s). The relay renews its claim every third of this while
+    /// it publishes, however long the broker takes; a relay that died
+    /// (killed, its machine gone) stops renewing, and another takes its
+    /// messages over once the claim lapses — within this and a poll —
+    /// publishing them again with the same id. Longer rides out longer
+    /// stalls of the relay itself (a paused process, a database slower than
+    /// a third of it to answer a renewal) without a second relay
+    /// publishing the same messages meanwhile; a claim answered after it
+    /// lapsed is given back unpublished.
     ///
     /// # Examples
     ///
@@ -254,15 +261,68 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
     /// ```
     pub async fn run_once(&self) -> Result<RelayRound, StoreError> {
         let claim = LeaseToken::generate();
+        let asked = Instant::now();
         let messages = self.table.claim(claim, self.batch, self.claim_for).await?;
-        let mut round = RelayRound {
-            claimed: messages.len(),
-            ..RelayRound::default()
-        };
         if messages.is_empty() {
-            return Ok(round);
+            return Ok(RelayRound::default());
         }
-        let runs = runs(&messages);
+        // A claim answered late may have lapsed on its way back, and another
+        // relay taken some of it: kept again at once, and published only if
+        // all of it is still this relay's.
+        if asked.elapsed() >= self.renew_every() {
+            let held = self.table.extend(claim, self.claim_for).await?;
+            if held < messages.len() as u64 {
+                tracing::warn!(
+                    claimed = messages.len(),
+                    held,
+                    took = ?asked.elapsed(),
+                    "idempotency: an outbox claim was answered after it lapsed; given back unpublished (a longer claim_for rides out a slower database)"
+                );
+                let settled = Settlement {
+                    released: messages.iter().map(|m| m.id.as_str()).collect(),
+                    ..Settlement::default()
+                };
+                self.table.settle(claim, &settled).await?;
+                return Ok(RelayRound {
+                    claimed: messages.len(),
+                    released: messages.len(),
+                    ..RelayRound::default()
+                });
+            }
+        }
+        tokio::select! {
+            biased;
+            round = self.publish_and_settle(claim, &messages) => round,
+            never = self.keep_alive(claim) => match never {},
+        }
+    }
+
+    /// How often a claim is renewed while its round works: a third of it,
+    /// so that a renewal may be late, or fail once, without the claim
+    /// lapsing.
+    fn renew_every(&self) -> Duration {
+        self.claim_for / 3
+    }
+
+    /// Renews `claim` while the round works; never returns. A relay that
+    /// dies stops renewing, and its claim lapses within `claim_for`.
+    async fn keep_alive(&self, claim: LeaseToken) -> std::convert::Infallible {
+        loop {
+            tokio::time::sleep(self.renew_every()).await;
+            if let Err(error) = self.table.extend(claim, self.claim_for).await {
+                tracing::warn!(%error, "idempotency: an outbox claim could not be renewed; it lapses unless a later renewal succeeds");
+            }
+        }
+    }
+
+    /// Publishes each key's run of a claimed batch in order (the keys side
+    /// by side), then settles what happened.
+    async fn publish_and_settle(
+        &self,
+        claim: LeaseToken,
+        messages: &[OutboxMessage],
+    ) -> Result<RelayRound, StoreError> {
+        let runs = runs(messages);
         let outcomes =
             futures_util::future::join_all(runs.iter().map(|run| self.publish_run(run))).await;
         let mut settled = Settlement::default();
@@ -281,17 +341,13 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
                 }
             }
         }
-        (
-            round.published,
-            round.retried,
-            round.refused,
-            round.released,
-        ) = (
-            settled.sent.len(),
-            settled.retried.len(),
-            settled.refused.len(),
-            settled.released.len(),
-        );
+        let round = RelayRound {
+            claimed: messages.len(),
+            published: settled.sent.len(),
+            retried: settled.retried.len(),
+            refused: settled.refused.len(),
+            released: settled.released.len(),
+        };
         self.table.settle(claim, &settled).await?;
         observe::outbox(round.published, round.retried, round.refused);
         self.broker_was(unavailable, &round);

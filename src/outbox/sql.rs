@@ -288,6 +288,11 @@ impl<D: OutboxEngine> OutboxTable for Outbox<D> {
         Ok(rows.into_iter().map(from_row).collect())
     }
 
+    /// One statement.
+    async fn extend(&self, claim: LeaseToken, claim_for: Duration) -> Result<u64, StoreError> {
+        self.table.extend(&claim.to_bytes(), claim_for).await
+    }
+
     /// One round trip: every statement of the settlement as text.
     async fn settle(&self, claim: LeaseToken, settled: &Settlement<'_>) -> Result<(), StoreError> {
         self.table
@@ -351,9 +356,9 @@ impl<D: OutboxEngine> OutboxBuilder<D> {
     /// marks and sweeps, `stats`, `requeue` — may take before it fails
     /// with [`StoreError::Timeout`] (default 10 s). Enqueueing is not
     /// bounded by it: it runs in the request's transaction, under the
-    /// store's own timeout. Keep it well below the relay's
-    /// [`claim_for`](super::OutboxRelay::claim_for), so that a claim
-    /// answered late still holds its messages.
+    /// store's own timeout. A claim answered after the relay's
+    /// [`claim_for`](super::OutboxRelay::claim_for) lapsed is given back
+    /// unpublished.
     ///
     /// # Examples
     ///

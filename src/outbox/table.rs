@@ -52,6 +52,11 @@ use crate::store::{LeaseToken, StoreError};
 ///             .map(|(message, held, _)| { *held = Some(claim); message.clone() })
 ///             .collect())
 ///     }
+///     async fn extend(&self, claim: LeaseToken, _: Duration) -> Result<u64, StoreError> {
+///         // Claims never lapse here: a claim keeps what it holds.
+///         let rows = self.0.lock().unwrap();
+///         Ok(rows.iter().filter(|(_, held, _)| *held == Some(claim)).count() as u64)
+///     }
 ///     async fn settle(&self, claim: LeaseToken, settled: &Settlement<'_>) -> Result<(), StoreError> {
 ///         for (message, held, sent) in self.0.lock().unwrap().iter_mut() {
 ///             if *held == Some(claim) {
@@ -80,6 +85,16 @@ pub trait OutboxTable: Send + Sync + 'static {
         batch: u32,
         claim_for: Duration,
     ) -> impl Future<Output = Result<Vec<OutboxMessage>, StoreError>> + Send;
+
+    /// Keeps the messages `claim` holds claimed for `claim_for` more, from
+    /// now — the relay's keep-alive while it publishes them: how many it
+    /// still holds (a claim that lapsed and was taken by another relay
+    /// holds fewer).
+    fn extend(
+        &self,
+        claim: LeaseToken,
+        claim_for: Duration,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Settles what `claim` holds: marks the messages `sent`, makes the
     /// `retried` ones due again after their back-off (keeping their error),

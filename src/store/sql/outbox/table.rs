@@ -346,6 +346,24 @@ impl<D: OutboxEngine> SqlOutbox<D> {
         self.read(&self.sql.claimed, &args).await
     }
 
+    /// Keeps what `token` holds claimed for `claim_for` more, from now:
+    /// how many messages it still holds.
+    pub(crate) async fn extend(
+        &self,
+        token: &[u8],
+        claim_for: Duration,
+    ) -> Result<u64, StoreError> {
+        let mut sql = Literal::new(&self.sql, now_ms());
+        sql.write()
+            .sql("UPDATE {t} SET next_at = ")
+            .now()
+            .sql(&format!(" + {} WHERE claimed_by = ", millis(claim_for)))
+            .bytes(token)
+            .sql(" AND state = 0")
+            .end();
+        self.write(sql.into_sql()).await
+    }
+
     /// Settles what `token` claimed, in one round trip: `sent` marked sent;
     /// `retried` due again after their back-off, with their error;
     /// `refused` kept for good, with why; `released` due again at once.
