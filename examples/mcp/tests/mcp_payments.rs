@@ -684,3 +684,45 @@ async fn rmcp_s_client_calling_twice_with_one_key_charges_once() {
     assert_eq!(server.charges().await, 1);
     assert_eq!(server.begun(), 1);
 }
+
+/// The MCP Python SDK (2.3, protocol 2026-07-28) as a second real client:
+/// it lists the tools and calls `create_charge` twice with one key in
+/// `_meta`. One charge. The SDK is installed by `scripts/services`, in
+/// `target/tools/python` (or `MCP_PYTHON` names a Python that has it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_sdk_calling_twice_with_one_key_charges_once() {
+    let python = std::env::var("MCP_PYTHON").unwrap_or_else(|_| {
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../target/tools/python/bin/python"
+        )
+        .to_owned()
+    });
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/python_client.py");
+    let server = Server::start(&[]);
+    let url = format!("http://{}/mcp", server.example.addr);
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(&python)
+            .args([script, &url, "acct_python", "py-order-1"])
+            .output(),
+    )
+    .await
+    .expect("the Python client finished")
+    .unwrap_or_else(|e| {
+        panic!("{python}: {e}; run scripts/services, which installs the MCP Python SDK (mcp 2.3)")
+    });
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "the Python client failed: {stderr}"
+    );
+    let got: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(got["tools"], json!(["create_charge", "list_charges"]));
+    let calls = got["calls"].as_array().unwrap();
+    assert_eq!(calls[0]["isError"], false);
+    assert!(calls[0]["structuredContent"]["id"].is_string());
+    assert_eq!(calls[0], calls[1], "the retry got the same charge");
+    assert_eq!(server.charges().await, 1);
+    assert_eq!(server.begun(), 1);
+}
