@@ -292,6 +292,56 @@ async fn twenty_concurrent_duplicates_charge_once_on_mysql() {
     concurrent_duplicates_charge_once(server).await;
 }
 
+/// The database out of reach mid-service (the relay to it cut): a call is
+/// refused with `-32012` and a retry hint, nothing charged; once it is
+/// back, the same call under the same key runs, once.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_out_of_reach_refuses_the_call_with_a_retry_hint_and_charges_nothing() {
+    use tower_idempotency_harness::{postgres::TestDatabase, relay::Relay};
+
+    let db = TestDatabase::create();
+    let relay = Relay::start(&db.host_port()).await;
+    let url = db.url_via(relay.port());
+    let example = Example::start_named(
+        "mcp_payments",
+        free_port(),
+        &[
+            ("DATABASE_URL", url.as_str()),
+            ("RUST_LOG", "mcp_payments=info"),
+        ],
+    );
+    let server = Server {
+        example,
+        file: Database::Postgres(db),
+        client: HttpClient::default(),
+    };
+    let warm = server
+        .send(Call::charge("order-warm", 100).request(&server))
+        .await;
+    assert!(message(&warm)["result"]["structuredContent"]["id"].is_string());
+    relay.cut();
+    let refused = server
+        .send(Call::charge("order-13", 1999).request(&server))
+        .await;
+    let error = &message(&refused)["error"];
+    assert_eq!(
+        error["code"],
+        json!(codes::STORE_UNAVAILABLE),
+        "{:?}",
+        refused.body
+    );
+    assert!(error["data"]["retryAfterMs"].as_u64().unwrap() > 0);
+    assert!(refused.header("retry-after").is_some());
+    relay.restore();
+    assert_eq!(server.charges().await, 1, "only the warm-up charged");
+    let retry = until_answered(&server, Call::charge("order-13", 1999)).await;
+    assert!(!retry.is_replay());
+    assert!(message(&retry)["result"]["structuredContent"]["id"].is_string());
+    assert_eq!(server.charges().await, 2);
+    assert_eq!(server.begun(), 2, "the refused call never ran");
+}
+
 /// 20 duplicates at once: one charge; every other answer the charge or the
 /// in-flight refusal. Then a retry with a new id replays it.
 async fn concurrent_duplicates_charge_once(server: Server) {
