@@ -104,10 +104,13 @@ pub(crate) fn decide<'a>(bytes: &'a [u8], labelled: &Labelled, door: &Door) -> D
             kind: RejectionKind::BodyUnreadable,
         };
     }
-    // Without an id it is a notification, not a call: nothing answers it,
-    // and the server refuses it as a call.
+    // Without an id it is a notification, which nothing answers: a call
+    // the door could neither deduplicate nor answer a retry of.
     let Some(id) = call.id else {
-        return Decision::Pass(BypassReason::NoKey);
+        return bad_request(
+            codes::INVALID_REQUEST,
+            "a tools/call is a request: it needs an id".into(),
+        );
     };
     if door.unguarded.contains(tool) {
         return Decision::Pass(BypassReason::UnguardedTool);
@@ -146,5 +149,98 @@ pub(crate) fn decide<'a>(bytes: &'a [u8], labelled: &Labelled, door: &Door) -> D
         key,
         id: id.to_owned(),
         fingerprint: call.fingerprint(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashSet;
+
+    use super::*;
+    use crate::mcp::{call::KeyPlace, layer::Required};
+
+    fn door() -> Door {
+        Door {
+            key: KeyPlace::Meta("idempotency-key".into()),
+            require_key: Required::These(HashSet::from(["pay".to_owned()])),
+            unguarded: HashSet::from(["list".to_owned()]),
+        }
+    }
+
+    fn labelled(name: &str) -> Labelled {
+        Labelled::ToolCall(Some(name.to_owned()))
+    }
+
+    fn refused_with(decision: Decision<'_>) -> i32 {
+        match decision {
+            Decision::Refuse { refusal, .. } => refusal.code,
+            _ => panic!("refused"),
+        }
+    }
+
+    #[test]
+    fn each_request_is_passed_refused_or_guarded() {
+        let door = door();
+        let call = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay","arguments":{"amount":1},"_meta":{"idempotency-key":"k"}}}"#;
+        assert!(matches!(
+            decide(call, &labelled("pay"), &door),
+            Decision::Guard { key, .. } if key.as_str() == "k"
+        ));
+        // Unlabelled (an older client): read to tell.
+        assert!(matches!(
+            decide(call, &Labelled::No, &door),
+            Decision::Guard { .. }
+        ));
+        assert!(matches!(
+            decide(
+                br#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#,
+                &Labelled::No,
+                &door
+            ),
+            Decision::Pass(BypassReason::UnguardedMethod)
+        ));
+        // Labelled a call, the body something else; named one tool, calling another.
+        assert_eq!(
+            refused_with(decide(
+                br#"{"jsonrpc":"2.0","id":1,"method":"ping"}"#,
+                &labelled("pay"),
+                &door
+            )),
+            codes::HEADER_MISMATCH
+        );
+        assert_eq!(
+            refused_with(decide(call, &labelled("list"), &door)),
+            codes::HEADER_MISMATCH
+        );
+        let list = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"list","_meta":{"idempotency-key":"k"}}}"#;
+        assert!(matches!(
+            decide(list, &labelled("list"), &door),
+            Decision::Pass(BypassReason::UnguardedTool)
+        ));
+        let keyless = br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay"}}"#;
+        assert_eq!(
+            refused_with(decide(keyless, &labelled("pay"), &door)),
+            codes::INVALID_PARAMS
+        );
+        let optional =
+            br#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"other"}}"#;
+        assert!(matches!(
+            decide(optional, &labelled("other"), &door),
+            Decision::Pass(BypassReason::NoKey)
+        ));
+        let notification = br#"{"jsonrpc":"2.0","method":"tools/call","params":{"name":"pay","_meta":{"idempotency-key":"k"}}}"#;
+        assert_eq!(
+            refused_with(decide(notification, &labelled("pay"), &door)),
+            codes::INVALID_REQUEST
+        );
+        assert_eq!(
+            refused_with(decide(b"{not json", &labelled("pay"), &door)),
+            codes::PARSE_ERROR
+        );
+        let batch = br#"[{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"pay"}}]"#;
+        assert_eq!(
+            refused_with(decide(batch, &Labelled::No, &door)),
+            codes::INVALID_REQUEST
+        );
     }
 }

@@ -110,8 +110,9 @@ pub mod codes {
     /// JSON-RPC's invalid params: a guarded tool's key is missing or not a
     /// valid key (the message says where it goes).
     pub const INVALID_PARAMS: i32 = -32602;
-    /// JSON-RPC's invalid request: not a JSON-RPC message, a batch that
-    /// calls a tool, or a body over the size limit.
+    /// JSON-RPC's invalid request: not a JSON-RPC message, a `tools/call`
+    /// without an id, a batch that calls a tool, or a body over the size
+    /// limit.
     pub const INVALID_REQUEST: i32 = -32600;
     /// JSON-RPC's parse error: the body is not JSON.
     pub const PARSE_ERROR: i32 = -32700;
