@@ -182,7 +182,7 @@ pub enum BypassReason {
     /// No `Idempotency-Key` and the key is not required.
     NoKey,
     /// An MCP tool the door was told not to guard
-    /// ([`McpIdempotencyLayer::unguarded`](crate::mcp::McpIdempotencyLayer::unguarded)).
+    /// (`mcp::McpIdempotencyLayer::unguarded`, feature `mcp`).
     UnguardedTool,
     /// The scope extractor returned `None`, and the layer
     /// [passes such requests through](crate::IdempotencyLayer::pass_through_without_scope).

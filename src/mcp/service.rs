@@ -123,7 +123,7 @@ where
                 BypassReason::UnguardedMethod,
             );
         }
-        let named = match call::head(request.headers()) {
+        let labelled = match call::head(request.headers()) {
             Head::Other => {
                 return passed(
                     self.inner.call(request.map(Body::new)),
@@ -147,7 +147,7 @@ where
             self.door.clone(),
             inner,
             request,
-            named,
+            labelled,
         ))
     }
 }
