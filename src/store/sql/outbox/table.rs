@@ -323,7 +323,10 @@ impl<D: OutboxEngine> SqlOutbox<D> {
         // Behind a head this claim holds, nobody else can claim: the run
         // is this claim's. A row of it another claim took and let lapse is
         // taken again; one whose claim has not lapsed (it lapses with its
-        // head, a moment later) is left for the next round.
+        // head, a moment later) is left for the next round. What this claim
+        // holds already (its heads, should they read as lapsed by now) is
+        // not counted again. Should a head have lapsed and been taken since,
+        // the relay finds out by renewing before it publishes.
         let mut runs = Literal::new(&self.sql, args.now);
         runs.write()
             .sql("UPDATE {t} SET claimed_by = ")
@@ -332,13 +335,17 @@ impl<D: OutboxEngine> SqlOutbox<D> {
             .now()
             .sql(&format!(" + {}, attempts = attempts + 1 WHERE state = 0 AND ordering_key IN ", args.ms))
             .texts(keys.iter().copied())
-            .sql(" AND (claimed_by IS NULL OR next_at <= ")
+            .sql(" AND (claimed_by IS NULL OR (next_at <= ")
             .now()
-            .sql(") AND seq IN (SELECT seq FROM (SELECT r.seq FROM {t} r WHERE r.state = 0 AND r.ordering_key IN ")
+            .sql(" AND claimed_by <> ")
+            .bytes(token)
+            .sql(")) AND seq IN (SELECT seq FROM (SELECT r.seq FROM {t} r WHERE r.state = 0 AND r.ordering_key IN ")
             .texts(keys.iter().copied())
-            .sql(" AND (r.claimed_by IS NULL OR r.next_at <= ")
+            .sql(" AND (r.claimed_by IS NULL OR (r.next_at <= ")
             .now()
-            .sql(&format!(") ORDER BY r.seq LIMIT {room}) AS pick)"))
+            .sql(" AND r.claimed_by <> ")
+            .bytes(token)
+            .sql(&format!(")) ORDER BY r.seq LIMIT {room}) AS pick)"))
             .end();
         if self.write(runs.into_sql()).await? == 0 {
             return Ok(heads);
