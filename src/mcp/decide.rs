@@ -8,7 +8,7 @@ use super::{
     answer::Refusal,
     call::{self, Unreadable},
     codes,
-    layer::Door,
+    door::Door,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -157,7 +157,7 @@ mod tests {
     use std::collections::HashSet;
 
     use super::*;
-    use crate::mcp::{call::KeyPlace, layer::Required};
+    use crate::mcp::{call::KeyPlace, door::Required};
 
     fn door() -> Door {
         Door {

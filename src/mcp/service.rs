@@ -24,7 +24,7 @@ use super::{
     call::{self, Head},
     codes,
     decide::{Decision, Labelled, decide},
-    layer::{CallFingerprint, Door, ToolCallFingerprint},
+    door::{CallFingerprint, Door, ToolCallFingerprint},
     server::{CallId, FinalResponse},
 };
 use crate::{
