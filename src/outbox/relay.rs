@@ -299,9 +299,10 @@ impl<T: OutboxTable, P: Publisher> OutboxRelay<T, P> {
 
     /// How often a claim is renewed while its round works: a third of it,
     /// so that a renewal may be late, or fail once, without the claim
-    /// lapsing.
+    /// lapsing (and never more often than every 10 ms, whatever a tiny
+    /// `claim_for` asks).
     fn renew_every(&self) -> Duration {
-        self.claim_for / 3
+        (self.claim_for / 3).max(Duration::from_millis(10))
     }
 
     /// Renews `claim` while the round works; never returns. A relay that
