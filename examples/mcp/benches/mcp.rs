@@ -2,6 +2,8 @@
 //! (first executions, then replays) against the same rmcp server without
 //! it, side by side in each round, on SQLite files of their own — and,
 //! with the `postgres` feature, on PostgreSQL databases of their own.
+//! First, the door over the memory store with each charge committed on
+//! its own, as the bare server commits it: the door's own cost.
 //!
 //! ```not_rust
 //! cargo bench -p tower-idempotency-mcp-examples --features postgres --bench mcp
@@ -49,6 +51,27 @@ fn settings() -> Settings {
         lease: Duration::from_secs(30),
         json_response: false,
     }
+}
+
+/// The door over the memory store, each charge committed on its own in a
+/// SQLite file: the door's own cost, beside the bare server's.
+async fn on_memory() -> (Router, Router, Box<dyn std::any::Any>) {
+    let (door_file, bare_file) = (TestFile::create(), TestFile::create());
+    let pool = tower_idempotency::sqlx::SqlitePool::connect(&door_file.url())
+        .await
+        .unwrap();
+    charges::create_table(&pool).await.unwrap();
+    let door = app::app_on_leases(
+        tower_idempotency::MemoryStore::new(),
+        Ledger::Sqlite(pool),
+        &settings(),
+    );
+    let pool = tower_idempotency::sqlx::SqlitePool::connect(&bare_file.url())
+        .await
+        .unwrap();
+    charges::create_table(&pool).await.unwrap();
+    let bare = app::bare(Ledger::Sqlite(pool), &settings());
+    (door, bare, Box::new((door_file, bare_file)))
 }
 
 /// The server with the door and without it, on SQLite files of their own.
@@ -193,6 +216,15 @@ async fn main() {
     let secs = env("MCP_SECS", 3);
     let concurrency = env("MCP_CONCURRENCY", 4);
     println!("rounds {rounds}, {secs} s each, {concurrency} in flight; calls/s");
+    let memory = on_memory().await;
+    run(
+        "memory (the door's own cost)",
+        memory,
+        rounds,
+        secs,
+        concurrency,
+    )
+    .await;
     let sqlite = on_sqlite().await;
     run("sqlite", sqlite, rounds, secs, concurrency).await;
     #[cfg(feature = "postgres")]
