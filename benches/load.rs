@@ -592,7 +592,7 @@ async fn pg_claim_first(
 /// in one; a duplicate rolls back and reads the stored response in one.
 /// The session reads committed data, as the store's claims do.
 async fn mysql_claim_first(
-    State((pool, event)): State<(MySqlPool, bool)>,
+    State((pool, event, guarded)): State<(MySqlPool, bool, bool)>,
     headers: http::HeaderMap,
     Json(new): Json<NewCharge>,
 ) -> Response {
@@ -600,8 +600,13 @@ async fn mysql_claim_first(
     let key = hex(plain.as_bytes());
     let executed = detached(async move {
         let mut on = pool.acquire().await.expect("a connection");
+        // Guarded as the store is: the session's autocommit off (a
+        // transaction a deadlock rolled back is not followed by statements
+        // that commit on their own), and back on before the connection
+        // returns to the pool.
+        let begin = if guarded { "SET autocommit = 0" } else { "BEGIN" };
         let claim = format!(
-            "BEGIN; INSERT INTO idempotency_records (`key`, fingerprint, expires_at) \
+            "{begin}; INSERT INTO idempotency_records (`key`, fingerprint, expires_at) \
              VALUES (X'{key}', X'{fp}', UTC_TIMESTAMP(3) + INTERVAL 600 SECOND)",
             fp = hex(&[7; 32]),
         );
@@ -613,20 +618,30 @@ async fn mysql_claim_first(
             Err(error)
                 if error.as_database_error().and_then(|e| e.code()).as_deref() == Some("23000") =>
             {
+                let restore = if guarded { " SET autocommit = 1;" } else { "" };
                 let read = format!(
-                    "ROLLBACK; SELECT record FROM idempotency_records WHERE `key` = X'{key}'"
+                    "ROLLBACK;{restore} SELECT record FROM idempotency_records WHERE `key` = X'{key}'"
                 );
                 return Err(read_stored!(on, read));
             }
             Err(error) => panic!("claim: {error}"),
         }
         insert_charge_mysql(&mut on, &new).await;
-        let complete = floor_completion(
+        let mut complete = floor_completion(
             &format!("`key` = X'{key}'"),
             event.then_some(&plain[65..]),
             &new,
             |bytes| format!("X'{}'", hex(bytes)),
         );
+        if guarded {
+            // The claim's row checked before the commit (gone: the
+            // overflow stops the batch), as the store checks it.
+            let commit = complete.len() - "; COMMIT".len();
+            complete.truncate(commit);
+            complete.push_str(
+                "; SET @floor_row = 9223372036854775807 + (1 - ROW_COUNT()); COMMIT; SET autocommit = 1",
+            );
+        }
         sqlx::raw_sql(sqlx::AssertSqlSafe(complete))
             .execute(&mut *on)
             .await
@@ -1160,7 +1175,15 @@ async fn start_variants(
             &["mysql-floor"],
             Router::new()
                 .route("/v1/charges", post(mysql_claim_first))
-                .with_state((mysql.pool().clone(), false)),
+                .with_state((mysql.pool().clone(), false, false)),
+        ),
+        (
+            "mysql-claim-floor-guarded",
+            Keys::Unique,
+            &["mysql-claim-floor"],
+            Router::new()
+                .route("/v1/charges", post(mysql_claim_first))
+                .with_state((mysql.pool().clone(), false, true)),
         ),
         (
             "mysql-replay-floor",
@@ -1176,12 +1199,17 @@ async fn start_variants(
             &["mysql-floor"],
             Router::new()
                 .route("/v1/charges", post(mysql_claim_first))
-                .with_state((mysql.pool().clone(), false)),
+                .with_state((mysql.pool().clone(), false, false)),
         ),
         (
             "mysql-tx",
             Keys::Unique,
-            &["mysql-claim-floor", "mysql-floor", "mysql-floor-record"],
+            &[
+                "mysql-claim-floor",
+                "mysql-floor",
+                "mysql-floor-record",
+                "mysql-claim-floor-guarded",
+            ],
             mysql_in_transaction().layer(layer(mysql.clone())),
         ),
         (
@@ -1190,7 +1218,7 @@ async fn start_variants(
             &["mysql-claim-floor"],
             Router::new()
                 .route("/v1/charges", post(mysql_claim_first))
-                .with_state((mysql.pool().clone(), true)),
+                .with_state((mysql.pool().clone(), true, false)),
         ),
         (
             "mysql-tx-outbox",
