@@ -193,7 +193,7 @@ fn log_outage(throttle: &Throttle, key: &StorageKey, error: &StoreError, fail_op
 }
 
 /// Buffers the request body up to `limit` bytes; larger is `413`.
-async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, RejectionKind>
+pub(crate) async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, RejectionKind>
 where
     B: http_body::Body<Data = Bytes>,
 {

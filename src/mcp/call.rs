@@ -94,12 +94,10 @@ pub(crate) enum Unreadable {
 }
 
 /// A `tools/call` request.
-#[derive(Debug, Deserialize)]
+#[derive(Debug)]
 pub(crate) struct ToolCall<'a> {
     /// Absent in a notification: a `tools/call` without one is not a request.
-    #[serde(borrow, default)]
     pub(crate) id: Option<&'a RawValue>,
-    #[serde(borrow)]
     pub(crate) params: Params<'a>,
 }
 
@@ -134,9 +132,20 @@ impl KeyPlace {
     }
 }
 
-/// Reads a body.
+/// Reads a body: the message once, and a call's params from their own
+/// text.
 pub(crate) fn body(bytes: &[u8]) -> Result<Body<'_>, Unreadable> {
-    /// The method alone, whatever else the message holds.
+    /// A message, as far as telling a call from the rest goes.
+    #[derive(Deserialize)]
+    struct Message<'a> {
+        #[serde(default)]
+        method: Option<String>,
+        #[serde(borrow, default)]
+        id: Option<&'a RawValue>,
+        #[serde(borrow, default)]
+        params: Option<&'a RawValue>,
+    }
+    /// A batch's message: its method alone.
     #[derive(Deserialize)]
     struct Method {
         #[serde(default)]
@@ -150,19 +159,28 @@ pub(crate) fn body(bytes: &[u8]) -> Result<Body<'_>, Unreadable> {
             .any(|m| m.method.as_deref() == Some(TOOLS_CALL));
         return Ok(Body::Batch { calls_a_tool });
     }
-    let Method { method } = serde_json::from_slice(bytes).map_err(|e| {
+    let message: Message<'_> = serde_json::from_slice(bytes).map_err(|e| {
         if e.is_data() {
             Unreadable::NotJsonRpc("a JSON-RPC message is an object")
         } else {
             Unreadable::NotJson
         }
     })?;
-    if method.as_deref() != Some(TOOLS_CALL) {
-        return Ok(Body::Other { method });
+    if message.method.as_deref() != Some(TOOLS_CALL) {
+        return Ok(Body::Other {
+            method: message.method,
+        });
     }
-    let call: ToolCall<'_> = serde_json::from_slice(bytes)
-        .map_err(|_| Unreadable::NotJsonRpc("tools/call needs params with a string name"))?;
-    Ok(Body::ToolCall(call))
+    let params = message
+        .params
+        .and_then(|params| serde_json::from_str(params.get()).ok())
+        .ok_or(Unreadable::NotJsonRpc(
+            "tools/call needs params with a string name",
+        ))?;
+    Ok(Body::ToolCall(ToolCall {
+        id: message.id,
+        params,
+    }))
 }
 
 impl ToolCall<'_> {

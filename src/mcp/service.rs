@@ -29,7 +29,7 @@ use super::{
 };
 use crate::{
     http::{
-        buffer::{self, Buffered},
+        Inner,
         grpc::Wire,
         keyed::{self, KeyAt, KeyedRequest},
         observe,
@@ -183,7 +183,7 @@ fn refused<E: Send + 'static>(
 
 /// Reads a guarded request's call, refuses it or runs it through the
 /// protocol, and writes the protocol's answer for the call's id.
-async fn guard<S, St, Sc, P, ReqBody, ResBody>(
+async fn guard<S, St, Sc, P, ReqBody>(
     shared: Arc<Shared<St, Sc, P, ToolCallFingerprint>>,
     door: Arc<Door>,
     mut inner: S,
@@ -191,35 +191,17 @@ async fn guard<S, St, Sc, P, ReqBody, ResBody>(
     labelled: Labelled,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
+    S: Inner,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
-    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
     St: Store,
     Sc: ScopeExtractor,
     P: StorePolicy,
 {
     let (mut parts, body) = request.into_parts();
-    let limit = shared.config.max_request_body;
-    let bytes = match buffer::buffer(std::pin::pin!(body), limit).await {
-        Buffered::Complete(bytes, _) => bytes,
-        Buffered::TooLarge(..) => {
-            let refusal = Refusal::new(
-                codes::INVALID_REQUEST,
-                format!("the request body is larger than this server's limit of {limit} bytes"),
-            )
-            .status(StatusCode::PAYLOAD_TOO_LARGE);
-            return refused(refusal, None, RejectionKind::BodyTooLarge { limit }).await;
-        }
-        Buffered::Failed => {
-            let refusal =
-                Refusal::new(codes::INVALID_REQUEST, "the request body could not be read")
-                    .status(StatusCode::BAD_REQUEST);
-            return refused(refusal, None, RejectionKind::BodyUnreadable).await;
-        }
+    let bytes = match keyed::read_body(body, shared.config.max_request_body).await {
+        Ok(bytes) => bytes,
+        Err(kind) => return refused(refusal_of(&kind), None, kind).await,
     };
     let mut pass = |parts: Parts, bytes: Bytes, reason| {
         passed(
@@ -346,7 +328,12 @@ fn refusal_of(kind: &RejectionKind) -> Refusal {
         RejectionKind::BodyTooLarge { limit } => Refusal::new(
             codes::INVALID_REQUEST,
             format!("the request body is larger than this server's limit of {limit} bytes"),
-        ),
+        )
+        .status(StatusCode::PAYLOAD_TOO_LARGE),
+        RejectionKind::BodyUnreadable => {
+            Refusal::new(codes::INVALID_REQUEST, "the request body could not be read")
+                .status(StatusCode::BAD_REQUEST)
+        }
         RejectionKind::InvalidKey(why) => {
             Refusal::new(codes::INVALID_PARAMS, format!("the idempotency key is not valid: {why}"))
         }
