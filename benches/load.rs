@@ -636,10 +636,11 @@ async fn mysql_claim_first(
         if guarded {
             // The claim's row checked before the commit (gone: the
             // overflow stops the batch), as the store checks it.
-            let commit = complete.len() - "; COMMIT".len();
-            complete.truncate(commit);
-            complete.push_str(
-                "; SET @floor_row = 9223372036854775807 + (1 - ROW_COUNT()); COMMIT; SET autocommit = 1",
+            let update = complete
+                .strip_suffix("; COMMIT")
+                .expect("the floor's completion ends with its COMMIT");
+            complete = format!(
+                "{update}; SET @floor_row = 9223372036854775807 + (1 - ROW_COUNT()); COMMIT; SET autocommit = 1"
             );
         }
         sqlx::raw_sql(sqlx::AssertSqlSafe(complete))

@@ -53,24 +53,25 @@ fn settings() -> Settings {
     }
 }
 
+/// Charges in `file`, each committed on its own.
+async fn sqlite_charges(file: &TestFile) -> Ledger {
+    let pool = tower_idempotency::sqlx::SqlitePool::connect(&file.url())
+        .await
+        .unwrap();
+    charges::create_table(&pool).await.unwrap();
+    Ledger::Sqlite(pool)
+}
+
 /// The door over the memory store, each charge committed on its own in a
 /// SQLite file: the door's own cost, beside the bare server's.
 async fn on_memory() -> (Router, Router, Box<dyn std::any::Any>) {
     let (door_file, bare_file) = (TestFile::create(), TestFile::create());
-    let pool = tower_idempotency::sqlx::SqlitePool::connect(&door_file.url())
-        .await
-        .unwrap();
-    charges::create_table(&pool).await.unwrap();
     let door = app::app_on_leases(
         tower_idempotency::MemoryStore::new(),
-        Ledger::Sqlite(pool),
+        sqlite_charges(&door_file).await,
         &settings(),
     );
-    let pool = tower_idempotency::sqlx::SqlitePool::connect(&bare_file.url())
-        .await
-        .unwrap();
-    charges::create_table(&pool).await.unwrap();
-    let bare = app::bare(Ledger::Sqlite(pool), &settings());
+    let bare = app::bare(sqlite_charges(&bare_file).await, &settings());
     (door, bare, Box::new((door_file, bare_file)))
 }
 
@@ -86,11 +87,7 @@ async fn on_sqlite() -> (Router, Router, Box<dyn std::any::Any>) {
     charges::create_table(store.pool()).await.unwrap();
     let ledger = Ledger::Sqlite(store.pool().clone());
     let door = app::app(store, ledger, &settings());
-    let pool = tower_idempotency::sqlx::SqlitePool::connect(&bare_file.url())
-        .await
-        .unwrap();
-    charges::create_table(&pool).await.unwrap();
-    let bare = app::bare(Ledger::Sqlite(pool), &settings());
+    let bare = app::bare(sqlite_charges(&bare_file).await, &settings());
     (door, bare, Box::new((door_file, bare_file)))
 }
 
