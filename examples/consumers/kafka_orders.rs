@@ -13,10 +13,14 @@
 //! (default `orders`); `KAFKA_GROUP` (default `orders_consumer`: the
 //! consumer group; its committed offsets are only a hint);
 //! `DEAD_LETTER_TOPIC` (default `<topic>.dead`, created at start-up);
-//! `KAFKA_SESSION_TIMEOUT_MS` (default 10000); `DATABASE_URL` (required:
+//! `KAFKA_SESSION_TIMEOUT_MS` (default 10000); `KAFKA_ORDER` (`partition`,
+//! the default: each partition's records one after another; `key`: in
+//! order per record key — an account's orders in order, accounts side by
+//! side); `KAFKA_IN_HAND` (default 10: records in work at once, in all);
+//! `DATABASE_URL` (required:
 //! `sqlite://PATH`, `postgres://…` or `mysql://…`; the tables are created
 //! if missing, the positions table `idempotency_kafka_positions` too);
-//! `WORK_DELAY_MS`, `IDEMPOTENCY_LEASE_MS`,
+//! `WORK_DELAY_MS`, `WORK_DELAY_ORDERS`, `IDEMPOTENCY_LEASE_MS`,
 //! `IDEMPOTENCY_TX_TIMEOUT_MS`, `STARTUP_RETRY_S` as in `orders_consumer`.
 //!
 //! A record's value is JSON `{"order_id", "amount", "currency"}`; the order
@@ -26,8 +30,10 @@
 //! partition seeks to its stored position (its earliest offset when none is
 //! stored), so a new `KAFKA_GROUP` on the same database executes nothing
 //! again. The loop is the library's (`tower-idempotency-kafka`):
-//! partitions side by side, each in order; an outage keeps a record in
-//! hand (its partition waits behind it), never skips it; what can never
+//! partitions side by side, each in order (or each key in order); the
+//! stored position moves only past records decided, so an outage keeps a
+//! record in hand (the records behind it on its partition or key wait),
+//! never skips it; what can never
 //! succeed goes to the dead-letter topic with `dead-letter-reason`,
 //! `original-topic`, `original-partition` and `original-offset` headers
 //! before the position moves past it.
@@ -60,6 +66,14 @@ async fn main() {
         group: var("KAFKA_GROUP", "orders_consumer"),
         session_timeout: millis("KAFKA_SESSION_TIMEOUT_MS", 10_000)
             .unwrap_or_else(|why| exit_with(&why)),
+        by_key: match var("KAFKA_ORDER", "partition").as_str() {
+            "partition" => false,
+            "key" => true,
+            other => exit_with(&format!(
+                "KAFKA_ORDER must be partition or key, not {other:?}"
+            )),
+        },
+        in_hand: count("KAFKA_IN_HAND", 10).unwrap_or_else(|why| exit_with(&why)),
         topic,
     };
     orders::with_ledger(consumer, settings).await;
@@ -72,6 +86,21 @@ struct KafkaOrders {
     group: String,
     dead_letters: String,
     session_timeout: Duration,
+    by_key: bool,
+    in_hand: usize,
+}
+
+/// A count from the environment, at least 1.
+fn count(name: &str, default: usize) -> Result<usize, String> {
+    match std::env::var(name) {
+        Err(_) => Ok(default),
+        Ok(value) => match value.parse() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(format!(
+                "{name} must be a whole number from 1, not {value:?}"
+            )),
+        },
+    }
 }
 
 impl OnLedger for KafkaOrders {
@@ -90,12 +119,14 @@ impl OnLedger for KafkaOrders {
             );
         let kafka = Kafka::builder(config, self.topic.clone(), "kafka_orders", store.clone())
             .dead_letter_topic(self.dead_letters)
+            .in_order_per_key(self.by_key)
             .build()
             .await
             .unwrap_or_else(|e| exit_with(&e.to_string()));
         say(&format!("receiving from {}", self.topic));
         let orders = orders::processor(store, "kafka_orders", &settings);
         KafkaConsumer::new(kafka, orders)
+            .in_hand(self.in_hand)
             .passing_when(orders::passing)
             .on_settled(|report| {
                 if let Some(line) = orders::line(report, |record| record.coordinates()) {
@@ -104,7 +135,7 @@ impl OnLedger for KafkaOrders {
             })
             .run(
                 orders::parse,
-                orders::charging::<St>(settings.work_delay),
+                orders::charging::<St>(settings.work_delay.clone()),
                 orders::sigterm(),
             )
             .await

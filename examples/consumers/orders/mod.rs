@@ -53,8 +53,10 @@ pub struct Settings {
     /// (required).
     pub database_url: String,
     /// `WORK_DELAY_MS` (default 0): how long the work takes after
-    /// inserting its row, before its commit — the payment processor.
-    pub work_delay: Duration,
+    /// inserting its row, before its commit — the payment processor;
+    /// `WORK_DELAY_ORDERS` (comma-separated order ids; default every
+    /// order): the orders it delays.
+    pub work_delay: WorkDelay,
     /// `ACK_DELAY_MS` (default 0): a pause between the commit and the
     /// acknowledgement, to widen that crash window.
     pub ack_delay: Duration,
@@ -107,11 +109,33 @@ impl Settings {
         Database::of(&database_url)?;
         Ok(Self {
             database_url,
-            work_delay: millis("WORK_DELAY_MS", 0)?,
+            work_delay: WorkDelay {
+                delay: millis("WORK_DELAY_MS", 0)?,
+                only: env::var("WORK_DELAY_ORDERS")
+                    .ok()
+                    .map(|ids| ids.split(',').map(str::to_owned).collect()),
+            },
             ack_delay: millis("ACK_DELAY_MS", 0)?,
             lease,
             tx_timeout,
         })
+    }
+}
+
+/// How long the payment processor takes, and for which orders (default:
+/// no time).
+#[derive(Clone, Default)]
+pub struct WorkDelay {
+    delay: Duration,
+    only: Option<Vec<String>>,
+}
+
+impl WorkDelay {
+    fn of(&self, order: &Order) -> Duration {
+        match &self.only {
+            Some(ids) if !ids.contains(&order.order_id) => Duration::ZERO,
+            _ => self.delay,
+        }
     }
 }
 
@@ -198,7 +222,11 @@ impl<B: Broker> OnLedger for Example<B> {
                     say(&line);
                 }
             })
-            .run(parse, charging::<St>(settings.work_delay), sigterm())
+            .run(
+                parse,
+                charging::<St>(settings.work_delay.clone()),
+                sigterm(),
+            )
             .await
     }
 }
@@ -217,11 +245,11 @@ pub fn processor<St: Ledger>(
 /// The work: the order's charge in the claim's transaction, then the
 /// payment processor (`WORK_DELAY_MS`), before the commit.
 pub fn charging<St: Ledger>(
-    work_delay: Duration,
+    work_delay: WorkDelay,
 ) -> impl AsyncFn(&mut St::Granted, &Order) -> Result<String, sqlx::Error> {
     async move |tx: &mut St::Granted, order: &Order| {
         St::charge(tx, order).await?;
-        tokio::time::sleep(work_delay).await;
+        tokio::time::sleep(work_delay.of(order)).await;
         Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
     }
 }

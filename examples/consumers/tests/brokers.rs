@@ -1,6 +1,7 @@
 //! What every consumer promises, written once and run on every broker —
 //! SQS (moto), NATS JetStream (a private `nats-server -js`), RabbitMQ (the
-//! local broker), Kafka (a private `tansu`) — each through its consumer
+//! local broker), Kafka (a private `tansu`; each partition in order, and
+//! each key in order) — each through its consumer
 //! example, counting rows of `order_charges` (no unique constraint: a
 //! double execution shows), dead letters and what the broker still holds:
 //!
@@ -325,3 +326,4 @@ broker_cases!(sqs, Sqs);
 broker_cases!(nats, Nats);
 broker_cases!(rabbitmq, RabbitMq);
 broker_cases!(kafka, Kafka);
+broker_cases!(kafka_by_key, Kafka<true>);

@@ -206,6 +206,69 @@ async fn killed_mid_work_the_position_never_passed_the_record_in_hand() {
     );
 }
 
+/// In order per key, on one partition: the first order is held in its
+/// work (its row inserted, uncommitted) while the three behind it, other
+/// accounts, are charged and committed — side by side within the
+/// partition, which the partition's order cannot do — yet the stored
+/// position never passes the order in work. Killed (-9) there, the restart charges that
+/// order; the three decided beyond it are duplicates, never charged
+/// again, and the position then stands past all four.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_order_per_key_other_keys_pass_a_record_in_work_and_the_position_never_does() {
+    let server = KafkaServer::start();
+    let topic = TestTopic::create(&server, 1).await;
+    let db = TestDatabase::create();
+    produce_orders(&topic, 4).await;
+    let mut c = consumer(
+        &server,
+        &topic,
+        "g1",
+        db.url(),
+        &[
+            ("KAFKA_ORDER", "key"),
+            ("WORK_DELAY_MS", "120000"),
+            ("WORK_DELAY_ORDERS", "order-0"),
+        ],
+    )
+    .await;
+    for i in 1..4 {
+        c.wait_for(|l| l == format!("executed order-{i}")).await;
+    }
+    assert_eq!(db.count(CHARGES).await, 3, "{:?}", c.lines());
+    assert_eq!(
+        db.count(IN_TRANSACTION).await,
+        1,
+        "order-0 still in its work"
+    );
+    assert_eq!(
+        db.count("SELECT coalesce(max(next_offset), 0) FROM idempotency_kafka_positions")
+            .await,
+        0,
+        "a position past the record in work: {:?}",
+        c.lines()
+    );
+    c.kill();
+    let after = consumer(&server, &topic, "g1", db.url(), &[("KAFKA_ORDER", "key")]).await;
+    after.wait_for(|l| l == "executed order-0").await;
+    all_decided(&[&after], 4, Duration::from_secs(60)).await;
+    assert_eq!(db.count(CHARGES).await, 4);
+    assert_eq!(db.count(TWICE).await, 0, "no order charged twice");
+    assert_eq!(
+        count(&[&after], |l| l.starts_with("duplicate")),
+        3,
+        "{:?}",
+        after.lines()
+    );
+    // Decided beyond the record in work, the duplicates moved the position
+    // past all four once order-0 committed.
+    db.wait_for_count(
+        "SELECT coalesce(max(next_offset), 0) FROM idempotency_kafka_positions",
+        |n| n == 4,
+        "the position never reached the end",
+    )
+    .await;
+}
+
 /// A consumer with a new group id on the same database starts where the
 /// last one stood: nothing executed again, nothing decided delivered again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -186,12 +186,14 @@ impl Fixture for RabbitMq {
     }
 }
 
-pub struct Kafka {
+/// Kafka, each partition's records in order, or with `BY_KEY` in order
+/// per record key.
+pub struct Kafka<const BY_KEY: bool = false> {
     server: KafkaServer,
     topic: TestTopic,
 }
 
-impl Fixture for Kafka {
+impl<const BY_KEY: bool> Fixture for Kafka<BY_KEY> {
     const ACKS_AFTER_COMMIT: bool = false;
 
     async fn start() -> Self {
@@ -205,6 +207,7 @@ impl Fixture for Kafka {
             ("KAFKA_BROKERS", self.server.brokers()),
             ("KAFKA_TOPIC", self.topic.name.as_str()),
             ("KAFKA_SESSION_TIMEOUT_MS", "6000"),
+            ("KAFKA_ORDER", if BY_KEY { "key" } else { "partition" }),
             ("DATABASE_URL", db),
         ];
         env.extend_from_slice(extra);

@@ -1,0 +1,442 @@
+//! Records per second drained from Kafka into a PostgreSQL ledger, side by
+//! side in one run, on a private `tansu`: each variant drains its own
+//! topic, filled beforehand with `KAFKA_BENCH_N` orders (default 4 000),
+//! into its own database; the rate runs from the first record decided to
+//! the last. Three shapes of topic: one partition; eight; eight with a hot
+//! key (half the orders on one account). Orders are keyed by account (64
+//! accounts).
+//!
+//! - `bare`: no idempotency — each batch's charges in one `INSERT`, then
+//!   the group's offsets committed to Kafka (at least once: a crash
+//!   between the two charges again);
+//! - `floor`: the same guarantee as the crate, written by hand and batched
+//!   — per batch one transaction that inserts the orders' ids into a
+//!   processed-messages table (`ON CONFLICT DO NOTHING RETURNING`), charges
+//!   the ids it returned, and stores the partitions' positions;
+//! - `crate`: `kafka_orders`'s consumer (`KafkaConsumer` over a
+//!   `PostgresTxStore`, the example's parse and charge), one record per
+//!   transaction, each partition in order, 10 in hand;
+//! - `crate per key`: the same, in order per key
+//!   (`in_order_per_key(true)`), 32 in hand.
+//!
+//! Run with: `cargo bench -p tower-idempotency-consumer-examples --bench
+//! kafka` (needs `tansu` on PATH and PostgreSQL, as the tests do).
+//! `KAFKA_BENCH_ROUNDS` rounds (default 1); ratios are medians of
+//! per-round ratios against the floor.
+
+use std::{
+    collections::HashMap,
+    env,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use tower_idempotency::{
+    PostgresStore, PostgresTxStore,
+    sqlx::{self, PgPool, postgres::PgPoolOptions},
+};
+use tower_idempotency_harness::postgres::TestDatabase;
+use tower_idempotency_kafka::{
+    Kafka, KafkaConsumer,
+    rdkafka::{
+        ClientConfig, Message, Offset, TopicPartitionList,
+        consumer::{Consumer as _, StreamConsumer},
+    },
+};
+
+#[path = "../orders/mod.rs"]
+mod orders;
+// The broker and its topics, as the consumers' tests start them.
+#[path = "../tests/support/dead_letter.rs"]
+#[allow(dead_code)]
+mod dead_letter;
+#[path = "../tests/support/kafka.rs"]
+#[allow(dead_code)]
+mod kafka;
+use dead_letter::DeadLetter;
+
+use kafka::{KafkaServer, TestTopic};
+use orders::{Ledger, WorkDelay};
+
+/// Records a hand-written consumer takes in one batch, at most.
+const BATCH: usize = 500;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Variant {
+    Bare,
+    Floor,
+    Crate,
+    CratePerKey,
+}
+
+impl Variant {
+    const ALL: [Self; 4] = [Self::Bare, Self::Floor, Self::Crate, Self::CratePerKey];
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Bare => "bare",
+            Self::Floor => "floor",
+            Self::Crate => "crate",
+            Self::CratePerKey => "crate per key",
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Shape {
+    name: &'static str,
+    partitions: i32,
+    hot: bool,
+}
+
+const SHAPES: [Shape; 3] = [
+    Shape {
+        name: "1 partition",
+        partitions: 1,
+        hot: false,
+    },
+    Shape {
+        name: "8 partitions",
+        partitions: 8,
+        hot: false,
+    },
+    Shape {
+        name: "8 partitions, hot key",
+        partitions: 8,
+        hot: true,
+    },
+];
+
+fn orders_for(shape: Shape, n: usize) -> Vec<(String, String)> {
+    (0..n)
+        .map(|i| {
+            let account = if shape.hot && i % 2 == 0 {
+                "acct-hot".to_owned()
+            } else {
+                format!("acct-{}", i % 64)
+            };
+            let order = format!(r#"{{"order_id":"order-{i}","amount":1999,"currency":"eur"}}"#);
+            (account, order)
+        })
+        .collect()
+}
+
+/// The ledger's tables, and the hand-written consumers' processed ids.
+async fn ledger(db: &TestDatabase) -> PgPool {
+    let pool = PgPoolOptions::new()
+        .max_connections(16)
+        .connect(db.url())
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE order_charges (order_id text NOT NULL, amount bigint NOT NULL, \
+             currency text NOT NULL, charged_at timestamptz NOT NULL DEFAULT now());
+         CREATE TABLE processed_messages (id text PRIMARY KEY);",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool
+}
+
+/// From the first record decided to the last.
+#[derive(Default)]
+struct Clock {
+    first: Option<Instant>,
+    last: Option<Instant>,
+    decided: usize,
+}
+
+impl Clock {
+    fn decided(&mut self, n: usize) {
+        let now = Instant::now();
+        self.first.get_or_insert(now);
+        self.decided += n;
+        self.last = Some(now);
+    }
+
+    fn rate(&self) -> f64 {
+        let (Some(first), Some(last)) = (self.first, self.last) else {
+            return 0.0;
+        };
+        self.decided as f64 / last.duration_since(first).as_secs_f64().max(1e-6)
+    }
+}
+
+fn consumer_config(server: &KafkaServer, group: &str) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", server.brokers())
+        .set("group.id", group)
+        .set("session.timeout.ms", "6000");
+    config
+}
+
+/// A hand-written consumer: every partition from its start, batches of up
+/// to [`BATCH`] handed to `settle` until `n` records are decided.
+async fn by_hand(
+    server: &KafkaServer,
+    topic: &TestTopic,
+    partitions: i32,
+    n: usize,
+    settle: impl AsyncFn(&[(i32, i64, String)]),
+) -> f64 {
+    let consumer: StreamConsumer = consumer_config(server, &format!("{}-hand", topic.name))
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut all = TopicPartitionList::new();
+    for partition in 0..partitions {
+        all.add_partition_offset(&topic.name, partition, Offset::Beginning)
+            .unwrap();
+    }
+    consumer.assign(&all).unwrap();
+    let mut clock = Clock::default();
+    while clock.decided < n {
+        let mut batch = Vec::new();
+        let first = consumer.recv().await.unwrap();
+        batch.push(record(&first));
+        drop(first);
+        while batch.len() < BATCH {
+            match tokio::time::timeout(Duration::from_millis(1), consumer.recv()).await {
+                Ok(Ok(message)) => batch.push(record(&message)),
+                _ => break,
+            }
+        }
+        settle(&batch).await;
+        let mut offsets = TopicPartitionList::new();
+        for (partition, offset) in last_offsets(&batch) {
+            offsets
+                .add_partition_offset(&topic.name, partition, Offset::Offset(offset + 1))
+                .unwrap();
+        }
+        consumer
+            .commit(
+                &offsets,
+                tower_idempotency_kafka::rdkafka::consumer::CommitMode::Async,
+            )
+            .unwrap();
+        clock.decided(batch.len());
+    }
+    clock.rate()
+}
+
+fn record(message: &impl Message) -> (i32, i64, String) {
+    let order = orders::order(message.payload().unwrap()).unwrap();
+    (message.partition(), message.offset(), order.order_id)
+}
+
+fn last_offsets(batch: &[(i32, i64, String)]) -> HashMap<i32, i64> {
+    let mut last = HashMap::new();
+    for (partition, offset, _) in batch {
+        let at = last.entry(*partition).or_insert(*offset);
+        *at = (*at).max(*offset);
+    }
+    last
+}
+
+/// No idempotency: the batch's charges, in one statement.
+async fn bare(pool: &PgPool, batch: &[(i32, i64, String)]) {
+    let ids: Vec<&str> = batch.iter().map(|(_, _, id)| id.as_str()).collect();
+    sqlx::query(
+        "INSERT INTO order_charges (order_id, amount, currency) \
+         SELECT id, 1999, 'eur' FROM unnest($1::text[]) AS id",
+    )
+    .bind(&ids)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// The seed's recipe, batched: the processed ids, the charges of the ids
+/// new, and the positions, in one transaction.
+async fn floor(pool: &PgPool, topic: &str, batch: &[(i32, i64, String)]) {
+    let ids: Vec<&str> = batch.iter().map(|(_, _, id)| id.as_str()).collect();
+    let mut tx = pool.begin().await.unwrap();
+    let new: Vec<String> = sqlx::query_scalar(
+        "INSERT INTO processed_messages (id) SELECT unnest($1::text[]) \
+         ON CONFLICT DO NOTHING RETURNING id",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO order_charges (order_id, amount, currency) \
+         SELECT id, 1999, 'eur' FROM unnest($1::text[]) AS id",
+    )
+    .bind(&new)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let (partitions, nexts): (Vec<i32>, Vec<i64>) = last_offsets(batch)
+        .into_iter()
+        .map(|(partition, offset)| (partition, offset + 1))
+        .unzip();
+    sqlx::query(
+        "INSERT INTO idempotency_kafka_positions AS p (consumer, topic, partition, next_offset) \
+         SELECT 'floor', $1, partition, next FROM unnest($2::int[], $3::bigint[]) AS t(partition, next) \
+         ON CONFLICT (consumer, topic, partition) \
+         DO UPDATE SET next_offset = GREATEST(p.next_offset, excluded.next_offset)",
+    )
+    .bind(topic)
+    .bind(&partitions)
+    .bind(&nexts)
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// `kafka_orders`'s consumer, in process, until `n` records are decided.
+async fn through_the_crate(
+    server: &KafkaServer,
+    topic: &TestTopic,
+    db: &TestDatabase,
+    n: usize,
+    per_key: bool,
+) -> f64 {
+    let store: PostgresTxStore = PostgresStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(db.url())
+        .await
+        .unwrap();
+    store.create_tables().await.unwrap();
+    let kafka = Kafka::builder(
+        consumer_config(server, &format!("{}-crate", topic.name)),
+        topic.name.clone(),
+        "kafka_orders",
+        store.clone(),
+    )
+    .in_order_per_key(per_key)
+    .build()
+    .await
+    .unwrap();
+    let clock = Arc::new(Mutex::new(Clock::default()));
+    let done = Arc::new(tokio::sync::Notify::new());
+    let executed = Arc::new(AtomicU64::new(0));
+    let settings = orders::Settings {
+        database_url: db.url().to_owned(),
+        work_delay: WorkDelay::default(),
+        ack_delay: Duration::ZERO,
+        lease: Duration::from_secs(30),
+        tx_timeout: Duration::from_secs(30),
+    };
+    let on_settled = {
+        let (clock, done, executed) = (clock.clone(), done.clone(), executed.clone());
+        move |report: &tower_idempotency::message::Report<'_, _, _, _, _>| {
+            if orders::line(report, |_| String::new()).is_some_and(|l| l.starts_with("executed")) {
+                executed.fetch_add(1, Ordering::Relaxed);
+            }
+            let mut clock = clock.lock().unwrap();
+            clock.decided(1);
+            if clock.decided >= n {
+                done.notify_one();
+            }
+        }
+    };
+    KafkaConsumer::new(kafka, orders::processor(store, "kafka_orders", &settings))
+        .in_hand(if per_key { 32 } else { 10 })
+        .on_settled(on_settled)
+        .run(
+            orders::parse,
+            orders::charging::<PostgresTxStore>(WorkDelay::default()),
+            done.notified(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        executed.load(Ordering::Relaxed),
+        n as u64,
+        "each order once"
+    );
+    clock.lock().unwrap().rate()
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+#[tokio::main]
+async fn main() {
+    let n: usize = env::var("KAFKA_BENCH_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4_000);
+    let rounds: usize = env::var("KAFKA_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let server = KafkaServer::start();
+    println!("{n} orders per variant, {rounds} round(s); records/s, first decided to last");
+    for shape in SHAPES {
+        let mut rates: HashMap<Variant, Vec<f64>> = HashMap::new();
+        let mut ratios: HashMap<Variant, Vec<f64>> = HashMap::new();
+        for round in 0..rounds {
+            let mut this: HashMap<Variant, f64> = HashMap::new();
+            for variant in Variant::ALL {
+                let topic = TestTopic::create(&server, shape.partitions).await;
+                topic.produce_together(&orders_for(shape, n)).await;
+                let db = TestDatabase::create();
+                let pool = ledger(&db).await;
+                let rate = match variant {
+                    Variant::Bare => {
+                        by_hand(&server, &topic, shape.partitions, n, async |batch| {
+                            bare(&pool, batch).await
+                        })
+                        .await
+                    }
+                    Variant::Floor => {
+                        sqlx::raw_sql(tower_idempotency_kafka::POSTGRES_SCHEMA)
+                            .execute(&pool)
+                            .await
+                            .unwrap();
+                        by_hand(&server, &topic, shape.partitions, n, async |batch| {
+                            floor(&pool, &topic.name, batch).await
+                        })
+                        .await
+                    }
+                    Variant::Crate => through_the_crate(&server, &topic, &db, n, false).await,
+                    Variant::CratePerKey => through_the_crate(&server, &topic, &db, n, true).await,
+                };
+                let charged: i64 = sqlx::query_scalar("SELECT count(*) FROM order_charges")
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    charged,
+                    n as i64,
+                    "{}: every order charged once",
+                    variant.name()
+                );
+                println!(
+                    "  {} / round {round} / {}: {rate:.0} records/s",
+                    shape.name,
+                    variant.name()
+                );
+                this.insert(variant, rate);
+                rates.entry(variant).or_default().push(rate);
+            }
+            for variant in Variant::ALL {
+                ratios
+                    .entry(variant)
+                    .or_default()
+                    .push(this[&variant] / this[&Variant::Floor]);
+            }
+        }
+        println!("{}:", shape.name);
+        for variant in Variant::ALL {
+            println!(
+                "  {:<14} {:>8.0} records/s  {:.3}x the floor",
+                variant.name(),
+                median(rates[&variant].clone()),
+                median(ratios[&variant].clone())
+            );
+        }
+    }
+}
