@@ -25,9 +25,8 @@
 //! the position move past it. Partitions are settled side by side, each in
 //! order — or, with [`KafkaBuilder::in_order_per_key`], each record key in
 //! order and the keys side by side, the stored position then moving only
-//! past the contiguous run of decided records (each record's transaction
-//! writes where its partition stands once it commits, never past a record
-//! still in work). A partition revoked by a rebalance keeps no record
+//! past the contiguous run of decided records, never past a record still
+//! in work. A partition revoked by a rebalance keeps no record
 //! unstarted (its new owner seeks to the stored position), and the one in
 //! hand commits or rolls back with no effect twice: the idempotency record
 //! makes the new owner's attempt a duplicate.
@@ -124,6 +123,7 @@ compile_error!(
      `mysql` — e.g. tower-idempotency-kafka = { version = \"0.1\", features = [\"postgres\"] }"
 );
 
+mod handover;
 mod positions;
 mod watermark;
 
@@ -135,9 +135,10 @@ use std::{
         Arc, Mutex,
         atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
+use handover::Handover;
 pub use positions::{MYSQL_SCHEMA, POSTGRES_SCHEMA, Position, Positions, SQLITE_SCHEMA, TABLE};
 pub use rdkafka;
 use rdkafka::{
@@ -163,9 +164,18 @@ use tower_idempotency::{
 };
 use watermark::Watermark;
 
-/// Records of one partition in hand before it is paused: the rest waits
-/// in Kafka, not in memory.
-const PER_PARTITION: usize = 100;
+/// Records of one partition fetched and not answered before it is paused:
+/// the rest waits in Kafka, not in memory. Well above what the loop keeps
+/// in hand: a partition resumed fetches again only after librdkafka's
+/// fetch in flight returns (up to `fetch.wait.max.ms`, 500 ms), and the
+/// records still waiting cover that wait (at 100, each resume stalled the
+/// partition: 200 records/s).
+const PER_PARTITION: usize = 1000;
+
+/// How often, at most, a partition settled in order per key stores its
+/// position on its own while records are in work (and once none is): a
+/// crash re-reads what was decided since, answered as duplicates.
+const POSITION_EVERY: Duration = Duration::from_millis(100);
 
 /// How long the start-up waits for the brokers to answer.
 const REACH: Duration = Duration::from_secs(5);
@@ -192,7 +202,8 @@ pub struct Kafka<St> {
     /// Each partition's records in order per record key, keys side by
     /// side (else in the partition's order).
     by_key: bool,
-    records: tokio::sync::Mutex<mpsc::UnboundedReceiver<KafkaRecord>>,
+    /// Records fetched, waiting for the loop.
+    handover: Arc<Handover>,
     partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
     /// Why the poller stopped, when it did (its channel then closes).
     stopped: Arc<Mutex<Option<String>>>,
@@ -375,16 +386,23 @@ impl<St: Positions> KafkaBuilder<St> {
 
     /// With `true`, settles each partition's records in order per record
     /// key, and the keys side by side (default `false`: each partition's
-    /// records one after another, in the partition's order). One key's records — an
+    /// records one after another, in the partition's order, each record's
+    /// position committed in its own transaction). One key's records — an
     /// account's, when the producer keys by account — stay in order;
     /// records of different keys may be settled out of the partition's
     /// order, and records without a key are in order among themselves.
-    /// The stored position still moves only past a contiguous run of
-    /// decided records: a crash re-reads from the first record undecided,
-    /// and the records decided beyond it are then duplicates, never
-    /// executed again. How many records are in work at once, in all, is
-    /// the consumer's [`in_hand`](Consumer::in_hand); a partition is
-    /// paused at 100 records in hand.
+    ///
+    /// The stored position moves only past the contiguous run of decided
+    /// records, never past one in work. The transactions then write none
+    /// (each would wait on the partition's position row for the one
+    /// before it to commit): the position is stored on its own, at most
+    /// every 100 ms per partition, once none of its records is undecided,
+    /// and when the loop stops. A crash re-reads from the position stored,
+    /// and the records decided beyond it are answered as duplicates —
+    /// never executed again, as long as the idempotency records are kept.
+    /// How many records are in work at once, in all, is the consumer's
+    /// [`in_hand`](Consumer::in_hand); a partition is paused at 1 000 records
+    /// in hand.
     ///
     /// # Examples
     ///
@@ -467,7 +485,7 @@ impl<St: Positions> KafkaBuilder<St> {
         consumer.subscribe(&[&topic]).map_err(StartError::Config)?;
         let consumer = Arc::new(consumer);
         let partitions = Arc::new(Mutex::new(HashMap::new()));
-        let (records, received) = mpsc::unbounded_channel();
+        let handover = Arc::new(Handover::default());
         let stopped = Arc::new(Mutex::new(None));
         let dropped = Arc::new(AtomicU64::new(0));
         let poller = tokio::spawn(
@@ -477,7 +495,8 @@ impl<St: Positions> KafkaBuilder<St> {
                 topic: topic.clone(),
                 name: name.clone(),
                 partitions: partitions.clone(),
-                records,
+                handover: handover.clone(),
+                by_key,
                 stopped: stopped.clone(),
                 dropped: dropped.clone(),
                 probe,
@@ -492,7 +511,7 @@ impl<St: Positions> KafkaBuilder<St> {
             name,
             store,
             by_key,
-            records: tokio::sync::Mutex::new(received),
+            handover,
             partitions,
             stopped,
             dropped,
@@ -638,11 +657,21 @@ struct Poller<St> {
     topic: String,
     name: String,
     partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
-    records: mpsc::UnboundedSender<KafkaRecord>,
+    handover: Arc<Handover>,
+    /// Lanes are record keys in a partition, not partitions.
+    by_key: bool,
     stopped: Arc<Mutex<Option<String>>>,
     dropped: Arc<AtomicU64>,
     /// The configuration of [`served`]'s consumer.
     probe: ClientConfig,
+}
+
+/// The poller gone — stopped, aborted, or panicked — the loop is told
+/// once it has taken what was handed over.
+impl<St> Drop for Poller<St> {
+    fn drop(&mut self) {
+        self.handover.close();
+    }
 }
 
 impl<St: Positions> Poller<St> {
@@ -885,7 +914,8 @@ impl<St: Positions> Poller<St> {
             partition,
             next: message.offset() + 1,
         };
-        let _ = self.records.send(KafkaRecord {
+        self.handover.push(KafkaRecord {
+            lane: lane(&message, self.by_key),
             message,
             position,
             generation,
@@ -933,9 +963,22 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The lane of `message`, its ordering key in the loop: its partition,
+/// and its record key where records are in order per key (a key that is
+/// not UTF-8 read lossily, which can only put two keys in one lane).
+fn lane(message: &OwnedMessage, by_key: bool) -> String {
+    let partition = message.partition();
+    match message.key() {
+        Some(key) if by_key => format!("{partition}/{}", String::from_utf8_lossy(key)),
+        _ => partition.to_string(),
+    }
+}
+
 /// One Kafka record.
 pub struct KafkaRecord {
     message: OwnedMessage,
+    /// Its ordering key in the loop.
+    lane: String,
     /// Its consumer, topic and partition, and the offset after it.
     position: Position,
     /// Its partition's assignment when it was fetched.
@@ -1002,6 +1045,7 @@ impl<St: Positions> Kafka<St> {
     /// `record` answered: one fewer in hand on its partition, which
     /// fetches again once it has room.
     fn answered(&self, record: &KafkaRecord) {
+        self.handover.answered(&record.lane);
         let partition = record.message.partition();
         let mut partitions = lock(&self.partitions);
         let Some(state) = partitions.get_mut(&partition) else {
@@ -1020,13 +1064,14 @@ impl<St: Positions> Kafka<St> {
     }
 
     /// `record` decided: the position to store on its own now, if any.
-    /// An execution's transaction wrote one (counted committed first), and
-    /// needs another only where lanes finished out of order and none is
-    /// left undecided to carry the position on; a decision without work
-    /// stores one where it passes what is committed. `None` as well for a
-    /// record of an earlier assignment: the partition's owner reads it
-    /// again from the stored position, and its idempotency record answers
-    /// it.
+    /// In the partition's order, an execution's transaction wrote one
+    /// (counted committed first), and a decision without work stores one
+    /// where it passes what is committed. In order per key, transactions
+    /// write none and the position is stored on its own, every
+    /// [`POSITION_EVERY`] at most, and once nothing is undecided. `None`
+    /// as well for a record of an earlier assignment: the partition's
+    /// owner reads it again from the stored position, and its idempotency
+    /// record answers it.
     fn to_store(&self, record: &KafkaRecord, acked: Acked) -> Option<Position> {
         let mut partitions = lock(&self.partitions);
         let watermark = &mut partitions
@@ -1036,10 +1081,12 @@ impl<St: Positions> Kafka<St> {
         if acked == Acked::Executed {
             watermark.stored(record.written.load(AtomicOrdering::SeqCst));
         }
-        let next = watermark.decided(record.message.offset())?;
-        if acked == Acked::Executed && !watermark.idle() {
-            return None;
-        }
+        watermark.decided(record.message.offset());
+        let next = match (self.by_key, acked) {
+            (true, _) => watermark.due(Instant::now(), POSITION_EVERY),
+            (false, Acked::Decided) => watermark.passing(),
+            (false, Acked::Executed) => None,
+        }?;
         Some(Position {
             next,
             ..record.position.clone()
@@ -1057,10 +1104,10 @@ impl<St: Positions> Kafka<St> {
     }
 }
 
-/// The position `record`'s work writes in its transaction, last: where its
-/// partition stands once it commits (see [`Watermark::with`]). `None`
-/// where that passes nothing committed, and for a record of an earlier
-/// assignment: it writes none.
+/// The position `record`'s work writes in its transaction, last, where
+/// each partition is settled in order: where its partition stands once it
+/// commits (see [`Watermark::with`]). `None` where that passes nothing
+/// committed, and for a record of an earlier assignment: it writes none.
 fn in_work(
     partitions: &Mutex<HashMap<i32, PartitionState>>,
     record: &KafkaRecord,
@@ -1096,28 +1143,15 @@ impl<St: Positions> Broker for Kafka<St> {
         room: usize,
         within: Duration,
     ) -> Result<Vec<KafkaRecord>, BrokerError> {
-        let mut records = self.records.lock().await;
-        let mut batch = Vec::new();
-        match tokio::time::timeout(within, records.recv()).await {
-            Err(_) => return Ok(batch),
-            Ok(None) => {
-                return Err(lock(&self.stopped)
-                    .clone()
-                    .unwrap_or_else(|| format!("the consumer of {} stopped", self.topic))
-                    .into());
-            }
-            Ok(Some(record)) => batch.push(record),
-        }
-        while batch.len() < room {
-            match records.try_recv() {
-                Ok(record) => batch.push(record),
-                Err(_) => break,
-            }
-        }
-        Ok(batch)
+        self.handover.take(room, within).await.ok_or_else(|| {
+            lock(&self.stopped)
+                .clone()
+                .unwrap_or_else(|| format!("the consumer of {} stopped", self.topic))
+                .into()
+        })
     }
 
-    /// Records come from the poller's channel: a receive dropped at
+    /// Records come from what the poller handed over: a receive dropped at
     /// shutdown leaves them there.
     fn receive_is_cancel_safe(&self) -> bool {
         true
@@ -1129,16 +1163,9 @@ impl<St: Positions> Broker for Kafka<St> {
     }
 
     /// The partition, and the record's key where records are in order
-    /// per key ([`KafkaBuilder::in_order_per_key`]; a key that is not
-    /// UTF-8 read lossily, which can only put two keys in one order).
+    /// per key ([`KafkaBuilder::in_order_per_key`]).
     fn ordering_key<'a>(&self, record: &'a KafkaRecord) -> Option<Cow<'a, str>> {
-        let partition = record.message.partition();
-        Some(Cow::Owned(match record.message.key() {
-            Some(key) if self.by_key => {
-                format!("{partition}/{}", String::from_utf8_lossy(key))
-            }
-            _ => partition.to_string(),
-        }))
+        Some(Cow::Borrowed(&record.lane))
     }
 
     /// Its partition still assigned since it was fetched. Called once, when
@@ -1239,8 +1266,27 @@ impl<St: Positions> Broker for Kafka<St> {
         Ok(DeadLettered::Moved)
     }
 
+    /// Stores what a partition settled in order per key decided since its
+    /// last position, then lets go.
     async fn close(&self) {
         self.poller.abort();
+        let due: Vec<Position> = lock(&self.partitions)
+            .iter()
+            .filter_map(|(partition, state)| {
+                Some(Position {
+                    consumer: self.name.clone(),
+                    topic: self.topic.clone(),
+                    partition: *partition,
+                    next: state.watermark.passing()?,
+                })
+            })
+            .collect();
+        for position in due {
+            if let Err(error) = self.store.store_position(&position).await {
+                // Read again from the last one stored: duplicates, answered.
+                tracing::warn!(%error, partition = position.partition, "kafka: the last position could not be stored");
+            }
+        }
         self.consumer.unsubscribe();
     }
 }
@@ -1250,9 +1296,9 @@ impl<St: Positions> Broker for Kafka<St> {
 /// writes each record's position in its transaction.
 pub struct KafkaConsumer<St: Positions, F, M, T, E> {
     inner: Consumer<Kafka<St>, St, F, M, T, E>,
-    /// The adapter's partitions: where each record's work finds the
-    /// position it writes.
-    partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
+    /// The adapter's partitions, where each record's work finds the
+    /// position it writes — none where records are in order per key.
+    partitions: Option<Arc<Mutex<HashMap<i32, PartitionState>>>>,
 }
 
 impl<St: Positions, F, M, T, E> fmt::Debug for KafkaConsumer<St, F, M, T, E> {
@@ -1277,7 +1323,7 @@ where
     /// See the [crate docs](crate).
     pub fn new(kafka: Kafka<St>, processor: IdempotencyProcessor<St, F>) -> Self {
         Self {
-            partitions: kafka.partitions.clone(),
+            partitions: (!kafka.by_key).then(|| kafka.partitions.clone()),
             inner: Consumer::new(kafka, processor),
         }
     }
@@ -1363,7 +1409,10 @@ where
                 async |tx: &mut St::Granted, record: &KafkaRecord, message: &M| {
                     let done = work(tx, message).await?;
                     // Last: the position's row is held until the commit.
-                    if let Some(position) = in_work(&partitions, record) {
+                    if let Some(position) = partitions
+                        .as_deref()
+                        .and_then(|partitions| in_work(partitions, record))
+                    {
                         St::store_position_in(tx, &position).await?;
                     }
                     Ok(done)

@@ -2,7 +2,10 @@
 //! settled side by side: past the contiguous prefix of decided records,
 //! never past one still undecided.
 
-use std::collections::BTreeSet;
+use std::{
+    collections::BTreeSet,
+    time::{Duration, Instant},
+};
 
 /// The records of one partition's assignment that were handed over and
 /// are not decided yet, and how far the handing over went. Records come
@@ -20,6 +23,8 @@ pub(crate) struct Watermark {
     /// The furthest position known committed: a write that would not
     /// pass it is left out.
     stored: i64,
+    /// When a position was last taken to be stored on its own.
+    taken: Option<Instant>,
 }
 
 impl Watermark {
@@ -29,6 +34,7 @@ impl Watermark {
             undecided: BTreeSet::new(),
             handed_to: from,
             stored: from,
+            taken: None,
         }
     }
 
@@ -39,12 +45,11 @@ impl Watermark {
     }
 
     /// The position the work's transaction of the record at `offset`
-    /// writes: where the partition stands once that record commits, the
-    /// others as they are now — it commits with the record, and every
-    /// record below it is decided, by that commit or before. `None` where
-    /// that would not pass the position known committed: the write is
-    /// left out, and with it the wait on the position's row, which every
-    /// transaction of the partition writing it takes in turn.
+    /// writes, where records are settled in the partition's order: where
+    /// the partition stands once that record commits, the others as they
+    /// are now — it commits with the record, and every record below it is
+    /// decided, by that commit or before. `None` where that would not pass
+    /// the position known committed.
     pub(crate) fn with(&self, offset: i64) -> Option<i64> {
         let next = self
             .undecided
@@ -55,13 +60,31 @@ impl Watermark {
         (next > self.stored).then_some(next)
     }
 
-    /// The record at `offset` decided (its work committed, or a duplicate
-    /// or a dead letter answered): the position now, if it passes the one
-    /// known committed.
-    pub(crate) fn decided(&mut self, offset: i64) -> Option<i64> {
+    /// The record at `offset` decided: its work committed, or a duplicate
+    /// or a dead letter answered.
+    pub(crate) fn decided(&mut self, offset: i64) {
         self.undecided.remove(&offset);
+    }
+
+    /// The position now, if it passes the one known committed.
+    pub(crate) fn passing(&self) -> Option<i64> {
         let next = self.position();
         (next > self.stored).then_some(next)
+    }
+
+    /// The position to store on its own where records are settled side by
+    /// side — their transactions write none, for each would wait on the
+    /// position's row in turn: the position now, if it passes the one
+    /// known committed, once nothing is undecided or `every` after the
+    /// last one taken. Taken, it is the one `every` waits from.
+    pub(crate) fn due(&mut self, now: Instant, every: Duration) -> Option<i64> {
+        let next = self.passing()?;
+        let waiting = self.taken.is_some_and(|taken| now < taken + every);
+        if waiting && !self.idle() {
+            return None;
+        }
+        self.taken = Some(now);
+        Some(next)
     }
 
     /// `next` committed.
@@ -91,19 +114,23 @@ mod tests {
         for offset in [10, 11, 12, 14] {
             partition.handed(offset);
         }
-        // 12 and 14 commit while 10 is in work: the position stays at 10,
-        // where it is stored already, so they write none.
+        // 12 and 14 decided while 10 is in work: the position stays at 10,
+        // where it is stored already.
         assert_eq!(partition.with(12), None);
-        assert_eq!(partition.decided(12), None);
-        assert_eq!(partition.with(14), None);
-        assert_eq!(partition.decided(14), None);
-        // 10 commits: 11 is next, undecided.
+        partition.decided(12);
+        assert_eq!(partition.passing(), None);
+        partition.decided(14);
+        assert_eq!(partition.passing(), None);
+        // 10 decided: 11 is next, undecided.
         assert_eq!(partition.with(10), Some(11));
+        partition.decided(10);
+        assert_eq!(partition.passing(), Some(11));
         partition.stored(11);
-        assert_eq!(partition.decided(10), None, "its transaction wrote it");
+        assert_eq!(partition.passing(), None);
         // 11 last: past everything handed over (13 was never a record).
         assert_eq!(partition.with(11), Some(15));
-        assert_eq!(partition.decided(11), Some(15));
+        partition.decided(11);
+        assert_eq!(partition.passing(), Some(15));
         assert!(partition.idle());
     }
 
@@ -115,7 +142,8 @@ mod tests {
         partition.handed(1);
         assert_eq!(partition.with(0), Some(1));
         partition.stored(1);
-        assert_eq!(partition.decided(0), None);
+        partition.decided(0);
+        assert_eq!(partition.passing(), None);
         assert_eq!(partition.with(1), Some(2));
     }
 
@@ -126,11 +154,37 @@ mod tests {
             partition.handed(offset);
         }
         // 1 given back (never decided); 2 and 0 decided.
-        assert_eq!(partition.decided(2), None);
-        assert_eq!(partition.decided(0), Some(1));
+        partition.decided(2);
+        assert_eq!(partition.passing(), None);
+        partition.decided(0);
+        assert_eq!(partition.passing(), Some(1));
         partition.stored(1);
         assert!(!partition.idle());
         assert_eq!(partition.position(), 1);
         assert_eq!(partition.with(2), None);
+    }
+
+    #[test]
+    fn side_by_side_a_position_is_due_each_interval_or_once_idle() {
+        let every = Duration::from_millis(100);
+        let at = Instant::now();
+        let mut partition = Watermark::from(0);
+        for offset in 0..4 {
+            partition.handed(offset);
+        }
+        partition.decided(0);
+        assert_eq!(partition.due(at, every), Some(1));
+        partition.stored(1);
+        partition.decided(1);
+        assert_eq!(partition.due(at, every), None, "not yet due");
+        assert_eq!(partition.due(at + every, every), Some(2));
+        partition.decided(3);
+        assert_eq!(partition.due(at + every, every), None, "2 undecided");
+        partition.decided(2);
+        assert_eq!(
+            partition.due(at + every, every),
+            Some(4),
+            "idle: due at once"
+        );
     }
 }

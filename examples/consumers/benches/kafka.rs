@@ -22,7 +22,9 @@
 //! Run with: `cargo bench -p tower-idempotency-consumer-examples --bench
 //! kafka` (needs `tansu` on PATH and PostgreSQL, as the tests do).
 //! `KAFKA_BENCH_ROUNDS` rounds (default 1); ratios are medians of
-//! per-round ratios against the floor.
+//! per-round ratios against the floor. `KAFKA_BENCH_SHAPES` and
+//! `KAFKA_BENCH_VARIANTS` pick shapes and variants by name,
+//! comma-separated (the floor always runs).
 
 use std::{
     collections::HashMap,
@@ -142,27 +144,37 @@ async fn ledger(db: &TestDatabase) -> PgPool {
     pool
 }
 
-/// From the first record decided to the last.
+/// Records decided from a start to the last: a hand-written consumer
+/// starts at its first batch in hand, the crate's at its first record
+/// decided (which is then not counted).
 #[derive(Default)]
 struct Clock {
     first: Option<Instant>,
     last: Option<Instant>,
     decided: usize,
+    counted: usize,
 }
 
 impl Clock {
+    fn start(&mut self) {
+        self.first.get_or_insert_with(Instant::now);
+    }
+
     fn decided(&mut self, n: usize) {
-        let now = Instant::now();
-        self.first.get_or_insert(now);
+        if self.first.is_none() {
+            self.start();
+        } else {
+            self.counted += n;
+        }
         self.decided += n;
-        self.last = Some(now);
+        self.last = Some(Instant::now());
     }
 
     fn rate(&self) -> f64 {
         let (Some(first), Some(last)) = (self.first, self.last) else {
             return 0.0;
         };
-        self.decided as f64 / last.duration_since(first).as_secs_f64().max(1e-6)
+        self.counted as f64 / last.duration_since(first).as_secs_f64().max(1e-6)
     }
 }
 
@@ -198,6 +210,7 @@ async fn by_hand(
     while clock.decided < n {
         let mut batch = Vec::new();
         let first = consumer.recv().await.unwrap();
+        clock.start();
         batch.push(record(&first));
         drop(first);
         while batch.len() < BATCH {
@@ -374,12 +387,22 @@ async fn main() {
         .unwrap_or(1);
     let server = KafkaServer::start();
     println!("{n} orders per variant, {rounds} round(s); records/s, first decided to last");
-    for shape in SHAPES {
+    // A comma-separated list picks shapes or variants by name.
+    let picked = |var: &str, name: &str| {
+        env::var(var).map_or(true, |names| names.split(',').any(|n| n == name))
+    };
+    for shape in SHAPES
+        .into_iter()
+        .filter(|s| picked("KAFKA_BENCH_SHAPES", s.name))
+    {
         let mut rates: HashMap<Variant, Vec<f64>> = HashMap::new();
         let mut ratios: HashMap<Variant, Vec<f64>> = HashMap::new();
         for round in 0..rounds {
             let mut this: HashMap<Variant, f64> = HashMap::new();
             for variant in Variant::ALL {
+                if !picked("KAFKA_BENCH_VARIANTS", variant.name()) && variant != Variant::Floor {
+                    continue;
+                }
                 let topic = TestTopic::create(&server, shape.partitions).await;
                 topic.produce_together(&orders_for(shape, n)).await;
                 let db = TestDatabase::create();
@@ -422,15 +445,15 @@ async fn main() {
                 this.insert(variant, rate);
                 rates.entry(variant).or_default().push(rate);
             }
-            for variant in Variant::ALL {
+            for (variant, rate) in &this {
                 ratios
-                    .entry(variant)
+                    .entry(*variant)
                     .or_default()
-                    .push(this[&variant] / this[&Variant::Floor]);
+                    .push(rate / this[&Variant::Floor]);
             }
         }
         println!("{}:", shape.name);
-        for variant in Variant::ALL {
+        for variant in Variant::ALL.into_iter().filter(|v| rates.contains_key(v)) {
             println!(
                 "  {:<14} {:>8.0} records/s  {:.3}x the floor",
                 variant.name(),
