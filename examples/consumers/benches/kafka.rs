@@ -13,6 +13,8 @@
 //!   — per batch one transaction that inserts the orders' ids into a
 //!   processed-messages table (`ON CONFLICT DO NOTHING RETURNING`), charges
 //!   the ids it returned, and stores the partitions' positions;
+//! - `floor, 1 per tx`: the same recipe a record at a time, one
+//!   transaction each, one record after another;
 //! - `crate`: `kafka_orders`'s consumer (`KafkaConsumer` over a
 //!   `PostgresTxStore`, the example's parse and charge), one record per
 //!   transaction, each partition in order, 10 in hand;
@@ -70,17 +72,25 @@ const BATCH: usize = 500;
 enum Variant {
     Bare,
     Floor,
+    FloorPerRecord,
     Crate,
     CratePerKey,
 }
 
 impl Variant {
-    const ALL: [Self; 4] = [Self::Bare, Self::Floor, Self::Crate, Self::CratePerKey];
+    const ALL: [Self; 5] = [
+        Self::Bare,
+        Self::Floor,
+        Self::FloorPerRecord,
+        Self::Crate,
+        Self::CratePerKey,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Self::Bare => "bare",
             Self::Floor => "floor",
+            Self::FloorPerRecord => "floor, 1 per tx",
             Self::Crate => "crate",
             Self::CratePerKey => "crate per key",
         }
@@ -414,13 +424,20 @@ async fn main() {
                         })
                         .await
                     }
-                    Variant::Floor => {
+                    Variant::Floor | Variant::FloorPerRecord => {
                         sqlx::raw_sql(tower_idempotency_kafka::POSTGRES_SCHEMA)
                             .execute(&pool)
                             .await
                             .unwrap();
+                        let per_record = variant == Variant::FloorPerRecord;
                         by_hand(&server, &topic, shape.partitions, n, async |batch| {
-                            floor(&pool, &topic.name, batch).await
+                            if per_record {
+                                for record in batch {
+                                    floor(&pool, &topic.name, std::slice::from_ref(record)).await;
+                                }
+                            } else {
+                                floor(&pool, &topic.name, batch).await;
+                            }
                         })
                         .await
                     }

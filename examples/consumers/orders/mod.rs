@@ -249,7 +249,11 @@ pub fn charging<St: Ledger>(
 ) -> impl AsyncFn(&mut St::Granted, &Order) -> Result<String, sqlx::Error> {
     async move |tx: &mut St::Granted, order: &Order| {
         St::charge(tx, order).await?;
-        tokio::time::sleep(work_delay.of(order)).await;
+        let delay = work_delay.of(order);
+        // Even a zero sleep waits for the timer's next millisecond tick.
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         Ok::<_, sqlx::Error>(format!("charged {} {}", order.amount, order.currency))
     }
 }
@@ -364,7 +368,10 @@ impl<B: Broker> Broker for AckDelay<B> {
     }
 
     async fn ack(&self, received: &B::Received, acked: Acked) -> Result<(), BrokerError> {
-        tokio::time::sleep(self.delay).await;
+        // Even a zero sleep waits for the timer's next millisecond tick.
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
         self.broker.ack(received, acked).await
     }
 
