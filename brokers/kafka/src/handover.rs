@@ -9,24 +9,22 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    sync::Mutex,
+    sync::{Mutex, MutexGuard, PoisonError},
     time::Duration,
 };
 
 use tokio::sync::Notify;
 
-use crate::{KafkaRecord, lock};
-
-#[derive(Debug, Default)]
-pub(crate) struct Handover {
-    queues: Mutex<Queues>,
+#[derive(Debug)]
+pub(crate) struct Handover<R> {
+    queues: Mutex<Queues<R>>,
     /// A record pushed, or the poller gone.
     ready: Notify,
 }
 
-#[derive(Debug, Default)]
-struct Queues {
-    waiting: HashMap<String, VecDeque<KafkaRecord>>,
+#[derive(Debug)]
+struct Queues<R> {
+    waiting: HashMap<String, VecDeque<R>>,
     /// Per lane, the records the loop took and has not answered.
     in_loop: HashMap<String, usize>,
     queued: usize,
@@ -34,15 +32,36 @@ struct Queues {
     closed: bool,
 }
 
-impl Handover {
-    /// `record` fetched, for its lane.
-    pub(crate) fn push(&self, record: KafkaRecord) {
-        let mut queues = lock(&self.queues);
-        queues
-            .waiting
-            .entry(record.lane.clone())
-            .or_default()
-            .push_back(record);
+impl<R> Default for Handover<R> {
+    fn default() -> Self {
+        Self {
+            queues: Mutex::new(Queues {
+                waiting: HashMap::new(),
+                in_loop: HashMap::new(),
+                queued: 0,
+                closed: false,
+            }),
+            ready: Notify::new(),
+        }
+    }
+}
+
+impl<R> Handover<R> {
+    fn queues(&self) -> MutexGuard<'_, Queues<R>> {
+        self.queues.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// `record` fetched, for `lane`.
+    pub(crate) fn push(&self, lane: &str, record: R) {
+        let mut queues = self.queues();
+        match queues.waiting.get_mut(lane) {
+            Some(queue) => queue.push_back(record),
+            None => {
+                queues
+                    .waiting
+                    .insert(lane.to_owned(), VecDeque::from([record]));
+            }
+        }
         queues.queued += 1;
         drop(queues);
         self.ready.notify_one();
@@ -50,7 +69,7 @@ impl Handover {
 
     /// Nothing more comes: the loop takes what is left, then is told.
     pub(crate) fn close(&self) {
-        lock(&self.queues).closed = true;
+        self.queues().closed = true;
         self.ready.notify_one();
     }
 
@@ -58,11 +77,11 @@ impl Handover {
     /// (one lane's in their order), waiting `within` for a first; `None`
     /// once closed and empty. Cancel safe: records are taken only once
     /// they are returned.
-    pub(crate) async fn take(&self, room: usize, within: Duration) -> Option<Vec<KafkaRecord>> {
+    pub(crate) async fn take(&self, room: usize, within: Duration) -> Option<Vec<R>> {
         let deadline = tokio::time::Instant::now() + within;
         loop {
             {
-                let mut queues = lock(&self.queues);
+                let mut queues = self.queues();
                 if queues.queued > 0 {
                     return Some(queues.take(room));
                 }
@@ -82,7 +101,7 @@ impl Handover {
 
     /// A record of `lane` the loop took is answered.
     pub(crate) fn answered(&self, lane: &str) {
-        let mut queues = lock(&self.queues);
+        let mut queues = self.queues();
         if let Some(held) = queues.in_loop.get_mut(lane) {
             *held -= 1;
             if *held == 0 {
@@ -92,8 +111,8 @@ impl Handover {
     }
 }
 
-impl Queues {
-    fn take(&mut self, room: usize) -> Vec<KafkaRecord> {
+impl<R> Queues<R> {
+    fn take(&mut self, room: usize) -> Vec<R> {
         let mut taken = Vec::new();
         while taken.len() < room && self.queued > 0 {
             let in_loop = &self.in_loop;
@@ -120,42 +139,7 @@ impl Queues {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicI64;
-
-    use rdkafka::{Message, Timestamp, message::OwnedMessage};
-
     use super::*;
-    use crate::{NOT_WRITTEN, Position};
-
-    fn record(partition: i32, offset: i64) -> KafkaRecord {
-        KafkaRecord {
-            message: OwnedMessage::new(
-                None,
-                None,
-                "t".into(),
-                Timestamp::NotAvailable,
-                partition,
-                offset,
-                None,
-            ),
-            lane: partition.to_string(),
-            position: Position {
-                consumer: "c".into(),
-                topic: "t".into(),
-                partition,
-                next: offset + 1,
-            },
-            generation: 1,
-            written: AtomicI64::new(NOT_WRITTEN),
-        }
-    }
-
-    fn taken(records: &[KafkaRecord]) -> Vec<(i32, i64)> {
-        records
-            .iter()
-            .map(|r| (r.message.partition(), r.message.offset()))
-            .collect()
-    }
 
     /// Fetched one partition's run after the other, the loop is handed
     /// each lane's first record before any lane's second.
@@ -164,25 +148,22 @@ mod tests {
         let handover = Handover::default();
         for partition in 0..3 {
             for offset in 0..3 {
-                handover.push(record(partition, offset));
+                handover.push(&partition.to_string(), (partition, offset));
             }
         }
-        let first = handover.take(3, Duration::ZERO).await.unwrap();
-        let mut lanes: Vec<i32> = first.iter().map(|r| r.message.partition()).collect();
-        lanes.sort_unstable();
-        assert_eq!(lanes, [0, 1, 2], "{:?}", taken(&first));
-        assert!(first.iter().all(|r| r.message.offset() == 0));
+        let mut first = handover.take(3, Duration::ZERO).await.unwrap();
+        first.sort_unstable();
+        assert_eq!(first, [(0, 0), (1, 0), (2, 0)]);
         // Partition 1's record answered: its next comes before the others'.
         handover.answered("1");
-        let next = handover.take(1, Duration::ZERO).await.unwrap();
-        assert_eq!(taken(&next), [(1, 1)]);
+        assert_eq!(handover.take(1, Duration::ZERO).await.unwrap(), [(1, 1)]);
         let rest = handover.take(10, Duration::ZERO).await.unwrap();
         assert_eq!(rest.len(), 5);
         for partition in 0..3 {
-            let offsets: Vec<i64> = rest
+            let offsets: Vec<i32> = rest
                 .iter()
-                .filter(|r| r.message.partition() == partition)
-                .map(|r| r.message.offset())
+                .filter(|(p, _)| *p == partition)
+                .map(|(_, offset)| *offset)
                 .collect();
             assert!(
                 offsets.windows(2).all(|w| w[0] < w[1]),
@@ -194,15 +175,14 @@ mod tests {
     #[tokio::test]
     async fn empty_it_waits_then_closed_it_says_so_once_drained() {
         let handover = Handover::default();
-        assert_eq!(
+        assert!(
             handover
                 .take(1, Duration::from_millis(10))
                 .await
                 .unwrap()
-                .len(),
-            0
+                .is_empty()
         );
-        handover.push(record(0, 0));
+        handover.push("0", ());
         handover.close();
         assert_eq!(handover.take(5, Duration::ZERO).await.unwrap().len(), 1);
         assert!(handover.take(5, Duration::ZERO).await.is_none());

@@ -203,7 +203,7 @@ pub struct Kafka<St> {
     /// side (else in the partition's order).
     by_key: bool,
     /// Records fetched, waiting for the loop.
-    handover: Arc<Handover>,
+    handover: Arc<Handover<KafkaRecord>>,
     partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
     /// Why the poller stopped, when it did (its channel then closes).
     stopped: Arc<Mutex<Option<String>>>,
@@ -657,7 +657,7 @@ struct Poller<St> {
     topic: String,
     name: String,
     partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
-    handover: Arc<Handover>,
+    handover: Arc<Handover<KafkaRecord>>,
     /// Lanes are record keys in a partition, not partitions.
     by_key: bool,
     stopped: Arc<Mutex<Option<String>>>,
@@ -914,13 +914,17 @@ impl<St: Positions> Poller<St> {
             partition,
             next: message.offset() + 1,
         };
-        self.handover.push(KafkaRecord {
-            lane: lane(&message, self.by_key),
-            message,
-            position,
-            generation,
-            written: AtomicI64::new(NOT_WRITTEN),
-        });
+        let lane = lane(&message, self.by_key);
+        self.handover.push(
+            &lane,
+            KafkaRecord {
+                lane: lane.clone(),
+                message,
+                position,
+                generation,
+                written: AtomicI64::new(NOT_WRITTEN),
+            },
+        );
     }
 }
 
