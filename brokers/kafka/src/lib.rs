@@ -205,7 +205,7 @@ pub struct Kafka<St> {
     /// Records fetched, waiting for the loop.
     handover: Arc<Handover<KafkaRecord>>,
     partitions: Arc<Mutex<HashMap<i32, PartitionState>>>,
-    /// Why the poller stopped, when it did (its channel then closes).
+    /// Why the poller stopped, when it did (its handover then closes).
     stopped: Arc<Mutex<Option<String>>>,
     /// Records fetched from below their partition's stored position and
     /// dropped.
@@ -1270,8 +1270,9 @@ impl<St: Positions> Broker for Kafka<St> {
         Ok(DeadLettered::Moved)
     }
 
-    /// Stores what a partition settled in order per key decided since its
-    /// last position, then lets go.
+    /// Stores each partition's position where what was decided passed the
+    /// last one stored (in order per key, what the last 100 ms decided),
+    /// then lets go.
     async fn close(&self) {
         self.poller.abort();
         let due: Vec<Position> = lock(&self.partitions)
@@ -1387,7 +1388,8 @@ where
     /// `parse` reads each record's business key and message, `work` does
     /// the effect in the store's transaction, and then the partition's
     /// position — where it stands once the record is decided — is written
-    /// in that transaction, to commit with them.
+    /// in that transaction, to commit with them (in order per key, it is
+    /// stored on its own instead: see [`KafkaBuilder::in_order_per_key`]).
     ///
     /// # Errors
     ///
