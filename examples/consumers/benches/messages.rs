@@ -5,9 +5,12 @@
 //!
 //! Then the brokers: messages per second through the SQS and JetStream
 //! consumers' processing path (receive a batch, charge each message in a
-//! PostgreSQL transaction, delete or acknowledge), with the crate and
-//! without it, side by side per round, each variant on a fresh queue or
-//! stream filled beforehand.
+//! PostgreSQL transaction, delete or acknowledge), with the crate
+//! (`-tx`), without it (`-bare`), and with the crate's guarantee written by
+//! hand and batched (`-floor`: a received batch's ids into
+//! `processed_messages`, `ON CONFLICT DO NOTHING RETURNING`, and the
+//! charges of the ids returned, in one transaction), side by side per
+//! round, each variant on a fresh queue or stream filled beforehand.
 //!
 //! Run with: `cargo bench --all-features --bench messages` (needs
 //! `redis-server`, `moto_server` and `nats-server` on PATH and PostgreSQL,
@@ -120,10 +123,13 @@ async fn main() {
         .connect(database.url())
         .await
         .unwrap();
-    sqlx::raw_sql("CREATE TABLE order_charges (order_id text, amount bigint)")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE order_charges (order_id text, amount bigint);
+         CREATE TABLE processed_messages (id text PRIMARY KEY)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     let plain = PostgresStore::builder()
         .create_table_if_missing()
         .with_pool(pool.clone())
@@ -311,22 +317,68 @@ mod brokers {
         order["order_id"].as_str().unwrap().to_owned()
     }
 
-    /// The message's work: by hand (its own transaction) or through the
-    /// processor (the record in the same transaction), the broker's hold
-    /// extended while it runs.
-    async fn work(
-        pool: &PgPool,
-        orders: Option<&IdempotencyProcessor<PostgresTxStore>>,
-        body: &[u8],
-    ) {
+    /// How a receiver settles what it received.
+    #[derive(Clone, Copy)]
+    enum Work<'a> {
+        /// Each message charged by hand in a transaction of its own, no
+        /// idempotency.
+        Bare,
+        /// The crate's guarantee by hand, batched: the batch's ids into
+        /// `processed_messages` (`ON CONFLICT DO NOTHING RETURNING`) and
+        /// the charges of the ids returned, in one transaction.
+        Floor,
+        /// Each message through the processor, the record in the charge's
+        /// transaction.
+        Tx(&'a IdempotencyProcessor<PostgresTxStore>),
+    }
+
+    impl<'a> Work<'a> {
+        fn of(name: &str, orders: &'a IdempotencyProcessor<PostgresTxStore>) -> Self {
+            match name.rsplit('-').next() {
+                Some("tx") => Work::Tx(orders),
+                Some("floor") => Work::Floor,
+                _ => Work::Bare,
+            }
+        }
+    }
+
+    /// A received batch's work: see [`Work`].
+    async fn settle(pool: &PgPool, how: Work<'_>, bodies: &[&[u8]]) {
+        if let Work::Floor = how {
+            let ids: Vec<String> = bodies.iter().map(|body| order_id(body)).collect();
+            let mut tx = pool.begin().await.unwrap();
+            let new: Vec<String> = sqlx::query_scalar(
+                "INSERT INTO processed_messages (id) SELECT unnest($1::text[]) \
+                 ON CONFLICT DO NOTHING RETURNING id",
+            )
+            .bind(&ids)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+            sqlx::query(
+                "INSERT INTO order_charges (order_id, amount) SELECT id, 1999 FROM unnest($1::text[]) AS id",
+            )
+            .bind(&new)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            tx.commit().await.unwrap();
+            return;
+        }
+        join_all(bodies.iter().map(|body| work(pool, how, body))).await;
+    }
+
+    /// One message's work, by hand or through the processor, the broker's
+    /// hold extended while it runs.
+    async fn work(pool: &PgPool, how: Work<'_>, body: &[u8]) {
         let id = order_id(body);
-        match orders {
-            None => {
+        match how {
+            Work::Bare | Work::Floor => {
                 let mut tx = pool.begin().await.unwrap();
                 charge(&mut tx, &id).await;
                 tx.commit().await.unwrap();
             }
-            Some(orders) => {
+            Work::Tx(orders) => {
                 let hold = extend_every(Duration::from_secs(10), || async { Ok(()) });
                 // moto may hand one message to two receivers at once: a
                 // duplicate or an in-flight answer is the crate doing its job.
@@ -379,12 +431,7 @@ mod brokers {
             .await;
     }
 
-    async fn sqs_rate(
-        queue: &TestQueue,
-        pool: &PgPool,
-        orders: Option<&IdempotencyProcessor<PostgresTxStore>>,
-        secs: u64,
-    ) -> f64 {
+    async fn sqs_rate(queue: &TestQueue, pool: &PgPool, how: Work<'_>, secs: u64) -> f64 {
         let done = AtomicU64::new(0);
         let started = Instant::now();
         let last = std::sync::Mutex::new(started);
@@ -401,12 +448,11 @@ mod brokers {
                     .await
                     .unwrap();
                 let messages = got.messages.unwrap_or_default();
-                join_all(
-                    messages
-                        .iter()
-                        .map(|m| work(pool, orders, m.body().unwrap().as_bytes())),
-                )
-                .await;
+                let bodies: Vec<&[u8]> = messages
+                    .iter()
+                    .map(|m| m.body().unwrap().as_bytes())
+                    .collect();
+                settle(pool, how, &bodies).await;
                 let entries: Vec<_> = messages
                     .iter()
                     .enumerate()
@@ -449,7 +495,7 @@ mod brokers {
         stream: &TestStream,
         durable: &str,
         pool: &PgPool,
-        orders: Option<&IdempotencyProcessor<PostgresTxStore>>,
+        how: Work<'_>,
         secs: u64,
     ) -> f64 {
         let js_stream = stream.js.get_stream(&stream.name).await.unwrap();
@@ -476,10 +522,13 @@ mod brokers {
                 while let Some(message) = batch.next().await {
                     messages.push(message.unwrap());
                 }
-                join_all(messages.iter().map(|m| async move {
-                    work(pool, orders, &m.payload).await;
-                    m.ack().await.unwrap();
-                }))
+                let bodies: Vec<&[u8]> = messages.iter().map(|m| &m.payload[..]).collect();
+                settle(pool, how, &bodies).await;
+                join_all(
+                    messages
+                        .iter()
+                        .map(|m| async move { m.ack().await.unwrap() }),
+                )
                 .await;
                 if !messages.is_empty() {
                     done.fetch_add(messages.len() as u64, Ordering::Relaxed);
@@ -507,12 +556,21 @@ mod brokers {
         println!(
             "\nbrokers: SQS (moto_server) and JetStream (nats-server), {RECEIVERS} receivers x batches of 10, {rounds} rounds x {secs}s, charge in PostgreSQL"
         );
-        let names = ["sqs-bare", "sqs-tx", "nats-bare", "nats-tx"];
+        // Each broker's bare variant first: the reference of the two after.
+        let names = [
+            "sqs-bare",
+            "sqs-floor",
+            "sqs-tx",
+            "nats-bare",
+            "nats-floor",
+            "nats-tx",
+        ];
+        let reference = |i: usize| i - i % 3;
         let mut rates = vec![Vec::new(); names.len()];
         for round in 1..=rounds {
             println!("\nround {round}");
             for (i, name) in names.iter().enumerate() {
-                let with = name.ends_with("-tx").then_some(&*orders);
+                let with = Work::of(name, &orders);
                 let rate = if name.starts_with("sqs") {
                     let queue = TestQueue::without_dead_letters(&sqs, 30).await;
                     sqs_fill(&queue, name, round, sqs_fill_n).await;
@@ -540,27 +598,33 @@ mod brokers {
                     nats_rate(&stream, "bench", pool, with, secs).await
                 };
                 rates[i].push(rate);
-                let reference = rates[i & !1][round as usize - 1];
+                let bare = rates[reference(i)][round as usize - 1];
                 println!(
                     "{name:<16} {rate:>12.0} msg/s {:>8.4} x {}",
-                    rate / reference,
-                    names[i & !1]
+                    rate / bare,
+                    names[reference(i)]
                 );
             }
         }
         println!("\nmedian over {rounds} rounds");
-        for (i, name) in names.iter().enumerate() {
-            let ratio = super::median(
+        let ratio = |i: usize, of: usize| {
+            super::median(
                 rates[i]
                     .iter()
-                    .zip(&rates[i & !1])
+                    .zip(&rates[of])
                     .map(|(a, b)| a / b)
                     .collect(),
-            );
+            )
+        };
+        for (i, name) in names.iter().enumerate() {
+            let floor = reference(i) + 1;
             println!(
-                "{name:<16} {:>12.0} msg/s {ratio:>8.4} x {}",
+                "{name:<16} {:>12.0} msg/s {:>8.4} x {} {:>8.4} x {}",
                 super::median(rates[i].clone()),
-                names[i & !1]
+                ratio(i, reference(i)),
+                names[reference(i)],
+                ratio(i, floor),
+                names[floor]
             );
         }
     }
