@@ -1050,19 +1050,15 @@ impl<St: Positions> Kafka<St> {
     /// fetches again once it has room.
     fn answered(&self, record: &KafkaRecord) {
         self.handover.answered(&record.lane);
-        let partition = record.message.partition();
         let mut partitions = lock(&self.partitions);
-        let Some(state) = partitions.get_mut(&partition) else {
+        let Some(state) = fetched_under(&mut partitions, record) else {
             return;
         };
-        if state.generation != record.generation {
-            return;
-        }
         state.in_hand = state.in_hand.saturating_sub(1);
         if state.full && state.in_hand < PER_PARTITION / 2 {
             state.full = false;
             let mut tpl = TopicPartitionList::new();
-            tpl.add_partition(&self.topic, partition);
+            tpl.add_partition(&self.topic, record.message.partition());
             let _ = self.consumer.resume(&tpl);
         }
     }
@@ -1078,10 +1074,7 @@ impl<St: Positions> Kafka<St> {
     /// record answers it.
     fn to_store(&self, record: &KafkaRecord, acked: Acked) -> Option<Position> {
         let mut partitions = lock(&self.partitions);
-        let watermark = &mut partitions
-            .get_mut(&record.message.partition())
-            .filter(|state| state.generation == record.generation)?
-            .watermark;
+        let watermark = &mut fetched_under(&mut partitions, record)?.watermark;
         if acked == Acked::Executed {
             watermark.stored(record.written.load(AtomicOrdering::SeqCst));
         }
@@ -1099,13 +1092,21 @@ impl<St: Positions> Kafka<St> {
 
     /// `position`, stored on its own, committed.
     fn stored(&self, record: &KafkaRecord, position: &Position) {
-        if let Some(state) = lock(&self.partitions)
-            .get_mut(&position.partition)
-            .filter(|state| state.generation == record.generation)
-        {
+        if let Some(state) = fetched_under(&mut lock(&self.partitions), record) {
             state.watermark.stored(position.next);
         }
     }
+}
+
+/// The state of `record`'s partition, while it is still under the
+/// assignment `record` was fetched under.
+fn fetched_under<'a>(
+    partitions: &'a mut HashMap<i32, PartitionState>,
+    record: &KafkaRecord,
+) -> Option<&'a mut PartitionState> {
+    partitions
+        .get_mut(&record.message.partition())
+        .filter(|state| state.generation == record.generation)
 }
 
 /// The position `record`'s work writes in its transaction, last, where
@@ -1116,9 +1117,7 @@ fn in_work(
     partitions: &Mutex<HashMap<i32, PartitionState>>,
     record: &KafkaRecord,
 ) -> Option<Position> {
-    let next = lock(partitions)
-        .get(&record.message.partition())
-        .filter(|state| state.generation == record.generation)?
+    let next = fetched_under(&mut lock(partitions), record)?
         .watermark
         .with(record.message.offset());
     record
@@ -1175,9 +1174,7 @@ impl<St: Positions> Broker for Kafka<St> {
     /// Its partition still assigned since it was fetched. Called once, when
     /// its turn comes: a record no longer ours is let go here.
     fn owns(&self, record: &KafkaRecord) -> bool {
-        let ours = lock(&self.partitions)
-            .get(&record.message.partition())
-            .is_some_and(|state| state.generation == record.generation);
+        let ours = fetched_under(&mut lock(&self.partitions), record).is_some();
         if !ours {
             self.answered(record);
         }
