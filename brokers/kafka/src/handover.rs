@@ -25,8 +25,14 @@ pub(crate) struct Handover<R> {
 #[derive(Debug)]
 struct Queues<R> {
     waiting: HashMap<String, VecDeque<R>>,
-    /// Per lane, the records the loop took and has not answered.
+    /// Per lane, the records the loop took and has not answered (none:
+    /// no entry).
     in_loop: HashMap<String, usize>,
+    /// Lanes with records waiting and none in the loop, in the order they
+    /// became so: taken first, without looking through every lane (a key
+    /// per record makes as many lanes as records). An entry no longer true
+    /// when it comes up is passed over.
+    unheld: VecDeque<String>,
     queued: usize,
     /// The poller stopped: nothing more comes.
     closed: bool,
@@ -38,6 +44,7 @@ impl<R> Default for Handover<R> {
             queues: Mutex::new(Queues {
                 waiting: HashMap::new(),
                 in_loop: HashMap::new(),
+                unheld: VecDeque::new(),
                 queued: 0,
                 closed: false,
             }),
@@ -60,6 +67,9 @@ impl<R> Handover<R> {
                 queues
                     .waiting
                     .insert(lane.to_owned(), VecDeque::from([record]));
+                if !queues.in_loop.contains_key(lane) {
+                    queues.unheld.push_back(lane.to_owned());
+                }
             }
         }
         queues.queued += 1;
@@ -106,6 +116,9 @@ impl<R> Handover<R> {
             *held -= 1;
             if *held == 0 {
                 queues.in_loop.remove(lane);
+                if queues.waiting.contains_key(lane) {
+                    queues.unheld.push_back(lane.to_owned());
+                }
             }
         }
     }
@@ -115,13 +128,7 @@ impl<R> Queues<R> {
     fn take(&mut self, room: usize) -> Vec<R> {
         let mut taken = Vec::new();
         while taken.len() < room && self.queued > 0 {
-            let in_loop = &self.in_loop;
-            let Some(lane) = self
-                .waiting
-                .keys()
-                .min_by_key(|lane| in_loop.get(*lane).copied().unwrap_or(0))
-                .cloned()
-            else {
+            let Some(lane) = self.held_least() else {
                 break;
             };
             let queue = self.waiting.get_mut(&lane).expect("a lane just found");
@@ -134,6 +141,21 @@ impl<R> Queues<R> {
             taken.push(record);
         }
         taken
+    }
+
+    /// A lane with records waiting, of those the loop holds fewest of: one
+    /// it holds none of, first come; else the least held.
+    fn held_least(&mut self) -> Option<String> {
+        while let Some(lane) = self.unheld.pop_front() {
+            if self.waiting.contains_key(&lane) && !self.in_loop.contains_key(&lane) {
+                return Some(lane);
+            }
+        }
+        let in_loop = &self.in_loop;
+        self.waiting
+            .keys()
+            .min_by_key(|lane| in_loop.get(*lane).copied().unwrap_or(0))
+            .cloned()
     }
 }
 
