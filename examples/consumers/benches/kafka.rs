@@ -53,6 +53,7 @@ use tower_idempotency_kafka::{
 
 #[path = "../orders/mod.rs"]
 mod orders;
+mod recipe;
 // The broker and its topics, as the consumers' tests start them.
 #[path = "../tests/support/dead_letter.rs"]
 #[allow(dead_code)]
@@ -261,17 +262,22 @@ fn last_offsets(batch: &[(i32, i64, String)]) -> HashMap<i32, i64> {
     last
 }
 
-/// No idempotency: the batch's charges, in one statement.
-async fn bare(pool: &PgPool, batch: &[(i32, i64, String)]) {
-    let ids: Vec<&str> = batch.iter().map(|(_, _, id)| id.as_str()).collect();
+/// Charges `ids`, in one statement.
+async fn charge_all(on: impl sqlx::PgExecutor<'_>, ids: &[&str]) {
     sqlx::query(
         "INSERT INTO order_charges (order_id, amount, currency) \
          SELECT id, 1999, 'eur' FROM unnest($1::text[]) AS id",
     )
-    .bind(&ids)
-    .execute(pool)
+    .bind(ids)
+    .execute(on)
     .await
     .unwrap();
+}
+
+/// No idempotency: the batch's charges, in one statement.
+async fn bare(pool: &PgPool, batch: &[(i32, i64, String)]) {
+    let ids: Vec<&str> = batch.iter().map(|(_, _, id)| id.as_str()).collect();
+    charge_all(pool, &ids).await;
 }
 
 /// The seed's recipe, batched: the processed ids, the charges of the ids
@@ -279,22 +285,12 @@ async fn bare(pool: &PgPool, batch: &[(i32, i64, String)]) {
 async fn floor(pool: &PgPool, topic: &str, batch: &[(i32, i64, String)]) {
     let ids: Vec<&str> = batch.iter().map(|(_, _, id)| id.as_str()).collect();
     let mut tx = pool.begin().await.unwrap();
-    let new: Vec<String> = sqlx::query_scalar(
-        "INSERT INTO processed_messages (id) SELECT unnest($1::text[]) \
-         ON CONFLICT DO NOTHING RETURNING id",
+    let new = recipe::new_ids(&mut tx, &ids).await;
+    charge_all(
+        &mut *tx,
+        &new.iter().map(String::as_str).collect::<Vec<_>>(),
     )
-    .bind(&ids)
-    .fetch_all(&mut *tx)
-    .await
-    .unwrap();
-    sqlx::query(
-        "INSERT INTO order_charges (order_id, amount, currency) \
-         SELECT id, 1999, 'eur' FROM unnest($1::text[]) AS id",
-    )
-    .bind(&new)
-    .execute(&mut *tx)
-    .await
-    .unwrap();
+    .await;
     let (partitions, nexts): (Vec<i32>, Vec<i64>) = last_offsets(batch)
         .into_iter()
         .map(|(partition, offset)| (partition, offset + 1))

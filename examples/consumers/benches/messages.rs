@@ -262,12 +262,14 @@ async fn main() {
 }
 
 // The brokers' fixtures, as the consumers' tests start them.
+// The guarantee by hand, batched: the floor beside the crate.
 #[path = "../tests/support/dead_letter.rs"]
 #[allow(dead_code)]
 mod dead_letter;
 #[path = "../tests/support/nats.rs"]
 #[allow(dead_code)]
 mod nats;
+mod recipe;
 #[path = "../tests/support/sqs.rs"]
 #[allow(dead_code)]
 mod sqs;
@@ -346,15 +348,9 @@ mod brokers {
     async fn settle(pool: &PgPool, how: Work<'_>, bodies: &[&[u8]]) {
         if let Work::Floor = how {
             let ids: Vec<String> = bodies.iter().map(|body| order_id(body)).collect();
+            let ids: Vec<&str> = ids.iter().map(String::as_str).collect();
             let mut tx = pool.begin().await.unwrap();
-            let new: Vec<String> = sqlx::query_scalar(
-                "INSERT INTO processed_messages (id) SELECT unnest($1::text[]) \
-                 ON CONFLICT DO NOTHING RETURNING id",
-            )
-            .bind(&ids)
-            .fetch_all(&mut *tx)
-            .await
-            .unwrap();
+            let new = super::recipe::new_ids(&mut tx, &ids).await;
             sqlx::query(
                 "INSERT INTO order_charges (order_id, amount) SELECT id, 1999 FROM unnest($1::text[]) AS id",
             )
