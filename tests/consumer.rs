@@ -8,8 +8,9 @@
 mod support;
 
 use std::{
+    borrow::Cow,
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicUsize, Ordering},
     },
     time::Duration,
@@ -18,8 +19,9 @@ use std::{
 use tower_idempotency::{
     MemoryStore, PostgresStore, PostgresTx, PostgresTxStore, SqliteStore, SqliteTx,
     message::{
-        DeadLetterReason, Delivery, DeliveryBudget, Disposition, IdempotencyProcessor,
-        ProcessError, ProcessOutcome, extend_every,
+        Acked, Broker, BrokerError, Consumer, DeadLetterReason, DeadLettered, Delivery,
+        DeliveryBudget, Disposition, IdempotencyProcessor, Parsed, ProcessError, ProcessOutcome,
+        Received, extend_every,
     },
     sqlx,
     store::Store,
@@ -748,4 +750,198 @@ async fn declared_rules_decide_what_is_the_same_message() {
         .unwrap();
     assert_eq!(other, ProcessOutcome::Mismatch);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A broker that hands a fixed list of orders over in one receive, all on
+/// one ordering key, and writes down how each was answered — and, for an
+/// acknowledgement, whether the order's charge was committed by then.
+struct Scripted {
+    orders: Mutex<Option<Vec<Order>>>,
+    answers: Arc<Mutex<Vec<String>>>,
+    db: sqlx::PgPool,
+    left: AtomicUsize,
+    all_answered: Arc<tokio::sync::Notify>,
+}
+
+struct Order(String, Vec<u8>);
+
+impl Received for Order {
+    fn payload(&self) -> &[u8] {
+        &self.1
+    }
+    fn header(&self, _: &str) -> Option<&str> {
+        None
+    }
+    fn message_id(&self) -> Option<Cow<'_, str>> {
+        Some(Cow::Borrowed(&self.0))
+    }
+}
+
+impl Scripted {
+    async fn answered(&self, order: &Order, how: &str) {
+        let id = String::from_utf8_lossy(&order.1).to_string();
+        let id = serde_json::from_str::<serde_json::Value>(&id).unwrap()["order_id"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let committed: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM order_charges WHERE order_id = $1")
+                .bind(&id)
+                .fetch_one(&self.db)
+                .await
+                .unwrap();
+        self.answers
+            .lock()
+            .unwrap()
+            .push(format!("{how} {id} ({committed} committed)"));
+        if self.left.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.all_answered.notify_one();
+        }
+    }
+}
+
+impl Broker for Scripted {
+    type Received = Order;
+
+    fn system(&self) -> &'static str {
+        "scripted"
+    }
+    fn destination(&self) -> &str {
+        "orders"
+    }
+    async fn receive(&self, room: usize, within: Duration) -> Result<Vec<Order>, BrokerError> {
+        let orders = self.orders.lock().unwrap().take();
+        match orders {
+            Some(orders) => {
+                assert!(room >= orders.len(), "room for every order in one receive");
+                Ok(orders)
+            }
+            None => {
+                tokio::time::sleep(within).await;
+                Ok(Vec::new())
+            }
+        }
+    }
+    fn receive_is_cancel_safe(&self) -> bool {
+        true
+    }
+    fn hold_interval(&self) -> Option<Duration> {
+        None
+    }
+    fn ordering_key<'a>(&self, _: &'a Order) -> Option<Cow<'a, str>> {
+        Some(Cow::Borrowed("acct-1"))
+    }
+    async fn ack(&self, order: &Order, _: Acked) -> Result<(), BrokerError> {
+        self.answered(order, "acked").await;
+        Ok(())
+    }
+    async fn give_back(&self, order: &Order, _: Duration) -> Result<(), BrokerError> {
+        self.answered(order, "given back").await;
+        Ok(())
+    }
+    async fn dead_letter(
+        &self,
+        order: &Order,
+        _: &DeadLetterReason,
+    ) -> Result<DeadLettered, BrokerError> {
+        self.answered(order, "dead-lettered").await;
+        Ok(DeadLettered::Kept)
+    }
+}
+
+/// The scripted orders through the consumer loop over transactional
+/// PostgreSQL, `batch` at most per transaction: how each was answered, and
+/// in how many transactions the charges committed. `order_charges` refuses
+/// an amount of 666, as a constraint a payload always breaks.
+async fn through_batches(batch: usize) -> (Vec<String>, i64) {
+    let db = TestDatabase::create();
+    let store = ledger(&db, None, Duration::from_secs(30)).await;
+    sqlx::raw_sql(
+        "ALTER TABLE order_charges ADD COLUMN tx bigint NOT NULL DEFAULT txid_current(), \
+         ADD CHECK (amount <> 666)",
+    )
+    .execute(store.pool())
+    .await
+    .unwrap();
+    let order = |id: &str, amount: i64| {
+        let body = format!(r#"{{"order_id":"{id}","amount":{amount}}}"#);
+        Order(format!("m-{id}-{amount}"), body.into_bytes())
+    };
+    let orders = vec![
+        order("order-1", 500),
+        order("order-2", 500),
+        // Refused by the database: undone alone, dead-lettered.
+        order("order-3", 666),
+        // Delivered twice: the second finds the record the batch wrote.
+        order("order-1", 500),
+        order("order-4", 500),
+        order("order-5", 500),
+    ];
+    let (answers, all_answered) = (Arc::default(), Arc::default());
+    let broker = Scripted {
+        left: AtomicUsize::new(orders.len()),
+        orders: Mutex::new(Some(orders)),
+        answers: Arc::clone(&answers),
+        db: store.pool().clone(),
+        all_answered: Arc::clone(&all_answered),
+    };
+    let processor = IdempotencyProcessor::new(store.clone()).scope("orders");
+    Consumer::new(broker, processor)
+        .in_hand(10)
+        .batch(batch)
+        .passing_when(|error: &sqlx::Error| error.as_database_error().is_none())
+        .run(
+            |payload| {
+                let order: serde_json::Value = serde_json::from_slice(payload)
+                    .map_err(|e| DeadLetterReason::invalid(e.to_string()))?;
+                Ok(Parsed {
+                    key: order["order_id"].as_str().unwrap().to_owned(),
+                    message: (
+                        order["order_id"].as_str().unwrap().to_owned(),
+                        order["amount"].as_i64().unwrap(),
+                    ),
+                })
+            },
+            async |tx: &mut PostgresTx, (id, amount): &(String, i64)| {
+                sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES ($1, $2)")
+                    .bind(id)
+                    .bind(amount)
+                    .execute(&mut **tx)
+                    .await?;
+                Ok::<_, sqlx::Error>(())
+            },
+            async move { all_answered.notified().await },
+        )
+        .await
+        .unwrap();
+    let transactions: i64 = sqlx::query_scalar("SELECT count(DISTINCT tx) FROM order_charges")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    let answers = answers.lock().unwrap().clone();
+    (answers, transactions)
+}
+
+/// Six deliveries of one key in hand together: settled in one transaction
+/// — each order's charge in a savepoint of its own — and answered only
+/// once it committed. The order the database refuses is undone alone
+/// (dead-lettered, nothing of it committed, the others kept); the order
+/// delivered twice finds the record the batch itself wrote, a duplicate.
+/// One per transaction (`batch(1)`), the same answers in five.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_commits_together_undoes_a_refused_order_alone_and_answers_after_its_commit() {
+    let answered = [
+        "acked order-1 (1 committed)",
+        "acked order-2 (1 committed)",
+        "dead-lettered order-3 (0 committed)",
+        "acked order-1 (1 committed)",
+        "acked order-4 (1 committed)",
+        "acked order-5 (1 committed)",
+    ];
+    let (answers, transactions) = through_batches(100).await;
+    assert_eq!(answers, answered);
+    assert_eq!(transactions, 1, "one transaction for the batch");
+    let (answers, transactions) = through_batches(1).await;
+    assert_eq!(answers, answered);
+    assert_eq!(transactions, 4, "a transaction per charge");
 }

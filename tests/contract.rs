@@ -496,6 +496,12 @@ enum TxBug {
     NeverExpires,
     /// Records are addressed by the key alone.
     IgnoresScope,
+    /// A key undone in a batch keeps its work's writes.
+    BatchUndoesNothing,
+    /// A key found in a batch leaves the batch aborted (no savepoint).
+    BatchAbortsOnAFind,
+    /// A dropped batch commits.
+    DroppedBatchCommits,
 }
 
 /// The toy's committed state: claims, records and effects.
@@ -533,6 +539,9 @@ struct ToyTx {
     ledger: Arc<Mutex<Ledger>>,
     open: bool,
     wedge: bool,
+    /// A batch's keys: held, and the records completed in it.
+    held: Vec<String>,
+    records: Vec<(String, Fingerprint, Arc<CompletedRecord>, Duration)>,
 }
 
 impl std::ops::Deref for ToyTx {
@@ -568,10 +577,12 @@ impl ToyTx {
     fn end(&mut self, commit: Option<(Fingerprint, Arc<CompletedRecord>, Duration, bool)>) {
         self.open = false;
         let mut ledger = self.ledger.lock().unwrap();
-        let ours =
-            matches!(ledger.keys.get(&self.slot), Some(Slot::Held { tx, .. }) if *tx == self.id);
-        if ours {
-            ledger.keys.remove(&self.slot);
+        for slot in std::iter::once(&self.slot).chain(&self.held) {
+            let ours =
+                matches!(ledger.keys.get(slot), Some(Slot::Held { tx, .. }) if *tx == self.id);
+            if ours {
+                ledger.keys.remove(slot);
+            }
         }
         if let Some((fp, record, retention, effects)) = commit {
             if effects {
@@ -591,9 +602,38 @@ impl ToyTx {
     }
 }
 
+impl ToyTx {
+    /// Commits a batch: its records, and its effects.
+    fn commit_batch(&mut self) {
+        let records = std::mem::take(&mut self.records);
+        self.end(None);
+        let mut ledger = self.ledger.lock().unwrap();
+        ledger.effects.append(&mut self.connection.pending);
+        for (slot, fp, record, retention) in records {
+            let until = Instant::now() + retention;
+            ledger.keys.insert(slot, Slot::Done { fp, record, until });
+        }
+    }
+
+    /// Undoes the key claimed in the batch last.
+    fn undo(&mut self) {
+        if let Some(slot) = self.held.pop() {
+            self.ledger.lock().unwrap().keys.remove(&slot);
+        }
+        if let Some(at) = self.connection.savepoint.take()
+            && self.connection.bug != Some(TxBug::BatchUndoesNothing)
+        {
+            self.connection.pending.truncate(at);
+        }
+        self.connection.aborted = false;
+    }
+}
+
 impl Drop for ToyTx {
     fn drop(&mut self) {
-        if self.open && !self.wedge {
+        if self.open && self.connection.bug == Some(TxBug::DroppedBatchCommits) {
+            self.commit_batch();
+        } else if self.open && !self.wedge {
             self.end(None);
         }
     }
@@ -642,6 +682,8 @@ impl ToyTxStore {
             ledger: self.ledger.clone(),
             open: true,
             wedge: self.bug == TxBug::DropWedges,
+            held: Vec::new(),
+            records: Vec::new(),
         })
     }
 }
@@ -735,6 +777,96 @@ impl Store for ToyTxStore {
             tx.end(None);
         }
         Ok(true)
+    }
+
+    const BATCHES: bool = true;
+
+    async fn begin_batch(&self) -> Result<ToyTx, StoreError> {
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(ToyTx {
+            id,
+            slot: String::new(),
+            connection: ToyConnection {
+                bug: Some(self.bug),
+                ..ToyConnection::default()
+            },
+            ledger: self.ledger.clone(),
+            open: true,
+            wedge: false,
+            held: Vec::new(),
+            records: Vec::new(),
+        })
+    }
+
+    async fn claim_in_batch(
+        &self,
+        tx: &mut ToyTx,
+        key: &StorageKey,
+        fp: &Fingerprint,
+    ) -> Result<Claim<()>, StoreError> {
+        if tx.connection.aborted {
+            return Err(StoreError::Unavailable("the batch is aborted".into()));
+        }
+        let slot = self.slot(key);
+        let now = Instant::now();
+        let mut ledger = self.ledger.lock().unwrap();
+        let found = match ledger.keys.get(&slot) {
+            Some(Slot::Held { .. }) => Some(Claim::InFlight {
+                retry_after: Duration::from_secs(1),
+            }),
+            Some(Slot::Done { until, .. }) if *until <= now => None,
+            Some(Slot::Done { fp: stored, .. }) if stored != fp => Some(Claim::Mismatch),
+            Some(Slot::Done { record, until, .. }) => Some(Claim::Completed {
+                record: record.clone(),
+                expires_in: *until - now,
+            }),
+            None => None,
+        };
+        if let Some(found) = found {
+            // Without a savepoint, what failed leaves the batch aborted.
+            tx.connection.aborted = self.bug == TxBug::BatchAbortsOnAFind;
+            return Ok(found);
+        }
+        ledger.keys.insert(
+            slot.clone(),
+            Slot::Held {
+                tx: tx.id,
+                until: now + Duration::from_secs(86_400),
+            },
+        );
+        tx.held.push(slot);
+        tx.connection.savepoint = Some(tx.connection.pending.len());
+        Ok(Claim::Acquired(()))
+    }
+
+    async fn complete_in_batch(
+        &self,
+        tx: &mut ToyTx,
+        key: &StorageKey,
+        fp: &Fingerprint,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        if tx.connection.aborted {
+            tx.undo();
+            return Err(StoreError::Unavailable("the batch is aborted".into()));
+        }
+        tx.records.push((self.slot(key), *fp, record, retention));
+        tx.connection.savepoint = None;
+        Ok(())
+    }
+
+    async fn release_in_batch(&self, tx: &mut ToyTx, _: &StorageKey) -> Result<(), StoreError> {
+        tx.undo();
+        Ok(())
+    }
+
+    async fn commit_batch(&self, mut tx: ToyTx) -> Result<(), StoreError> {
+        if tx.connection.aborted {
+            return Err(StoreError::Unavailable("the batch is aborted".into()));
+        }
+        tx.commit_batch();
+        Ok(())
     }
 
     async fn release_keeping_writes(
@@ -848,6 +980,15 @@ async fn each_tx_rule_fails_against_a_store_with_its_bug_planted() {
             "an_expired_record_lets_the_key_run_again",
         ),
         (TxBug::IgnoresScope, "scopes_keep_keys_apart"),
+        (
+            TxBug::BatchUndoesNothing,
+            "a_batch_commits_its_keys_together_and_undoes_one_alone",
+        ),
+        (
+            TxBug::BatchAbortsOnAFind,
+            "a_batch_answers_what_it_finds_and_goes_on",
+        ),
+        (TxBug::DroppedBatchCommits, "a_dropped_batch_leaves_nothing"),
     ];
     each_rule_is_caught(&planted, broken_tx_rules, TX_RULES).await;
 }

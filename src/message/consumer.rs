@@ -13,7 +13,7 @@ use std::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use futures_util::{
@@ -26,13 +26,19 @@ use tokio::sync::oneshot;
 
 use super::{
     DeadLetterReason, Delivery, DeliveryLease, Disposition, ExtendError, IdempotencyProcessor,
-    ProcessError, ProcessOutcome, Settled,
+    NoHold, ProcessError, ProcessOutcome, Settled, batch::Batch,
 };
 use crate::{fingerprint::PayloadFingerprint, lock::lock, observe, store::Store};
 
 /// What a broker's adapter failed at, said plainly: the broker out of
 /// reach, a refusal, the subscription gone.
 pub type BrokerError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The most deliveries settled in one transaction, by default.
+const DEFAULT_BATCH: usize = 100;
+
+/// How long a batch takes deliveries before it commits, by default.
+const DEFAULT_BATCH_WITHIN: Duration = Duration::from_secs(1);
 
 /// How long an idle loop's receive waits for a first delivery, at most,
 /// where a shutdown can drop it ([`Broker::receive_is_cancel_safe`]).
@@ -272,6 +278,10 @@ pub struct Consumer<B: Broker, St, F, M, T, E> {
     broker: Arc<B>,
     processor: IdempotencyProcessor<St, F>,
     in_hand: usize,
+    /// The most deliveries of one ordering key settled in one transaction.
+    batch: usize,
+    /// How long a batch takes deliveries before it commits.
+    batch_within: Duration,
     passing: Box<dyn Fn(&E) -> bool + Send + Sync>,
     on_settled: Option<OnSettled<B::Received, M, T, E>>,
 }
@@ -281,6 +291,7 @@ impl<B: Broker, St, F, M, T, E> fmt::Debug for Consumer<B, St, F, M, T, E> {
         f.debug_struct("Consumer")
             .field("destination", &self.broker.destination())
             .field("in_hand", &self.in_hand)
+            .field("batch", &self.batch)
             .finish_non_exhaustive()
     }
 }
@@ -307,6 +318,8 @@ where
             broker: Arc::new(broker),
             processor,
             in_hand: 10,
+            batch: DEFAULT_BATCH,
+            batch_within: DEFAULT_BATCH_WITHIN,
             passing: Box::new(|_| true),
             on_settled: None,
         }
@@ -330,6 +343,52 @@ where
     /// ```
     pub fn in_hand(mut self, deliveries: usize) -> Self {
         self.in_hand = deliveries.max(1);
+        self
+    }
+
+    /// The most deliveries settled in one transaction, on a store that
+    /// batches ([`Store::BATCHES`]: the transactional PostgreSQL store;
+    /// default 100; 1 settles each delivery in a transaction of its own).
+    ///
+    /// A batch is what one [ordering key](Broker::ordering_key) (or the
+    /// deliveries without one) brought in one receive, in the order
+    /// received: it never waits for more, so it is at most
+    /// [`in_hand`](Self::in_hand) — raise that too. Each delivery's key is
+    /// claimed, worked and recorded in a savepoint of its own, so one that
+    /// fails is undone alone; the batch commits once, and nothing in it is
+    /// answered before. A delivery that must wait (its key in flight
+    /// elsewhere, the store unavailable, a work error that may pass)
+    /// commits the batch before it and is then settled on its own; if the
+    /// commit fails, each of the batch's executions is settled again on
+    /// its own — it executes again (nothing committed) or finds its record.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn demo<B: tower_idempotency::message::Broker>(consumer: tower_idempotency::message::Consumer<B, tower_idempotency::MemoryStore, tower_idempotency::DefaultFingerprint, (), (), std::io::Error>) {
+    /// // Up to 500 in hand, committed 100 at a time.
+    /// let consumer = consumer.in_hand(500).batch(100);
+    /// # let _ = consumer; }
+    /// ```
+    pub fn batch(mut self, deliveries: usize) -> Self {
+        self.batch = deliveries.max(1);
+        self
+    }
+
+    /// How long a batch takes deliveries before it commits (default
+    /// 1 s): the time bound beside [`batch`](Self::batch)'s size, so that
+    /// slow work does not keep a long transaction open, or its first
+    /// deliveries unanswered.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn demo<B: tower_idempotency::message::Broker>(consumer: tower_idempotency::message::Consumer<B, tower_idempotency::MemoryStore, tower_idempotency::DefaultFingerprint, (), (), std::io::Error>) {
+    /// let consumer = consumer.batch_within(std::time::Duration::from_millis(200));
+    /// # let _ = consumer; }
+    /// ```
+    pub fn batch_within(mut self, within: Duration) -> Self {
+        self.batch_within = within;
         self
     }
 
@@ -460,8 +519,12 @@ where
     {
         let mut shutdown = std::pin::pin!(shutdown);
         let lanes = Lanes::default();
+        let gathering = Gathering::default();
+        let size = if St::BATCHES { self.batch } else { 1 };
         let stopping = AtomicBool::new(false);
         let mut jobs = FuturesUnordered::new();
+        // Deliveries in jobs: a job settles a batch of them.
+        let mut held = 0;
         // A receive in flight is never dropped halfway: what the broker
         // handed out is in hand, and answered (at shutdown, given back).
         let receive = Fuse::terminated();
@@ -469,7 +532,7 @@ where
         let mut receiving = true;
         let mut ended = None;
         loop {
-            let room = self.in_hand.saturating_sub(jobs.len());
+            let room = self.in_hand.saturating_sub(held);
             if receiving && room > 0 && receive.is_terminated() {
                 // Idle, as long as the broker's long poll where a shutdown
                 // drops it, else two seconds; busy, briefly: a shutdown is
@@ -496,20 +559,22 @@ where
                         // taken once more, and in hand.
                         receive.set(Fuse::terminated());
                         self.broker.stop_receiving().await;
-                        let room = self.in_hand.saturating_sub(jobs.len()).max(1);
+                        let room = self.in_hand.saturating_sub(held).max(1);
                         receive.set(self.broker.receive(room, Duration::ZERO).fuse());
                     }
                 }
-                Some(()) = jobs.next(), if !jobs.is_empty() => {}
+                Some(answered) = jobs.next(), if !jobs.is_empty() => held -= answered,
                 received = &mut receive, if !receive.is_terminated() => match received {
-                    Ok(batch) => {
-                        for received in batch {
-                            let key = self
-                                .broker
-                                .ordering_key(&received)
-                                .map(Cow::into_owned);
-                            let (turn, done) = lanes.join(key.as_deref());
-                            jobs.push(self.job(received, turn, done, key, &lanes, &stopping, &parse, &work));
+                    Ok(received) => {
+                        held += received.len();
+                        for received in received {
+                            let key = self.broker.ordering_key(&received).map(Cow::into_owned);
+                            // Joins its key's group still gathering, or
+                            // begins one: a job of its own, in line.
+                            if let Some(group) = gathering.gather(key.as_deref(), received, size) {
+                                let (turn, done) = lanes.join(key.as_deref());
+                                jobs.push(self.job(group, turn, done, key, &lanes, &gathering, &stopping, &parse, &work));
+                            }
                         }
                     }
                     Err(error) => {
@@ -529,29 +594,34 @@ where
         }
     }
 
-    /// One delivery, from the moment it is in hand to its answer: held
-    /// throughout, its turn among its key's waited for.
+    /// A group of one key's deliveries, from the moment they are in hand to
+    /// their answers: held throughout, their key's turn waited for — the
+    /// group takes the key's deliveries received meanwhile. How many it
+    /// answered.
     // What the loop lends each job: bundling it would build a struct per
-    // delivery to take it apart again.
+    // group to take it apart again.
     #[allow(clippy::too_many_arguments)]
     async fn job<P, W>(
         &self,
-        received: B::Received,
+        group: Arc<Group<B::Received>>,
         turn: Option<oneshot::Receiver<()>>,
         done: Option<oneshot::Sender<()>>,
         key: Option<String>,
         lanes: &Lanes,
+        gathering: &Gathering<B::Received>,
         stopping: &AtomicBool,
         parse: &P,
         work: &W,
-    ) where
+    ) -> usize
+    where
         P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
         W: AsyncFn(&mut St::Granted, &B::Received, &M) -> Result<T, E>,
     {
         let hold = Hold {
             broker: &*self.broker,
-            received: &received,
+            group: &group,
         };
+        let mut answered = 0;
         super::delivery::keeping(&hold, &"a delivery in hand", async {
             // Received, it is in hand and worked, a shutdown or not; one
             // that waits for its key's turn is not started yet when the
@@ -568,11 +638,19 @@ where
             // acknowledgement is its partition's position).
             let stopped = stopping.load(Ordering::SeqCst);
             let unstarted = stopped && (waited || lanes.gave_back(key.as_deref()));
-            if self
-                .settle(&received, unstarted, stopping, parse, work)
-                .await
-                && stopping.load(Ordering::SeqCst)
-            {
+            let group = gathering.start(key.as_deref(), &group);
+            answered = group.len();
+            let given_back = match group.as_slice() {
+                [received] => {
+                    self.settle(received, unstarted, stopping, parse, work)
+                        .await
+                }
+                group => {
+                    self.settle_batch(group, unstarted, stopping, parse, work)
+                        .await
+                }
+            };
+            if given_back && stopping.load(Ordering::SeqCst) {
                 lanes.give_back(key.as_deref());
             }
         })
@@ -581,6 +659,7 @@ where
             let _ = done.send(());
         }
         lanes.leave(key.as_deref());
+        answered
     }
 
     /// Settles one delivery whose turn it is, and answers the broker;
@@ -598,9 +677,140 @@ where
         P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
         W: AsyncFn(&mut St::Granted, &B::Received, &M) -> Result<T, E>,
     {
+        match self.turn(received, unstarted, stopping, parse).await {
+            Turn::Answered { given_back } => given_back,
+            Turn::Process(parsed) => self.process(received, &parsed, stopping, work).await,
+        }
+    }
+
+    /// Settles a group of one key's deliveries whose turn it is in
+    /// batches — each in one transaction of the store, committed before any
+    /// of it is answered — in the order received; `unstarted` as
+    /// [`settle`](Self::settle)'s, for the first (those behind it waited
+    /// for it). Whether one was given back.
+    async fn settle_batch<P, W>(
+        &self,
+        group: &[Arc<B::Received>],
+        unstarted: bool,
+        stopping: &AtomicBool,
+        parse: &P,
+        work: &W,
+    ) -> bool
+    where
+        P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
+        W: AsyncFn(&mut St::Granted, &B::Received, &M) -> Result<T, E>,
+    {
+        let mut given_back = false;
+        let mut batch = Batch::new();
+        let mut began = Instant::now();
+        let mut in_batch = Vec::new();
+        for (at, received) in group.iter().enumerate() {
+            if !batch.is_empty() && began.elapsed() >= self.batch_within {
+                let full = std::mem::replace(&mut batch, Batch::new());
+                given_back |= self
+                    .commit(full, std::mem::take(&mut in_batch), stopping, work)
+                    .await;
+            }
+            if batch.is_empty() {
+                began = Instant::now();
+            }
+            // Behind the first, each waited for the one before it.
+            let unstarted = if at == 0 {
+                unstarted
+            } else {
+                stopping.load(Ordering::SeqCst)
+            };
+            let parsed = match self.turn(received, unstarted, stopping, parse).await {
+                Turn::Answered { given_back: back } => {
+                    given_back |= back;
+                    continue;
+                }
+                Turn::Process(parsed) => parsed,
+            };
+            let id = received.message_id();
+            let delivery = self.delivery(received, &parsed, id.as_deref());
+            let settled = self
+                .processor
+                .settle_in_batch(
+                    &mut batch,
+                    &delivery,
+                    async |tx: &mut St::Granted| work(tx, received, &parsed.message).await,
+                    |error| (self.passing)(error),
+                )
+                .await;
+            match settled {
+                Some(settled) => in_batch.push(InBatch {
+                    received,
+                    parsed,
+                    settled,
+                }),
+                None => {
+                    // It waits, or is tried again: what is before it is
+                    // committed and answered first, then it is settled on
+                    // its own.
+                    let before = std::mem::replace(&mut batch, Batch::new());
+                    given_back |= self
+                        .commit(before, std::mem::take(&mut in_batch), stopping, work)
+                        .await;
+                    given_back |= self.process(received, &parsed, stopping, work).await;
+                }
+            }
+        }
+        given_back | self.commit(batch, in_batch, stopping, work).await
+    }
+
+    /// Commits `batch`, then answers what was settled in it, in order; if
+    /// the commit failed, each execution in it is settled again on its own.
+    /// Whether one was given back.
+    async fn commit<W>(
+        &self,
+        batch: Batch<St>,
+        settled: Vec<InBatch<'_, B::Received, M, T, E>>,
+        stopping: &AtomicBool,
+        work: &W,
+    ) -> bool
+    where
+        W: AsyncFn(&mut St::Granted, &B::Received, &M) -> Result<T, E>,
+    {
+        let executed = batch.executed();
+        let committed = self.processor.commit_batch(batch).await;
+        if let Err(error) = &committed {
+            tracing::warn!(%error, executed, "idempotency: a batch did not commit (or its outcome is unknown); its executions are settled again, one by one");
+        }
+        let mut given_back = false;
+        for InBatch {
+            received,
+            parsed,
+            settled: (settled, span),
+        } in settled
+        {
+            let executed = matches!(settled.outcome, Ok(ProcessOutcome::Executed(_)));
+            if executed && committed.is_err() {
+                given_back |= self.process(received, &parsed, stopping, work).await;
+                continue;
+            }
+            super::processor::recorded(&span, &settled);
+            given_back |= self.conclude(received, &parsed, &settled, stopping).await;
+        }
+        given_back
+    }
+
+    /// A delivery whose turn came: no longer this consumer's, given back
+    /// unstarted at a shutdown, not a valid message — each answered here —
+    /// or its message, to be processed.
+    async fn turn<P>(
+        &self,
+        received: &B::Received,
+        unstarted: bool,
+        stopping: &AtomicBool,
+        parse: &P,
+    ) -> Turn<M>
+    where
+        P: Fn(&B::Received) -> Result<Parsed<M>, DeadLetterReason>,
+    {
         if !self.broker.owns(received) {
             tracing::debug!(message = ?received.message_id(), "idempotency: no longer this consumer's (a rebalance); left to its new owner");
-            return false;
+            return Turn::Answered { given_back: false };
         }
         if unstarted && !received.last() {
             // Unstarted at shutdown: back at once, read or not. Not even an
@@ -614,7 +824,7 @@ where
                 .answer(received, &disposition, Acked::Decided, stopping)
                 .await;
             self.report(received, None, &disposition, None);
-            return given_back;
+            return Turn::Answered { given_back };
         }
         let parsed = match parse(received) {
             Ok(parsed) => parsed,
@@ -626,7 +836,7 @@ where
                     .answer(received, &disposition, Acked::Decided, stopping)
                     .await;
                 self.report(received, None, &disposition, None);
-                return given_back;
+                return Turn::Answered { given_back };
             }
         };
         if unstarted {
@@ -641,9 +851,19 @@ where
                 .answer(received, &disposition, Acked::Decided, stopping)
                 .await;
             self.report(received, Some(&parsed), &disposition, None);
-            return given_back;
+            return Turn::Answered { given_back };
         }
-        let id = received.message_id();
+        Turn::Process(parsed)
+    }
+
+    /// The processor's delivery of `received`, read as `parsed`, the
+    /// broker's message id `id`.
+    fn delivery<'a>(
+        &'a self,
+        received: &'a B::Received,
+        parsed: &'a Parsed<M>,
+        id: Option<&'a str>,
+    ) -> Delivery<'a, NoHold> {
         let delivery = Delivery::new(&parsed.key, received.payload())
             .last(received.last())
             .messaging_system(self.broker.system())
@@ -652,19 +872,46 @@ where
                 received.header("traceparent"),
                 received.header("tracestate"),
             );
-        let delivery = match id.as_deref() {
+        match id {
             Some(id) => delivery.message_id(id),
             None => delivery,
-        };
+        }
+    }
+
+    /// Settles `received` on its own, in a transaction of its own, and
+    /// answers the broker. Whether it was given back.
+    async fn process<W>(
+        &self,
+        received: &B::Received,
+        parsed: &Parsed<M>,
+        stopping: &AtomicBool,
+        work: &W,
+    ) -> bool
+    where
+        W: AsyncFn(&mut St::Granted, &B::Received, &M) -> Result<T, E>,
+    {
         let message = &parsed.message;
+        let id = received.message_id();
         let settled: Settled<T, E> = self
             .processor
             .settle(
-                delivery,
+                self.delivery(received, parsed, id.as_deref()),
                 async |tx: &mut St::Granted| work(tx, received, message).await,
                 |error| (self.passing)(error),
             )
             .await;
+        self.conclude(received, parsed, &settled, stopping).await
+    }
+
+    /// Answers the broker with what `received` was settled to, and reports
+    /// it. Whether it was given back.
+    async fn conclude(
+        &self,
+        received: &B::Received,
+        parsed: &Parsed<M>,
+        settled: &Settled<T, E>,
+        stopping: &AtomicBool,
+    ) -> bool {
         let acked = match &settled.outcome {
             Ok(ProcessOutcome::Executed(_)) => Acked::Executed,
             _ => Acked::Decided,
@@ -674,7 +921,7 @@ where
             .await;
         self.report(
             received,
-            Some(&parsed),
+            Some(parsed),
             &settled.disposition,
             Some(&settled.outcome),
         );
@@ -743,10 +990,78 @@ where
     }
 }
 
-/// A delivery's hold, as the processor's keeping extends it.
+/// What a delivery whose turn came needs.
+enum Turn<M> {
+    /// Nothing more: it was answered (whether given back).
+    Answered { given_back: bool },
+    /// Its message processed.
+    Process(Parsed<M>),
+}
+
+/// A delivery settled in a batch, to be answered once the batch commits:
+/// what it was settled to, and the span that is recorded on.
+struct InBatch<'a, R, M, T, E> {
+    received: &'a R,
+    parsed: Parsed<M>,
+    settled: (Settled<T, E>, tracing::Span),
+}
+
+/// One key's deliveries settled by one job, in the order received: it
+/// takes the key's deliveries until its turn comes, up to a batch.
+struct Group<R> {
+    deliveries: Mutex<Vec<Arc<R>>>,
+}
+
+/// Each key's group that has not started yet (the deliveries without a key
+/// have one too, for what one receive brought).
+struct Gathering<R> {
+    open: Mutex<HashMap<Option<String>, Arc<Group<R>>>>,
+}
+
+impl<R> Default for Gathering<R> {
+    fn default() -> Self {
+        Self {
+            open: Mutex::default(),
+        }
+    }
+}
+
+impl<R> Gathering<R> {
+    /// `received`, of `key`, joins its key's group if one has not started
+    /// and has room for it (`size` in all); else it begins one, returned.
+    fn gather(&self, key: Option<&str>, received: R, size: usize) -> Option<Arc<Group<R>>> {
+        let received = Arc::new(received);
+        let mut open = lock(&self.open);
+        let key = key.map(str::to_owned);
+        if let Some(group) = open.get(&key) {
+            let mut deliveries = lock(&group.deliveries);
+            if deliveries.len() < size {
+                deliveries.push(received);
+                return None;
+            }
+        }
+        let group = Arc::new(Group {
+            deliveries: Mutex::new(vec![received]),
+        });
+        open.insert(key, group.clone());
+        Some(group)
+    }
+
+    /// `group`, of `key`, starts: it takes no more. Its deliveries.
+    fn start(&self, key: Option<&str>, group: &Arc<Group<R>>) -> Vec<Arc<R>> {
+        let mut open = lock(&self.open);
+        let key = key.map(str::to_owned);
+        if open.get(&key).is_some_and(|open| Arc::ptr_eq(open, group)) {
+            open.remove(&key);
+        }
+        lock(&group.deliveries).clone()
+    }
+}
+
+/// A group of deliveries' hold, as the processor's keeping extends it.
 struct Hold<'a, B: Broker> {
     broker: &'a B,
-    received: &'a B::Received,
+    group: &'a Group<B::Received>,
 }
 
 impl<B: Broker> DeliveryLease for Hold<'_, B> {
@@ -754,8 +1069,16 @@ impl<B: Broker> DeliveryLease for Hold<'_, B> {
         self.broker.hold_interval().unwrap_or(Duration::MAX)
     }
 
-    fn extend(&self) -> impl Future<Output = Result<(), ExtendError>> + Send {
-        self.broker.extend(self.received)
+    /// Each delivery's, one after the other; the last failure, if any.
+    async fn extend(&self) -> Result<(), ExtendError> {
+        let mut extended = Ok(());
+        let group = lock(&self.group.deliveries).clone();
+        for received in group {
+            if let Err(error) = self.broker.extend(&received).await {
+                extended = Err(error);
+            }
+        }
+        extended
     }
 }
 

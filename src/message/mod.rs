@@ -107,6 +107,7 @@
 //! ```
 
 mod attempt;
+mod batch;
 mod budget;
 mod consumer;
 mod dead_letter;

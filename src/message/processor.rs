@@ -34,12 +34,12 @@ use crate::{
 /// [`drain`](Self::drain).
 #[derive(Clone, Debug)]
 pub struct IdempotencyProcessor<St, F = DefaultFingerprint> {
-    store: St,
+    pub(super) store: St,
     scope: String,
     lease: Duration,
-    retention: Duration,
-    fingerprint: F,
-    budget: DeliveryBudget,
+    pub(super) retention: Duration,
+    pub(super) fingerprint: F,
+    pub(super) budget: DeliveryBudget,
     /// Whether keys appear in spans and logs only hashed.
     sensitive_keys: Option<SensitiveKeys>,
     /// Set once the consumer drains: deliveries kept in hand go back.
@@ -212,7 +212,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
     }
 
     /// The business key `key` as spans and logs show it.
-    fn shown(&self, key: &str) -> String {
+    pub(super) fn shown(&self, key: &str) -> String {
         match IdempotencyKey::new(key) {
             Ok(_) if self.sensitive_keys.is_none() => key.to_owned(),
             Ok(valid) => self.storage_key(&valid).to_string(),
@@ -365,18 +365,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         let settled = delivery::keeping(delivery.hold, &shown, settling)
             .instrument(span.clone())
             .await;
-        let reason = match &settled.disposition {
-            Disposition::DeadLetter(reason) => reason.kind(),
-            _ => "",
-        };
-        span.record("idempotency.disposition", settled.disposition.name());
-        span.record("idempotency.attempts", settled.attempts);
-        if !reason.is_empty() {
-            // What could never be processed: the delivery failed.
-            span.record("idempotency.dead_letter_reason", reason);
-            span.record("otel.status_code", "error");
-        }
-        observe::message_settled(settled.disposition.name(), reason);
+        recorded(&span, &settled);
         settled
     }
 
@@ -443,11 +432,24 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
         L: DeliveryLease,
     {
-        let given = key;
+        let (key, span) = self.key_span(key)?;
+        let processed = self
+            .process_key(key, payload, broker, work)
+            .instrument(span.clone())
+            .await;
+        span.record("idempotency.outcome", outcome_name(&processed));
+        processed
+    }
+
+    /// The message key `given`'s address in the store, and the span of an
+    /// attempt at it — as the HTTP door's: the key as given (its digest
+    /// when sensitive), and the store's address (likewise).
+    pub(super) fn key_span<E>(
+        &self,
+        given: &str,
+    ) -> Result<(StorageKey, tracing::Span), ProcessError<E>> {
         let key = IdempotencyKey::new(given).map_err(ProcessError::InvalidKey)?;
         let key = self.storage_key(&key);
-        // As the HTTP door's: the key as given (its digest when sensitive),
-        // and the store's address (likewise).
         let span = tracing::info_span!(
             "idempotency",
             idempotency.key = tracing::field::Empty,
@@ -459,12 +461,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         } else {
             span.record("idempotency.key", given);
         }
-        let processed = self
-            .process_key(key, payload, broker, work)
-            .instrument(span.clone())
-            .await;
-        span.record("idempotency.outcome", outcome_name(&processed));
-        processed
+        Ok((key, span))
     }
 
     /// [`process_delivery`](Self::process_delivery) of a valid key.
@@ -490,21 +487,9 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
             // The delivery is held meanwhile: wait in line, not time out.
             Wait::InLine,
         );
-        let mut hold = match claimed.await {
-            Claimed::Granted(hold) => hold,
-            Claimed::InFlight { retry_after } => {
-                return Ok(ProcessOutcome::InFlight { retry_after });
-            }
-            Claimed::Mismatch => return Ok(ProcessOutcome::Mismatch),
-            Claimed::Completed { record, .. } => return Ok(stored_result(&record)),
-            // A record is there, this version cannot read it.
-            Claimed::Unavailable(StoreError::Corrupt(corrupt)) => {
-                tracing::warn!(%corrupt, "idempotency: duplicate message with an unreadable record");
-                return Ok(ProcessOutcome::DuplicateUnreadable {
-                    reason: corrupt.to_string(),
-                });
-            }
-            Claimed::Unavailable(error) => return Err(ProcessError::Unavailable(error)),
+        let mut hold = match granted(claimed.await) {
+            Ok(hold) => hold,
+            Err(answered) => return answered,
         };
         // Held until settled: if this future is dropped while the work runs,
         // the claim is released (and a transaction rolled back).
@@ -531,13 +516,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         // The work is done: its outcome is recorded even if it cannot be
         // stored as JSON (a redelivery is then a duplicate whose result
         // cannot be read), never released to run again.
-        let result = serde_json::to_vec(&value)
-            .inspect_err(|error| tracing::error!(key = %hold.key(), %error, "idempotency: the work's result cannot be stored as JSON; recorded as processed without it"))
-            .ok();
-        let record = CompletedRecord::Message {
-            result: result.map(Into::into),
-            created_at: SystemTime::now(),
-        };
+        let record = self.record_of(hold.key(), &value);
         // Detached: a caller that stops waiting now (a timeout, a shutdown)
         // does not cancel the completion — the work is done, its record (and
         // on a transactional store its writes) must still be stored.
@@ -546,17 +525,75 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
             Ok(Finished::Stored | Finished::Lost | Finished::Pending) => {
                 Ok(ProcessOutcome::Executed(value))
             }
-            Ok(Finished::NotCommitted(
-                error @ (StoreError::Refused(_)
-                | StoreError::TooLarge(_)
-                | StoreError::TransactionHeld),
-            )) => Err(ProcessError::Refused(error)),
-            Ok(Finished::NotCommitted(error)) => Err(ProcessError::NotCommitted(error)),
+            Ok(Finished::NotCommitted(error)) => Err(not_committed(error)),
             Err(panicked) => Err(ProcessError::NotCommitted(StoreError::Unavailable(
                 panicked.into(),
             ))),
         }
     }
+
+    /// The work's result as its record stores it: as JSON, or — when it
+    /// cannot be — recorded as processed without it (a redelivery is then
+    /// a duplicate whose result cannot be read), never released to run
+    /// again.
+    pub(super) fn record_of<T: Serialize>(&self, key: &StorageKey, value: &T) -> CompletedRecord {
+        let result = serde_json::to_vec(value)
+            .inspect_err(|error| tracing::error!(%key, %error, "idempotency: the work's result cannot be stored as JSON; recorded as processed without it"))
+            .ok();
+        CompletedRecord::Message {
+            result: result.map(Into::into),
+            created_at: SystemTime::now(),
+        }
+    }
+}
+
+/// The granted claim's hold, or what a claim that found the key (or
+/// failed) answers: the one reading of a claim for a message.
+pub(super) fn granted<H, T: DeserializeOwned, E>(
+    claimed: Claimed<H>,
+) -> Result<H, Result<ProcessOutcome<T>, ProcessError<E>>> {
+    match claimed {
+        Claimed::Granted(hold) => Ok(hold),
+        Claimed::InFlight { retry_after } => Err(Ok(ProcessOutcome::InFlight { retry_after })),
+        Claimed::Mismatch => Err(Ok(ProcessOutcome::Mismatch)),
+        Claimed::Completed { record, .. } => Err(Ok(stored_result(&record))),
+        // A record is there, this version cannot read it.
+        Claimed::Unavailable(StoreError::Corrupt(corrupt)) => {
+            tracing::warn!(%corrupt, "idempotency: duplicate message with an unreadable record");
+            Err(Ok(ProcessOutcome::DuplicateUnreadable {
+                reason: corrupt.to_string(),
+            }))
+        }
+        Claimed::Unavailable(error) => Err(Err(ProcessError::Unavailable(error))),
+    }
+}
+
+/// A completion that committed nothing, as the processor reports it:
+/// refused for good, or not committed (a redelivery may pass).
+pub(super) fn not_committed<E>(error: StoreError) -> ProcessError<E> {
+    match error {
+        error
+        @ (StoreError::Refused(_) | StoreError::TooLarge(_) | StoreError::TransactionHeld) => {
+            ProcessError::Refused(error)
+        }
+        error => ProcessError::NotCommitted(error),
+    }
+}
+
+/// What a delivery was settled to, on its span and in the metrics.
+pub(super) fn recorded<T, E>(span: &tracing::Span, settled: &Settled<T, E>) {
+    let reason = match &settled.disposition {
+        Disposition::DeadLetter(reason) => reason.kind(),
+        _ => "",
+    };
+    span.record("idempotency.disposition", settled.disposition.name());
+    span.record("idempotency.attempts", settled.attempts);
+    if !reason.is_empty() {
+        // What could never be processed: the delivery failed.
+        span.record("idempotency.dead_letter_reason", reason);
+        span.record("otel.status_code", "error");
+    }
+    observe::message_settled(settled.disposition.name(), reason);
 }
 
 /// A duplicate's stored result, read back as `T` if it can be.
@@ -629,7 +666,7 @@ pub(super) fn handed_back(last: bool, why: &str, attempts: u32) -> Disposition {
 /// own (`shown`: hashed when keys are sensitive). Its status is set only
 /// when the delivery is dead-lettered; a duplicate is acknowledged, not an
 /// error.
-fn delivery_span<L>(delivery: &Delivery<'_, L>, shown: &str) -> tracing::Span {
+pub(super) fn delivery_span<L>(delivery: &Delivery<'_, L>, shown: &str) -> tracing::Span {
     let source = &delivery.source;
     let name = match source.destination {
         Some(destination) => format!("process {destination}"),
@@ -655,7 +692,9 @@ fn delivery_span<L>(delivery: &Delivery<'_, L>, shown: &str) -> tracing::Span {
 }
 
 /// What became of one attempt, as its span's `idempotency.outcome`.
-fn outcome_name<T, E>(outcome: &Result<ProcessOutcome<T>, ProcessError<E>>) -> &'static str {
+pub(super) fn outcome_name<T, E>(
+    outcome: &Result<ProcessOutcome<T>, ProcessError<E>>,
+) -> &'static str {
     match outcome {
         Ok(ProcessOutcome::Executed(_)) => "executed",
         Ok(ProcessOutcome::Duplicate(_)) => "duplicate",

@@ -11,10 +11,11 @@ use crate::{
     store::{Claim, StorageKey, Store, StoreError},
 };
 
-/// What a claim came to.
-pub(crate) enum Claimed<St: Store> {
-    /// The key is this request's: run the work under the hold.
-    Granted(Hold<St>),
+/// What a claim came to; `H`, what holds a granted one: a [`Hold`], or
+/// for a claim inside a batch's transaction, what came before it.
+pub(crate) enum Claimed<H> {
+    /// The key is this request's: run the work under `H`.
+    Granted(H),
     /// An earlier request completed the key with the same fingerprint; the
     /// store keeps its record for `expires_in` (zero: unknown).
     Completed {
@@ -27,6 +28,19 @@ pub(crate) enum Claimed<St: Store> {
     Mismatch,
     /// The store could not answer: nothing was claimed.
     Unavailable(StoreError),
+}
+
+impl<H> Claimed<H> {
+    /// The same answer, a granted claim held by `hold`'s.
+    fn map<I>(self, hold: impl FnOnce(H) -> I) -> Claimed<I> {
+        match self {
+            Self::Granted(granted) => Claimed::Granted(hold(granted)),
+            Self::Completed { record, expires_in } => Claimed::Completed { record, expires_in },
+            Self::InFlight { retry_after } => Claimed::InFlight { retry_after },
+            Self::Mismatch => Claimed::Mismatch,
+            Self::Unavailable(error) => Claimed::Unavailable(error),
+        }
+    }
 }
 
 /// How long a claim may wait for its turn on a store whose writers take
@@ -51,14 +65,41 @@ pub(crate) async fn claim<St: Store>(
     lease: Duration,
     hint: Duration,
     wait: Wait,
-) -> Claimed<St> {
+) -> Claimed<Hold<St>> {
     let claimed = async {
         match wait {
             Wait::Bounded => store.claim(&key, &fingerprint, lease).await,
             Wait::InLine => store.claim_patiently(&key, &fingerprint, lease).await,
         }
     };
-    let (granted, earlier) = match observe::store_call("claim", claimed).await {
+    let answer = observe::store_call("claim", claimed).await;
+    read::<St, _>(answer, &key, hint).map(|(granted, earlier)| {
+        Hold::new(store.clone(), key, granted, fingerprint, lease, earlier)
+    })
+}
+
+/// Claims `key` inside `batch`, the open transaction of a batch of
+/// claims ([`Store::claim_in_batch`]): what came before a granted claim.
+pub(crate) async fn claim_in_batch<St: Store>(
+    store: &St,
+    batch: &mut St::Granted,
+    key: &StorageKey,
+    fingerprint: &Fingerprint,
+    hint: Duration,
+) -> Claimed<Earlier> {
+    let claimed = store.claim_in_batch(batch, key, fingerprint);
+    let answer = observe::store_call("claim", claimed).await;
+    read::<St, ()>(answer, key, hint).map(|((), earlier)| earlier)
+}
+
+/// The store's answer to a claim, read — the one rule for every claim:
+/// a granted claim with what came before it, or what was found.
+fn read<St: Store, G>(
+    answer: Result<Claim<G>, StoreError>,
+    key: &StorageKey,
+    hint: Duration,
+) -> Claimed<(G, Earlier)> {
+    let granted = match answer {
         // A store that reports takeovers would have said if it was one.
         Ok(Claim::Acquired(granted)) if St::REPORTS_TAKEOVERS => (granted, Earlier::None),
         Ok(Claim::Acquired(granted)) => (granted, Earlier::Unknown),
@@ -90,12 +131,5 @@ pub(crate) async fn claim<St: Store>(
         }
         Err(error) => return Claimed::Unavailable(error),
     };
-    Claimed::Granted(Hold::new(
-        store.clone(),
-        key,
-        granted,
-        fingerprint,
-        lease,
-        earlier,
-    ))
+    Claimed::Granted(granted)
 }

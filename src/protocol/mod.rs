@@ -12,7 +12,7 @@ mod settle;
 use std::time::Duration;
 
 pub use attempt::{Attempt, Earlier};
-pub(crate) use claim::{Claimed, Wait, claim};
+pub(crate) use claim::{Claimed, Wait, claim, claim_in_batch};
 pub(crate) use hold::Hold;
 pub(crate) use settle::Finished;
 

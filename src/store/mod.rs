@@ -236,6 +236,88 @@ pub trait Store: Clone + Send + Sync + 'static {
         self.release(key, granted)
     }
 
+    /// Whether claims can share one transaction, each in a savepoint of
+    /// its own ([`begin_batch`](Self::begin_batch)): a consumer then
+    /// settles several deliveries with one commit. The transactional
+    /// PostgreSQL store does; the default is no.
+    const BATCHES: bool = false;
+
+    /// Begins a batch: a transaction that holds no claim yet, for
+    /// [`claim_in_batch`](Self::claim_in_batch). Dropped, it rolls back.
+    /// A store that has no batches answers [`StoreError::Unsupported`]
+    /// (the default).
+    fn begin_batch(&self) -> impl Future<Output = Result<Self::Granted, StoreError>> + Send {
+        async { Err(StoreError::Unsupported("batches")) }
+    }
+
+    /// Claims `key` inside `batch` as [`claim`](Self::claim) does, in a
+    /// savepoint of its own, so that this key's claim and what the work
+    /// writes after it can be undone alone
+    /// ([`release_in_batch`](Self::release_in_batch)) or kept
+    /// ([`complete_in_batch`](Self::complete_in_batch)). Whatever the
+    /// answer, the batch stays usable: a claim that found the key, or
+    /// failed, is undone.
+    fn claim_in_batch(
+        &self,
+        batch: &mut Self::Granted,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+    ) -> impl Future<Output = Result<Claim<()>, StoreError>> + Send {
+        let _ = (batch, key, fingerprint);
+        async { Err(StoreError::Unsupported("batches")) }
+    }
+
+    /// Writes the completed record of the key [claimed in the
+    /// batch](Self::claim_in_batch) last, keeping what its work wrote;
+    /// nothing commits before [`commit_batch`](Self::commit_batch). The
+    /// write may travel with the batch's next statement: a failure is then
+    /// that statement's, and the batch's — nothing in it commits.
+    fn complete_in_batch(
+        &self,
+        batch: &mut Self::Granted,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (batch, key, fingerprint, record, retention);
+        async { Err(StoreError::Unsupported("batches")) }
+    }
+
+    /// Undoes the claim of the key claimed in the batch last, and what its
+    /// work wrote; the batch's other keys are kept.
+    fn release_in_batch(
+        &self,
+        batch: &mut Self::Granted,
+        key: &StorageKey,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (batch, key);
+        async { Err(StoreError::Unsupported("batches")) }
+    }
+
+    /// Commits the batch: every record completed in it, with what its work
+    /// wrote, or — on an error — none (or, if the commit's outcome is
+    /// unknown, all or none).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// # async fn demo() {
+    /// use tower_idempotency::{Fingerprint, IdempotencyKey, MemoryStore, store::{StorageKey, Store}};
+    ///
+    /// // The memory store has no batches: its claims are leases.
+    /// assert!(!MemoryStore::BATCHES);
+    /// assert!(MemoryStore::new().begin_batch().await.is_err());
+    /// # }
+    /// ```
+    fn commit_batch(
+        &self,
+        batch: Self::Granted,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = batch;
+        async { Err(StoreError::Unsupported("batches")) }
+    }
+
     /// What the store holds for `key`, for an operator answering "what
     /// happened to this request?": nothing, a claim in flight, or a
     /// completed record (its status, when it expires, the stored body).

@@ -94,6 +94,9 @@ rules! {
         kept_writes_commit_without_a_record,
         an_expired_record_lets_the_key_run_again,
         scopes_keep_keys_apart,
+        a_batch_commits_its_keys_together_and_undoes_one_alone,
+        a_batch_answers_what_it_finds_and_goes_on,
+        a_dropped_batch_leaves_nothing,
     }
 }
 
@@ -108,7 +111,11 @@ rules! {
 /// lease), and replays once it committed; concurrent claims grant the key
 /// once; writes kept without a record (`release_keeping_writes`) commit
 /// and free the key; an expired record lets the key run again; two scopes
-/// are two keys.
+/// are two keys. On a store that [batches](Store::BATCHES): the keys of a
+/// batch commit together, and one undone in it (its work's writes too,
+/// even after a statement the database refused) is undone alone; a key
+/// found in a batch (completed, reused with another payload, in flight) is
+/// answered and the batch goes on; a dropped batch leaves nothing.
 ///
 /// The crate's transactional SQL stores run it on their real servers;
 /// run it against your own with the effects your work writes.
@@ -458,6 +465,152 @@ where
             .await
     }
 
+    async fn a_batch_commits_its_keys_together_and_undoes_one_alone(
+        &self,
+        key: StorageKey,
+    ) -> Outcome {
+        if !St::BATCHES {
+            return Ok(());
+        }
+        let store = &self.store;
+        let fx = &*self.effects;
+        let lease = self.unit * 2;
+        let [kept, undone, refused] = others(&key);
+        // Named after the rule's key and each key's part: counted apart.
+        let id = |part: &StorageKey| {
+            let which = if *part == kept {
+                "kept"
+            } else if *part == undone {
+                "undone"
+            } else {
+                "refused"
+            };
+            format!("{}-{which}", &key.as_str()[key.as_str().len() - 16..])
+        };
+        let mut batch = begin(store).await?;
+        claim_in_batch(store, &mut batch, &kept).await?;
+        write(fx, &mut batch, &id(&kept)).await?;
+        complete_in_batch(store, &mut batch, &kept).await?;
+        claim_in_batch(store, &mut batch, &undone).await?;
+        write(fx, &mut batch, &id(&undone)).await?;
+        in_batch(
+            store.release_in_batch(&mut batch, &undone).await,
+            "the release",
+        )?;
+        claim_in_batch(store, &mut batch, &refused).await?;
+        write(fx, &mut batch, &id(&refused)).await?;
+        fx.fail_a_statement(&mut *batch).await;
+        in_batch(
+            store.release_in_batch(&mut batch, &refused).await,
+            "the release after a refused statement",
+        )?;
+        // Uncommitted, the batch's key is in flight to any other claim.
+        match self.claim_at_once(&kept).await? {
+            Ok(Claim::InFlight { .. }) => {}
+            other => {
+                return Err(format!(
+                    "a key of an uncommitted batch got {}, not InFlight",
+                    show(&other)
+                ));
+            }
+        }
+        expect_count(fx, &id(&kept), 0, "before the batch's commit").await?;
+        in_batch(store.commit_batch(batch).await, "the batch's commit")?;
+        expect_count(fx, &id(&kept), 1, "after the batch's commit").await?;
+        expect_count(fx, &id(&undone), 0, "undone in the batch").await?;
+        expect_count(fx, &id(&refused), 0, "undone after a refused statement").await?;
+        match store.claim(&kept, &FP, lease).await {
+            Ok(Claim::Completed { record, .. }) if *record == super::record() => {}
+            other => {
+                return Err(format!(
+                    "a key the batch committed got {}, not its record",
+                    show(&other)
+                ));
+            }
+        }
+        self.acquire_within(&undone, Duration::ZERO, "a key undone in a batch")
+            .await?;
+        self.acquire_within(
+            &refused,
+            Duration::ZERO,
+            "a key undone after a refused statement",
+        )
+        .await
+    }
+
+    async fn a_batch_answers_what_it_finds_and_goes_on(&self, key: StorageKey) -> Outcome {
+        if !St::BATCHES {
+            return Ok(());
+        }
+        let store = &self.store;
+        let fx = &*self.effects;
+        let [done, held, new] = others(&key);
+        let id = |_: &StorageKey| format!("{}-found", &key.as_str()[key.as_str().len() - 16..]);
+        let mut tx = self.acquire(&done).await?;
+        commit(store, &done, &mut tx, day()).await?;
+        drop(tx);
+        let holder = self.acquire(&held).await?;
+        let mut batch = begin(store).await?;
+        match store.claim_in_batch(&mut batch, &done, &FP).await {
+            Ok(Claim::Completed { record, .. }) if *record == super::record() => {}
+            other => {
+                return Err(format!(
+                    "a completed key in a batch got {}, not its record",
+                    show(&other)
+                ));
+            }
+        }
+        match store.claim_in_batch(&mut batch, &done, &OTHER).await {
+            Ok(Claim::Mismatch) => {}
+            other => {
+                return Err(format!(
+                    "another payload in a batch got {}, not Mismatch",
+                    show(&other)
+                ));
+            }
+        }
+        let within = self.unit * 5;
+        match tokio::time::timeout(within, store.claim_in_batch(&mut batch, &held, &FP)).await {
+            Ok(Ok(Claim::InFlight { .. })) => {}
+            Ok(other) => {
+                return Err(format!(
+                    "a key held elsewhere got {}, not InFlight, in a batch",
+                    show(&other)
+                ));
+            }
+            Err(_) => {
+                return Err(format!(
+                    "a batch's claim waited over {within:?} for the holder"
+                ));
+            }
+        }
+        claim_in_batch(store, &mut batch, &new).await?;
+        write(fx, &mut batch, &id(&new)).await?;
+        complete_in_batch(store, &mut batch, &new).await?;
+        in_batch(store.commit_batch(batch).await, "the batch's commit")?;
+        drop(holder);
+        expect_count(fx, &id(&new), 1, "a batch that answered found keys").await
+    }
+
+    async fn a_dropped_batch_leaves_nothing(&self, key: StorageKey) -> Outcome {
+        if !St::BATCHES {
+            return Ok(());
+        }
+        let store = &self.store;
+        let fx = &*self.effects;
+        let u = self.unit;
+        let id = |what: &str| format!("{}-{what}", &key.as_str()[key.as_str().len() - 16..]);
+        let mut batch = begin(store).await?;
+        claim_in_batch(store, &mut batch, &key).await?;
+        write(fx, &mut batch, &id("dropped")).await?;
+        complete_in_batch(store, &mut batch, &key).await?;
+        // The process died mid-batch: no one commits it.
+        drop(batch);
+        self.acquire_within(&key, u * 5, "after a batch was dropped")
+            .await?;
+        expect_count(fx, &id("dropped"), 0, "after a batch was dropped").await
+    }
+
     async fn acquire(&self, key: &StorageKey) -> Result<St::Granted, String> {
         match self.store.claim(key, &FP, self.unit * 2).await {
             Ok(Claim::Acquired(tx)) if tx.lent_to_work() => Ok(tx),
@@ -506,6 +659,50 @@ where
             }
         }
     }
+}
+
+/// Three keys of their own, beside a rule's `key`.
+fn others(key: &StorageKey) -> [StorageKey; 3] {
+    ["a", "b", "c"].map(|which| {
+        let key = IdempotencyKey::new(format!("{which}-{key}")).expect("a valid key");
+        StorageKey::new("batches", &key)
+    })
+}
+
+async fn begin<St: Store>(store: &St) -> Result<St::Granted, String> {
+    store
+        .begin_batch()
+        .await
+        .map_err(|e| format!("beginning a batch failed: {e}"))
+}
+
+async fn claim_in_batch<St: Store>(
+    store: &St,
+    batch: &mut St::Granted,
+    key: &StorageKey,
+) -> Outcome {
+    match store.claim_in_batch(batch, key, &FP).await {
+        Ok(Claim::Acquired(())) => Ok(()),
+        other => Err(format!(
+            "a claim of a free key in a batch got {}, not Acquired",
+            show(&other)
+        )),
+    }
+}
+
+async fn complete_in_batch<St: Store>(
+    store: &St,
+    batch: &mut St::Granted,
+    key: &StorageKey,
+) -> Outcome {
+    let completed = store
+        .complete_in_batch(batch, key, &FP, Arc::new(record()), day())
+        .await;
+    in_batch(completed, "the completion in a batch")
+}
+
+fn in_batch(done: Result<(), StoreError>, what: &str) -> Outcome {
+    done.map_err(|error| format!("{what} failed: {error}"))
 }
 
 async fn write<C: ?Sized, G: DerefMut<Target = C>>(

@@ -17,7 +17,7 @@ use super::{
     dialect::{Args, Dialect, Engine},
     millis,
     tx::SqlTx,
-    tx_engine::{ClaimRequest, End, Expiry, Probe, Seam, TxClaim, TxEngine},
+    tx_engine::{ClaimRequest, End, Expiry, InBatch, Probe, Seam, TxClaim, TxEngine, savepoint},
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -303,6 +303,102 @@ impl<D: TxEngine> Store for SqlTxStore<D> {
             .bounded(D::tx_end(&self.seam(), tx, End::Commit))
             .await?;
         Ok(true)
+    }
+
+    const BATCHES: bool = D::BATCHES;
+
+    async fn begin_batch(&self) -> Result<SqlTx<D>, StoreError> {
+        self.base
+            .bounded(D::batch_begin(&self.seam(), self.bound))
+            .await
+    }
+
+    /// The claim as a request's transaction makes it, in a savepoint; a
+    /// failure other than an answer (a timeout, a lost connection)
+    /// abandons the batch: its commit then fails, and nothing in it
+    /// commits.
+    async fn claim_in_batch(
+        &self,
+        batch: &mut SqlTx<D>,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+    ) -> Result<Claim<()>, StoreError> {
+        let request = ClaimRequest {
+            key,
+            fingerprint,
+            wait: self.claim_wait,
+            bound: self.bound,
+            lifetime_ms: self.claim_lifetime_ms()?,
+            in_line: false,
+        };
+        let sent = Instant::now();
+        let claimed = self
+            .base
+            .bounded(D::batch_claim(&self.seam(), batch, &request))
+            .await
+            .inspect_err(|_| batch.abandon())?;
+        match claimed {
+            InBatch::Acquired => {
+                batch.claimed(key.as_str(), sent, request.lifetime_ms);
+                batch.opened();
+                Ok(Claim::Acquired(()))
+            }
+            InBatch::InFlight => Ok(Claim::InFlight {
+                retry_after: IN_FLIGHT_RETRY_AFTER,
+            }),
+            InBatch::Found(row) => decide(fingerprint, row, &self.base.compression),
+        }
+    }
+
+    /// A failure abandons the batch, as a claim's does.
+    async fn complete_in_batch(
+        &self,
+        batch: &mut SqlTx<D>,
+        key: &StorageKey,
+        fingerprint: &Fingerprint,
+        record: Arc<CompletedRecord>,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let record = codec::encode_with(fingerprint, &record, &self.base.compression);
+        let retention = millis(retention, "retention")?;
+        self.retention.store(retention, Ordering::Relaxed);
+        let expiry = self.expiry(batch, retention)?;
+        self.base
+            .bounded(D::batch_complete(&self.seam(), batch, key, record, expiry))
+            .await
+            .inspect_err(|_| batch.abandon())?;
+        batch.kept();
+        Ok(())
+    }
+
+    /// Rolled back to the key's savepoint, sent ahead of the batch's next
+    /// statement.
+    async fn release_in_batch(
+        &self,
+        batch: &mut SqlTx<D>,
+        _: &StorageKey,
+    ) -> Result<(), StoreError> {
+        batch.undone(savepoint::UNDO);
+        Ok(())
+    }
+
+    async fn commit_batch(&self, batch: SqlTx<D>) -> Result<(), StoreError> {
+        let began = batch.began;
+        let committed = self
+            .base
+            .bounded(D::tx_end(&self.seam(), batch, End::Commit))
+            .await;
+        match committed {
+            // As a request's: a batch that always outlives its bound is
+            // said to.
+            Err(StoreError::Unavailable(error)) if began.elapsed() >= self.bound => {
+                Err(StoreError::TransactionTimedOut {
+                    bound: self.bound,
+                    source: error,
+                })
+            }
+            committed => committed,
+        }
     }
 
     /// A committed record is read; a claim in flight is an uncommitted row

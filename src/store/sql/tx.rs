@@ -74,6 +74,12 @@ pub struct SqlTx<D: Dialect> {
     /// Woken once the transaction commits: a relay of this process that
     /// waits for the messages the transaction enqueued.
     wake: Option<Arc<Notify>>,
+    /// In a batch, while a key claimed in it is open: how long `deferred`
+    /// was at its savepoint (what its work deferred is dropped with it).
+    savepoint: Option<usize>,
+    /// Sent ahead of the transaction's next statement: a batch's key
+    /// undone (its savepoint rolled back) costs no round trip of its own.
+    ahead: String,
 }
 impl<D: Engine> SqlTx<D> {
     /// `connection` has just begun a transaction (with the claim in it).
@@ -88,6 +94,8 @@ impl<D: Engine> SqlTx<D> {
             row_lifetime: None,
             deferred: String::new(),
             wake: None,
+            savepoint: None,
+            ahead: String::new(),
         }
     }
 
@@ -112,10 +120,11 @@ impl<D: Engine> SqlTx<D> {
     /// round trip: see [`end`](Self::end). One of them failing (a
     /// duplicate id) stops the batch before its `COMMIT`.
     pub(crate) async fn commit_with(&mut self, end: &str) -> Result<(), sqlx::Error> {
-        if self.deferred.is_empty() {
+        if self.deferred.is_empty() && self.ahead.is_empty() {
             return self.end(end).await;
         }
-        let mut sql = std::mem::take(&mut self.deferred);
+        let mut sql = std::mem::take(&mut self.ahead);
+        sql.push_str(&std::mem::take(&mut self.deferred));
         sql.push_str(end);
         self.end(&sql).await?;
         if let Some(wake) = self.wake.take() {
@@ -130,6 +139,14 @@ impl<D: Engine> SqlTx<D> {
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) fn ended(mut self) -> Option<PoolConnection<D::Db>> {
         self.connection.take()
+    }
+
+    /// Gives a batch's transaction up after a failure that leaves its
+    /// state unknown: the connection is closed (the database rolls back),
+    /// and the batch's commit fails.
+    pub(crate) fn abandon(&mut self) {
+        self.close_on_drop();
+        drop(self.connection.take());
     }
 
     /// Marks the connection to be closed, not pooled, once the transaction
@@ -151,7 +168,42 @@ impl<D: Dialect> SqlTx<D> {
         // expired) is another claim: its messages are new messages, never
         // the ids of the rows the first one left in the outbox.
         self.execution = fastrand::u128(..);
+        self.messages = 0;
         self.row_lifetime = Some((sent, lifetime_ms));
+    }
+
+    /// A key claimed in a batch: its savepoint is open.
+    pub(crate) fn opened(&mut self) {
+        self.savepoint = Some(self.deferred.len());
+    }
+
+    /// The key claimed in the batch last, kept: its savepoint released by
+    /// the statement that wrote its record.
+    pub(crate) fn kept(&mut self) {
+        self.savepoint = None;
+    }
+
+    /// The key claimed in the batch last, undone — its claim and what its
+    /// work wrote — by a rollback to its savepoint, sent ahead of the next
+    /// statement (`undo`); what its work deferred is dropped.
+    pub(crate) fn undone(&mut self, undo: &str) {
+        if let Some(at) = self.savepoint.take() {
+            self.deferred.truncate(at);
+        }
+        self.ahead.push_str(undo);
+    }
+
+    /// Sends `sql` ahead of the transaction's next statement (its commit
+    /// included): a statement whose failure may wait to be told until then.
+    pub(crate) fn send_ahead(&mut self, sql: &str) {
+        self.ahead.push_str(sql);
+    }
+
+    /// `sql`, after what is to be sent ahead of it.
+    pub(crate) fn after_ahead(&mut self, sql: &str) -> String {
+        let mut sent = std::mem::take(&mut self.ahead);
+        sent.push_str(sql);
+        sent
     }
 
     /// The milliseconds the claim's row is known to live from now at least,

@@ -183,6 +183,32 @@ impl End {
     }
 }
 
+/// What a claim inside a batch's transaction found (see
+/// [`TxEngine::batch_claim`]).
+pub(crate) enum InBatch {
+    /// The key is the batch's, in the savepoint its claim opened.
+    Acquired,
+    /// A live row holds the key (committed); the savepoint is undone.
+    Found(KeyRow),
+    /// An uncommitted row of another transaction holds the key; the
+    /// savepoint is undone.
+    InFlight,
+}
+
+/// A batch's savepoint, which each key's claim opens: the same SQL on
+/// every engine.
+// Each engine uses some: a build with fewer engines leaves some unused.
+#[cfg_attr(not(every_sql), allow(dead_code))]
+pub(crate) mod savepoint {
+    /// Opens a key's savepoint.
+    pub(crate) const OPEN: &str = "SAVEPOINT idempotency_key; ";
+    /// Undoes the key: its claim and what its work wrote.
+    pub(crate) const UNDO: &str =
+        "ROLLBACK TO SAVEPOINT idempotency_key; RELEASE SAVEPOINT idempotency_key; ";
+    /// Keeps the key, its record written.
+    pub(crate) const KEEP: &str = "RELEASE SAVEPOINT idempotency_key";
+}
+
 /// An engine's transactional claim, completion and end.
 pub(crate) trait TxEngine: Engine {
     /// The engine's state for a transactional store on `pool`, whose table
@@ -226,6 +252,47 @@ pub(crate) trait TxEngine: Engine {
             };
             ended.map_err(|e| seam.error(e))
         }
+    }
+
+    /// Whether a transaction takes a batch of claims, each in a savepoint
+    /// ([`batch_claim`](Self::batch_claim)).
+    const BATCHES: bool = false;
+
+    /// Begins a batch's transaction, holding no claim yet, bounded by
+    /// `bound` as a request's is.
+    fn batch_begin(
+        seam: &Seam<Self>,
+        bound: Duration,
+    ) -> impl Future<Output = Result<SqlTx<Self>, StoreError>> + Send {
+        let _ = (seam, bound);
+        async { Err(StoreError::Unsupported("batches")) }
+    }
+
+    /// Claims inside the batch's transaction `tx`, in a savepoint
+    /// ([`savepoint::OPEN`]) left open when the key is acquired and undone
+    /// otherwise (sent ahead of the next statement: [`SqlTx::undone`]).
+    fn batch_claim(
+        seam: &Seam<Self>,
+        tx: &mut SqlTx<Self>,
+        claim: &ClaimRequest<'_>,
+    ) -> impl Future<Output = Result<InBatch, StoreError>> + Send {
+        let _ = (seam, tx, claim);
+        async { Err(StoreError::Unsupported("batches")) }
+    }
+
+    /// Writes the record into the row of the key claimed in the batch
+    /// last, and keeps its savepoint ([`savepoint::KEEP`]) — at once, or
+    /// sent ahead of the batch's next statement, whose failure then fails
+    /// the batch.
+    fn batch_complete(
+        seam: &Seam<Self>,
+        tx: &mut SqlTx<Self>,
+        key: &StorageKey,
+        record: Vec<u8>,
+        expiry: Expiry,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (seam, tx, key, record, expiry);
+        async { Err(StoreError::Unsupported("batches")) }
     }
 
     /// Whether a transaction (in any process) holds `key` in flight: an

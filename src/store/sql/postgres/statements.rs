@@ -229,6 +229,12 @@ impl TxStatements {
     /// start). If the row is gone, the prepared statement's division by
     /// zero fails, and the `COMMIT` after it never runs.
     pub(super) fn complete(&self, key: &str, record: &[u8], expiry: Expiry) -> String {
+        self.record(key, record, expiry, "COMMIT")
+    }
+
+    /// The record written into `key`'s row as [`complete`](Self::complete)
+    /// writes it, then `then`, in one round trip.
+    pub(super) fn record(&self, key: &str, record: &[u8], expiry: Expiry, then: &str) -> String {
         let mut sql = String::with_capacity(2 * record.len() + 128);
         sql.push_str(&format!(
             "EXECUTE {}_complete({}, ",
@@ -237,9 +243,10 @@ impl TxStatements {
         ));
         push_bytea_literal(&mut sql, record);
         match expiry {
-            Expiry::Kept => sql.push_str(", NULL); COMMIT"),
-            Expiry::Retention(ms) => sql.push_str(&format!(", {ms}); COMMIT")),
+            Expiry::Kept => sql.push_str(", NULL); "),
+            Expiry::Retention(ms) => sql.push_str(&format!(", {ms}); ")),
         }
+        sql.push_str(then);
         sql
     }
 }

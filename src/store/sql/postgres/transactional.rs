@@ -17,7 +17,7 @@ use crate::store::{
     StorageKey, StoreError,
     sql::{
         dialect::{Engine, ErrorClass, FromColumns, KeyRow},
-        tx_engine::{ClaimRequest, Expiry, Probe, Seam, TxClaim, TxEngine},
+        tx_engine::{ClaimRequest, Expiry, InBatch, Probe, Seam, TxClaim, TxEngine, savepoint},
     },
 };
 
@@ -147,18 +147,10 @@ async fn take_over(
     request: &ClaimRequest<'_>,
 ) -> Result<TxClaim<Postgres>, StoreError> {
     let state = &seam.state;
-    let on: &mut PgConnection = &mut tx;
-    let taken = sqlx::query(sqlx::AssertSqlSafe(state.sql.take_over.clone()))
-        .bind(request.key.as_str())
-        .bind(&request.fingerprint.as_bytes()[..])
-        .bind(request.lifetime_ms)
-        .bind(&*state.lock_timeout)
-        .execute(on)
-        .await;
-    match taken {
-        Ok(done) if done.rows_affected() == 1 => Ok(TxClaim::Acquired(tx)),
+    match taken_over(state, &mut tx, request).await {
+        Ok(true) => Ok(TxClaim::Acquired(tx)),
         // Taken over by another claim meanwhile, which committed.
-        Ok(_) => {
+        Ok(false) => {
             state.idle.roll_back(tx);
             Ok(TxClaim::InFlight)
         }
@@ -167,6 +159,43 @@ async fn take_over(
             Err(seam.error(error))
         }
     }
+}
+
+/// Whether the key's expired record was replaced by this claim's row, on
+/// `on`, inside its transaction (`lock_timeout` put back for the work).
+async fn taken_over(
+    state: &TxState,
+    on: &mut PgConnection,
+    request: &ClaimRequest<'_>,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(sqlx::AssertSqlSafe(state.sql.take_over.clone()))
+        .bind(request.key.as_str())
+        .bind(&request.fingerprint.as_bytes()[..])
+        .bind(request.lifetime_ms)
+        .bind(&*state.lock_timeout)
+        .execute(on)
+        .await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// The row the last of `sql`'s statements answered, if any: the
+/// statements sent ahead of it (a record written) answer rows of their
+/// own.
+async fn last_statements_row(
+    on: &mut PgConnection,
+    sql: String,
+) -> Result<Option<PgRow>, sqlx::Error> {
+    use futures_util::TryStreamExt;
+    let mut answers = on.fetch_many(sqlx::raw_sql(sqlx::AssertSqlSafe(sql)));
+    let (mut rows, mut last) = (Vec::new(), Vec::new());
+    while let Some(answer) = answers.try_next().await? {
+        match answer {
+            sqlx::Either::Right(row) => rows.push(row),
+            // A statement done: its rows are the last so far.
+            sqlx::Either::Left(_) => last = std::mem::take(&mut rows),
+        }
+    }
+    Ok(last.into_iter().next())
 }
 
 impl TxEngine for Postgres {
@@ -256,6 +285,106 @@ impl TxEngine for Postgres {
         // back.
         let complete = seam.state.sql.complete(key.as_str(), &record, expiry);
         tx.commit_with(&complete).await.map_err(|e| seam.error(e))
+    }
+
+    const BATCHES: bool = true;
+
+    /// The session's bounds as a request's connection has them, and
+    /// `BEGIN`, in one round trip.
+    async fn batch_begin(seam: &Seam<Self>, bound: Duration) -> Result<PostgresTx, StoreError> {
+        let connection = seam.connection().await?;
+        // Dropped on a failure: the connection is closed.
+        let mut tx = PostgresTx::begun(connection, (), Instant::now());
+        let begin = format!(
+            "{}; BEGIN ISOLATION LEVEL READ COMMITTED",
+            seam.state.sql.session(bound)
+        );
+        let on: &mut PgConnection = &mut tx;
+        on.execute(sqlx::raw_sql(sqlx::AssertSqlSafe(begin)))
+            .await
+            .map_err(|e| seam.error(e))?;
+        Ok(tx)
+    }
+
+    /// The request's claim, after the key's savepoint, in one round trip
+    /// (with what the batch sends ahead): answered as a request's is.
+    async fn batch_claim(
+        seam: &Seam<Self>,
+        tx: &mut PostgresTx,
+        request: &ClaimRequest<'_>,
+    ) -> Result<InBatch, StoreError> {
+        let state = &seam.state;
+        let claim = state.sql.claim(
+            request.key.as_str(),
+            request.fingerprint,
+            request.wait,
+            request.lifetime_ms,
+            &state.lock_timeout,
+        );
+        let mut sql = tx.after_ahead(&format!("{}{claim}", savepoint::OPEN));
+        let mut prepared = false;
+        // A connection's first claim prepares its statements; a row
+        // committed after the claim's snapshot is asked for twice more.
+        for _ in 0..4 {
+            let on: &mut PgConnection = tx;
+            let answer = last_statements_row(on, sql).await;
+            match answer.and_then(Answer::read) {
+                Ok(Answer::Row(row)) if row.acquired => return Ok(InBatch::Acquired),
+                Ok(Answer::Row(row)) if row.ms_left <= 0 => {
+                    let on: &mut PgConnection = tx;
+                    if taken_over(state, on, request)
+                        .await
+                        .map_err(|e| seam.error(e))?
+                    {
+                        return Ok(InBatch::Acquired);
+                    }
+                    tx.undone(savepoint::UNDO);
+                    return Ok(InBatch::InFlight);
+                }
+                Ok(Answer::Row(row)) => {
+                    tx.undone(savepoint::UNDO);
+                    return Ok(InBatch::Found(row));
+                }
+                Ok(Answer::Raced) => sql = claim.clone(),
+                Err(error) if Postgres::classify(&error) == ErrorClass::LockTimeout => {
+                    tx.undone(savepoint::UNDO);
+                    return Ok(InBatch::InFlight);
+                }
+                Err(error) if !prepared && sqlstate(&error).as_deref() == Some(NOT_PREPARED) => {
+                    prepared = true;
+                    sql = format!(
+                        "{}{}; {}{claim}",
+                        savepoint::UNDO,
+                        state.sql.prepare(),
+                        savepoint::OPEN
+                    );
+                }
+                Err(error) => return Err(seam.error(error)),
+            }
+        }
+        Err(StoreError::Unavailable(
+            "the claim found a record it could not read three times".into(),
+        ))
+    }
+
+    /// The record and the savepoint kept, sent ahead of the batch's next
+    /// claim (or its commit): no round trip of their own. If the record
+    /// cannot be written, nothing after it runs — that claim fails, and the
+    /// batch with it: nothing in it commits.
+    async fn batch_complete(
+        seam: &Seam<Self>,
+        tx: &mut PostgresTx,
+        key: &StorageKey,
+        record: Vec<u8>,
+        expiry: Expiry,
+    ) -> Result<(), StoreError> {
+        let complete = seam
+            .state
+            .sql
+            .record(key.as_str(), &record, expiry, savepoint::KEEP);
+        tx.send_ahead(&complete);
+        tx.send_ahead("; ");
+        Ok(())
     }
 
     /// Whether a transaction holds `key` in flight: a claim in a transaction of
