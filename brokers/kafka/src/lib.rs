@@ -26,8 +26,12 @@
 //! order — or, with [`KafkaBuilder::in_order_per_key`], each record key in
 //! order and the keys side by side, the stored position then moving only
 //! past the contiguous run of decided records, never past a record still
-//! in work. A partition revoked by a rebalance keeps no record
-//! unstarted (its new owner seeks to the stored position), and the one in
+//! in work. On PostgreSQL a partition's (or a key's) records in hand are
+//! settled in batches, many per transaction ([`KafkaConsumer::batch`]):
+//! the batch's first record writes the position, and what the batch
+//! decided beyond it is stored once answered, never before its commit. A
+//! partition revoked by a rebalance keeps no record unstarted (its new
+//! owner seeks to the stored position), and the one in
 //! hand commits or rolls back with no effect twice: the idempotency record
 //! makes the new owner's attempt a duplicate.
 //!
@@ -1066,9 +1070,12 @@ impl<St: Positions> Kafka<St> {
     /// `record` decided: the position to store on its own now, if any.
     /// In the partition's order, an execution's transaction wrote one
     /// (counted committed first), and a decision without work stores one
-    /// where it passes what is committed. In order per key, transactions
-    /// write none and the position is stored on its own, every
-    /// [`POSITION_EVERY`] at most, and once nothing is undecided. `None`
+    /// where it passes what is committed. An execution in a batch wrote
+    /// one short of it (the batch's records before it were undecided when
+    /// it ran): what it leaves behind is stored on its own, as in order per
+    /// key. In order per key, transactions write none and the position is
+    /// stored on its own, every [`POSITION_EVERY`] at most, and once
+    /// nothing is undecided. `None`
     /// as well for a record of an earlier assignment: the partition's
     /// owner reads it again from the stored position, and its idempotency
     /// record answers it.
@@ -1082,7 +1089,7 @@ impl<St: Positions> Kafka<St> {
         let next = match (self.by_key, acked) {
             (true, _) => watermark.due(Instant::now(), POSITION_EVERY),
             (false, Acked::Decided) => watermark.passing(),
-            (false, Acked::Executed) => None,
+            (false, Acked::Executed) => watermark.due(Instant::now(), POSITION_EVERY),
         }?;
         Some(Position {
             next,
@@ -1342,6 +1349,40 @@ where
     pub fn in_hand(self, deliveries: usize) -> Self {
         Self {
             inner: self.inner.in_hand(deliveries),
+            ..self
+        }
+    }
+
+    /// See [`Consumer::batch`]: a batch is one partition's records (or,
+    /// in order per key, one key's) in one transaction, the position
+    /// stored when it passes them.
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn demo(consumer: tower_idempotency_kafka::KafkaConsumer<tower_idempotency::SqliteTxStore, tower_idempotency::DefaultFingerprint, (), (), tower_idempotency::sqlx::Error>) {
+    /// let consumer = consumer.in_hand(1000).batch(200);
+    /// # let _ = consumer; }
+    /// ```
+    pub fn batch(self, records: usize) -> Self {
+        Self {
+            inner: self.inner.batch(records),
+            ..self
+        }
+    }
+
+    /// See [`Consumer::batch_within`].
+    ///
+    /// # Examples
+    ///
+    /// ```no_run
+    /// # fn demo(consumer: tower_idempotency_kafka::KafkaConsumer<tower_idempotency::SqliteTxStore, tower_idempotency::DefaultFingerprint, (), (), tower_idempotency::sqlx::Error>) {
+    /// let consumer = consumer.batch_within(std::time::Duration::from_millis(200));
+    /// # let _ = consumer; }
+    /// ```
+    pub fn batch_within(self, within: std::time::Duration) -> Self {
+        Self {
+            inner: self.inner.batch_within(within),
             ..self
         }
     }

@@ -49,7 +49,11 @@ impl Watermark {
     /// the partition stands once that record commits, the others as they
     /// are now — it commits with the record, and every record below it is
     /// decided, by that commit or before. `None` where that would not pass
-    /// the position known committed.
+    /// the position known committed, or not the record itself: a record
+    /// before it is undecided — in work in the same batch, whose first
+    /// record writes the position — so what is decided is stored on its
+    /// own once answered (a row written by every record of a batch, each
+    /// in a savepoint, costs PostgreSQL a multixact per write).
     pub(crate) fn with(&self, offset: i64) -> Option<i64> {
         let next = self
             .undecided
@@ -57,7 +61,7 @@ impl Watermark {
             .find(|&&other| other != offset)
             .copied()
             .unwrap_or(self.handed_to);
-        (next > self.stored).then_some(next)
+        (next > self.stored && next > offset).then_some(next)
     }
 
     /// The record at `offset` decided: its work committed, or a duplicate
@@ -145,6 +149,25 @@ mod tests {
         partition.decided(0);
         assert_eq!(partition.passing(), None);
         assert_eq!(partition.with(1), Some(2));
+    }
+
+    /// A batch's records in work together: the first writes the position
+    /// past itself; those behind it, whose writes could pass nothing more
+    /// (the first is undecided until the batch commits), write none.
+    #[test]
+    fn in_a_batch_only_the_first_record_writes_the_position() {
+        let mut partition = Watermark::from(0);
+        for offset in 0..4 {
+            partition.handed(offset);
+        }
+        assert_eq!(partition.with(0), Some(1));
+        assert_eq!(partition.with(1), None);
+        assert_eq!(partition.with(3), None);
+        for offset in 0..4 {
+            partition.decided(offset);
+        }
+        partition.stored(1);
+        assert_eq!(partition.passing(), Some(4), "stored on its own");
     }
 
     #[test]

@@ -15,11 +15,14 @@
 //!   the ids it returned, and stores the partitions' positions;
 //! - `floor, 1 per tx`: the same recipe a record at a time, one
 //!   transaction each, one record after another;
-//! - `crate`: `kafka_orders`'s consumer (`KafkaConsumer` over a
+//! - `crate, 1 per tx`: `kafka_orders`'s consumer (`KafkaConsumer` over a
 //!   `PostgresTxStore`, the example's parse and charge), one record per
-//!   transaction, each partition in order, 10 in hand;
-//! - `crate per key`: the same, in order per key
-//!   (`in_order_per_key(true)`), 32 in hand.
+//!   transaction (`batch(1)`), each partition in order, 10 in hand;
+//! - `crate`: the same in batches — up to 500 records of a partition per
+//!   transaction (`batch(500)`), 1 000 in hand;
+//! - `crate per key`: batches, in order per key
+//!   (`in_order_per_key(true)`): up to 500 records of a key per
+//!   transaction, 1 000 in hand.
 //!
 //! Run with: `cargo bench -p tower-idempotency-consumer-examples --bench
 //! kafka` (needs `tansu` on PATH and PostgreSQL, as the tests do).
@@ -74,15 +77,17 @@ enum Variant {
     Bare,
     Floor,
     FloorPerRecord,
+    CratePerRecord,
     Crate,
     CratePerKey,
 }
 
 impl Variant {
-    const ALL: [Self; 5] = [
+    const ALL: [Self; 6] = [
         Self::Bare,
         Self::Floor,
         Self::FloorPerRecord,
+        Self::CratePerRecord,
         Self::Crate,
         Self::CratePerKey,
     ];
@@ -92,6 +97,7 @@ impl Variant {
             Self::Bare => "bare",
             Self::Floor => "floor",
             Self::FloorPerRecord => "floor, 1 per tx",
+            Self::CratePerRecord => "crate, 1 per tx",
             Self::Crate => "crate",
             Self::CratePerKey => "crate per key",
         }
@@ -310,13 +316,15 @@ async fn floor(pool: &PgPool, topic: &str, batch: &[(i32, i64, String)]) {
     tx.commit().await.unwrap();
 }
 
-/// `kafka_orders`'s consumer, in process, until `n` records are decided.
+/// `kafka_orders`'s consumer, in process, until `n` records are decided,
+/// `batch` at most per transaction.
 async fn through_the_crate(
     server: &KafkaServer,
     topic: &TestTopic,
     db: &TestDatabase,
     n: usize,
     per_key: bool,
+    batch: usize,
 ) -> f64 {
     let store: PostgresTxStore = PostgresStore::builder()
         .transactional()
@@ -359,7 +367,12 @@ async fn through_the_crate(
         }
     };
     KafkaConsumer::new(kafka, orders::processor(store, "kafka_orders", &settings))
-        .in_hand(if per_key { 32 } else { 10 })
+        .in_hand(match (batch, per_key) {
+            (1, false) => 10,
+            (1, true) => 32,
+            _ => 1000,
+        })
+        .batch(batch)
         .on_settled(on_settled)
         .run(
             orders::parse,
@@ -392,6 +405,8 @@ async fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1);
     let server = KafkaServer::start();
+    // The crate's batch, where it batches.
+    let crate_batch: usize = env::var("KAFKA_BENCH_BATCH").map_or(BATCH, |b| b.parse().unwrap());
     println!("{n} orders per variant, {rounds} round(s); records/s, first decided to last");
     // A comma-separated list picks shapes or variants by name.
     let picked = |var: &str, name: &str| {
@@ -437,8 +452,15 @@ async fn main() {
                         })
                         .await
                     }
-                    Variant::Crate => through_the_crate(&server, &topic, &db, n, false).await,
-                    Variant::CratePerKey => through_the_crate(&server, &topic, &db, n, true).await,
+                    Variant::CratePerRecord => {
+                        through_the_crate(&server, &topic, &db, n, false, 1).await
+                    }
+                    Variant::Crate => {
+                        through_the_crate(&server, &topic, &db, n, false, crate_batch).await
+                    }
+                    Variant::CratePerKey => {
+                        through_the_crate(&server, &topic, &db, n, true, crate_batch).await
+                    }
                 };
                 let charged: i64 = sqlx::query_scalar("SELECT count(*) FROM order_charges")
                     .fetch_one(&pool)

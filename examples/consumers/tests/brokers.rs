@@ -8,6 +8,9 @@
 //! - duplicates charge once; a poison message and a key reused with
 //!   another payload are dead-lettered, each with its true reason;
 //! - killed (-9) mid-work: nothing commits, and each order is charged once;
+//! - killed mid-batch (several orders of one key in hand together): no
+//!   order was answered before its charge committed, and each is charged
+//!   once;
 //! - killed between the commit and the acknowledgement: the redelivery is
 //!   a duplicate;
 //! - the database cut through a relay: nothing dead-lettered, every order
@@ -125,6 +128,57 @@ async fn killed_mid_work_nothing_commits_and_each_order_is_charged_once<B: Fixtu
     said(&[&c], "executed order-1", Duration::from_secs(60)).await;
     broker.drained().await;
     assert_eq!(db.count(CHARGES).await, 1);
+}
+
+/// Five orders of one account in hand together — settled in one batch —
+/// the last held in its work: killed (-9) there, no order was answered
+/// before its charge committed (none, batched), and the restart charges
+/// each order once.
+async fn killed_mid_batch_nothing_was_answered_uncommitted_and_each_order_is_charged_once<
+    B: Fixture,
+>() {
+    let broker = B::start().await;
+    let db = TestDatabase::create();
+    for i in 0..5 {
+        broker
+            .publish("acct-1", &order(&format!("order-{i}"), 500))
+            .await;
+    }
+    let mut c = broker
+        .consumer(
+            db.url(),
+            &[
+                ("WORK_DELAY_MS", "120000"),
+                ("WORK_DELAY_ORDERS", "order-4"),
+            ],
+        )
+        .await;
+    db.wait_for_count(IN_TRANSACTION, |n| n == 1, "the work never began")
+        .await;
+    c.kill();
+    for line in c.lines() {
+        if let Some(id) = line.strip_prefix("executed ") {
+            let committed = format!("SELECT count(*) FROM order_charges WHERE order_id = '{id}'");
+            assert_eq!(db.count(&committed).await, 1, "{id} answered, uncommitted");
+        }
+    }
+    let c = broker.consumer(db.url(), &[]).await;
+    for i in 0..5 {
+        let id = format!("order-{i}");
+        let decided = |l: &str| l == format!("executed {id}") || l == format!("duplicate {id}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while count(&[&c], decided) == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{id}: {:?}",
+                c.lines()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    broker.drained().await;
+    assert_eq!(db.count(CHARGES).await, 5);
+    assert_eq!(db.count(TWICE).await, 0, "no order charged twice");
 }
 
 async fn killed_between_commit_and_ack_the_redelivery_is_a_duplicate<B: Fixture>() {
@@ -285,6 +339,14 @@ macro_rules! broker_cases {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn killed_mid_work() {
                 killed_mid_work_nothing_commits_and_each_order_is_charged_once::<$fixture>().await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn killed_mid_batch() {
+                killed_mid_batch_nothing_was_answered_uncommitted_and_each_order_is_charged_once::<
+                    $fixture,
+                >()
+                .await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
