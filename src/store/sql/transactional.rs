@@ -161,6 +161,25 @@ impl<D: TxEngine> SqlTxStore<D> {
         Seam::new(self.base.clone(), self.state.clone())
     }
 
+    /// A claim of `key` as this store asks an engine for it, its row to
+    /// live the claim lifetime; `in_line` when it may wait its turn to
+    /// write as long as it takes.
+    fn request<'a>(
+        &self,
+        key: &'a StorageKey,
+        fingerprint: &'a Fingerprint,
+        in_line: bool,
+    ) -> Result<ClaimRequest<'a>, StoreError> {
+        Ok(ClaimRequest {
+            key,
+            fingerprint,
+            wait: self.claim_wait,
+            bound: self.bound,
+            lifetime_ms: self.claim_lifetime_ms()?,
+            in_line,
+        })
+    }
+
     /// A claim of `key` by this store, its row to live the claim lifetime;
     /// `in_line` when it may wait its turn to write as long as it takes.
     async fn claim_in_tx(
@@ -169,14 +188,7 @@ impl<D: TxEngine> SqlTxStore<D> {
         fingerprint: &Fingerprint,
         in_line: bool,
     ) -> Result<Claim<SqlTx<D>>, StoreError> {
-        let request = ClaimRequest {
-            key,
-            fingerprint,
-            wait: self.claim_wait,
-            bound: self.bound,
-            lifetime_ms: self.claim_lifetime_ms()?,
-            in_line,
-        };
+        let request = self.request(key, fingerprint, in_line)?;
         let sent = Instant::now();
         let seam = self.seam();
         let claimed = if in_line {
@@ -323,14 +335,7 @@ impl<D: TxEngine> Store for SqlTxStore<D> {
         key: &StorageKey,
         fingerprint: &Fingerprint,
     ) -> Result<Claim<()>, StoreError> {
-        let request = ClaimRequest {
-            key,
-            fingerprint,
-            wait: self.claim_wait,
-            bound: self.bound,
-            lifetime_ms: self.claim_lifetime_ms()?,
-            in_line: false,
-        };
+        let request = self.request(key, fingerprint, false)?;
         let sent = Instant::now();
         let claimed = self
             .base

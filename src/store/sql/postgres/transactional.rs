@@ -32,6 +32,19 @@ pub struct TxState {
     pub(super) lock_timeout: Arc<str>,
 }
 
+impl TxState {
+    /// `request`'s claim statement.
+    fn claim(&self, request: &ClaimRequest<'_>) -> String {
+        self.sql.claim(
+            request.key.as_str(),
+            request.fingerprint,
+            request.wait,
+            request.lifetime_ms,
+            &self.lock_timeout,
+        )
+    }
+}
+
 impl std::fmt::Debug for TxState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TxState").finish_non_exhaustive()
@@ -221,13 +234,7 @@ impl TxEngine for Postgres {
         request: &ClaimRequest<'_>,
     ) -> Result<TxClaim<Self>, StoreError> {
         let state = &seam.state;
-        let claim = state.sql.claim(
-            request.key.as_str(),
-            request.fingerprint,
-            request.wait,
-            request.lifetime_ms,
-            &state.lock_timeout,
-        );
+        let claim = state.claim(request);
         let Some((mut tx, row)) = begin_claim(seam, request.bound, &claim).await? else {
             return Ok(TxClaim::InFlight);
         };
@@ -314,13 +321,7 @@ impl TxEngine for Postgres {
         request: &ClaimRequest<'_>,
     ) -> Result<InBatch, StoreError> {
         let state = &seam.state;
-        let claim = state.sql.claim(
-            request.key.as_str(),
-            request.fingerprint,
-            request.wait,
-            request.lifetime_ms,
-            &state.lock_timeout,
-        );
+        let claim = state.claim(request);
         let mut sql = tx.after_ahead(&format!("{}{claim}", savepoint::OPEN));
         let mut prepared = false;
         // A connection's first claim prepares its statements; a row
