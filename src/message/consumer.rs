@@ -350,10 +350,13 @@ where
     /// batches ([`Store::BATCHES`]: the transactional PostgreSQL store;
     /// default 100; 1 settles each delivery in a transaction of its own).
     ///
-    /// A batch is what one [ordering key](Broker::ordering_key) (or the
-    /// deliveries without one) brought in one receive, in the order
-    /// received: it never waits for more, so it is at most
-    /// [`in_hand`](Self::in_hand) — raise that too. Each delivery's key is
+    /// A batch is one [ordering key](Broker::ordering_key)'s deliveries in
+    /// hand together — those received while the one before them ran — in
+    /// the order received: deliveries that would run one after the other
+    /// anyway, so a batch never makes side-by-side work wait (a delivery
+    /// without an ordering key is settled on its own). It never waits for
+    /// more, so it is at most [`in_hand`](Self::in_hand) — raise that too.
+    /// Each delivery's key is
     /// claimed, worked and recorded in a savepoint of its own, so one that
     /// fails is undone alone; the batch commits once, and nothing in it is
     /// answered before. A delivery that must wait (its key in flight
@@ -1012,10 +1015,11 @@ struct Group<R> {
     deliveries: Mutex<Vec<Arc<R>>>,
 }
 
-/// Each key's group that has not started yet (the deliveries without a key
-/// have one too, for what one receive brought).
+/// Each ordering key's group that has not started yet. A delivery without
+/// a key is a group of its own: deliveries that run side by side are never
+/// made to wait for each other in a batch.
 struct Gathering<R> {
-    open: Mutex<HashMap<Option<String>, Arc<Group<R>>>>,
+    open: Mutex<HashMap<String, Arc<Group<R>>>>,
 }
 
 impl<R> Default for Gathering<R> {
@@ -1030,29 +1034,31 @@ impl<R> Gathering<R> {
     /// `received`, of `key`, joins its key's group if one has not started
     /// and has room for it (`size` in all); else it begins one, returned.
     fn gather(&self, key: Option<&str>, received: R, size: usize) -> Option<Arc<Group<R>>> {
-        let received = Arc::new(received);
+        let group = Arc::new(Group {
+            deliveries: Mutex::new(vec![Arc::new(received)]),
+        });
+        let Some(key) = key else {
+            return Some(group);
+        };
         let mut open = lock(&self.open);
-        let key = key.map(str::to_owned);
-        if let Some(group) = open.get(&key) {
-            let mut deliveries = lock(&group.deliveries);
+        if let Some(gathering) = open.get(key) {
+            let mut deliveries = lock(&gathering.deliveries);
             if deliveries.len() < size {
-                deliveries.push(received);
+                deliveries.append(&mut lock(&group.deliveries));
                 return None;
             }
         }
-        let group = Arc::new(Group {
-            deliveries: Mutex::new(vec![received]),
-        });
-        open.insert(key, group.clone());
+        open.insert(key.to_owned(), group.clone());
         Some(group)
     }
 
     /// `group`, of `key`, starts: it takes no more. Its deliveries.
     fn start(&self, key: Option<&str>, group: &Arc<Group<R>>) -> Vec<Arc<R>> {
-        let mut open = lock(&self.open);
-        let key = key.map(str::to_owned);
-        if open.get(&key).is_some_and(|open| Arc::ptr_eq(open, group)) {
-            open.remove(&key);
+        if let Some(key) = key {
+            let mut open = lock(&self.open);
+            if open.get(key).is_some_and(|open| Arc::ptr_eq(open, group)) {
+                open.remove(key);
+            }
         }
         lock(&group.deliveries).clone()
     }

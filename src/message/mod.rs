@@ -77,6 +77,7 @@
 //! | RabbitMQ `consumer_timeout` (30 min) | above [`give_back_after`](DeliveryBudget::give_back_after) | RabbitMQ cannot extend a delivery: give it back before the broker closes the channel |
 //! | SQS's 12 hours of visibility | above `give_back_after` | a message's visibility cannot be extended past 12 hours from its receive |
 //! | the transactional store's `transaction_timeout` | above the work's longest duration | work that always outlives it is dead-lettered as timed out |
+//! | [`Consumer::batch_within`] (1 s) | well below the `transaction_timeout` | a batch whose commit the database refused for its age settles each delivery again on its own |
 //! | the retention | above the broker's longest redelivery (SQS keeps messages up to 14 days) | a redelivery after the record expired runs the work again |
 //!
 //! On a SQLite store, a consumer's claims wait their turn on the file's one
