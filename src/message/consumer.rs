@@ -356,10 +356,9 @@ where
     /// anyway, so a batch never makes side-by-side work wait (a delivery
     /// without an ordering key is settled on its own). It never waits for
     /// more, so it is at most [`in_hand`](Self::in_hand) — raise that too.
-    /// Each delivery's key is
-    /// claimed, worked and recorded in a savepoint of its own, so one that
-    /// fails is undone alone; the batch commits once, and nothing in it is
-    /// answered before. A delivery that must wait (its key in flight
+    /// Each delivery's key is claimed, worked and recorded in a savepoint
+    /// of its own, so one that fails is undone alone; the batch commits
+    /// once, and nothing in it is answered before. A delivery that must wait (its key in flight
     /// elsewhere, the store unavailable, a work error that may pass)
     /// commits the batch before it and is then settled on its own; if the
     /// commit fails, each of the batch's executions is settled again on

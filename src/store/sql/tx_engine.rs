@@ -185,6 +185,8 @@ impl End {
 
 /// What a claim inside a batch's transaction found (see
 /// [`TxEngine::batch_claim`]).
+// PostgreSQL's engine alone batches.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) enum InBatch {
     /// The key is the batch's, in the savepoint its claim opened.
     Acquired,
