@@ -130,10 +130,11 @@ async fn killed_mid_work_nothing_commits_and_each_order_is_charged_once<B: Fixtu
     assert_eq!(db.count(CHARGES).await, 1);
 }
 
-/// Five orders of one account in hand together — settled in one batch —
-/// the last held in its work: killed (-9) there, no order was answered
-/// before its charge committed (none, batched), and the restart charges
-/// each order once.
+/// Five orders of one account in hand together — in a batch where the
+/// broker gives them one ordering key (Kafka's partition or key), side by
+/// side where it gives none — the last held in its work: killed (-9)
+/// there, no order was answered before its charge committed, and what was
+/// not answered is charged by the restart: each order once.
 async fn killed_mid_batch_nothing_was_answered_uncommitted_and_each_order_is_charged_once<
     B: Fixture,
 >() {
@@ -144,7 +145,7 @@ async fn killed_mid_batch_nothing_was_answered_uncommitted_and_each_order_is_cha
             .publish("acct-1", &order(&format!("order-{i}"), 500))
             .await;
     }
-    let mut c = broker
+    let mut killed = broker
         .consumer(
             db.url(),
             &[
@@ -155,22 +156,24 @@ async fn killed_mid_batch_nothing_was_answered_uncommitted_and_each_order_is_cha
         .await;
     db.wait_for_count(IN_TRANSACTION, |n| n == 1, "the work never began")
         .await;
-    c.kill();
-    for line in c.lines() {
+    killed.kill();
+    for line in killed.lines() {
         if let Some(id) = line.strip_prefix("executed ") {
             let committed = format!("SELECT count(*) FROM order_charges WHERE order_id = '{id}'");
             assert_eq!(db.count(&committed).await, 1, "{id} answered, uncommitted");
         }
     }
+    // What was answered before the kill is not delivered again.
     let c = broker.consumer(db.url(), &[]).await;
     for i in 0..5 {
         let id = format!("order-{i}");
         let decided = |l: &str| l == format!("executed {id}") || l == format!("duplicate {id}");
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while count(&[&c], decided) == 0 {
+        while count(&[&killed, &c], decided) == 0 {
             assert!(
                 std::time::Instant::now() < deadline,
-                "{id}: {:?}",
+                "{id}: {:?}, then {:?}",
+                killed.lines(),
                 c.lines()
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
