@@ -163,21 +163,18 @@ async fn killed_mid_batch_nothing_was_answered_uncommitted_and_each_order_is_cha
             assert_eq!(db.count(&committed).await, 1, "{id} answered, uncommitted");
         }
     }
-    // What was answered before the kill is not delivered again.
-    let c = broker.consumer(db.url(), &[]).await;
-    for i in 0..5 {
-        let id = format!("order-{i}");
-        let decided = |l: &str| l == format!("executed {id}") || l == format!("duplicate {id}");
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while count(&[&killed, &c], decided) == 0 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{id}: {:?}, then {:?}",
-                killed.lines(),
-                c.lines()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+    // What was answered before the kill is not delivered again (and may
+    // have been answered without its line: killed between the two).
+    let _c = broker.consumer(db.url(), &[]).await;
+    // A bound on a wait for an event (the last charge), generous for a
+    // loaded machine.
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while db.count(CHARGES).await < 5 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not every order was charged"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     broker.drained().await;
     assert_eq!(db.count(CHARGES).await, 5);
