@@ -140,6 +140,42 @@ impl<D: Dialect> SqlTxStore<D> {
         Ok(retention_ms.saturating_add((retention_ms / 1000).min(bound)))
     }
 
+    /// `record`, as the completion of `tx` writes it for `fingerprint`, and
+    /// its row's expiry, kept `retention` from now (the retention the
+    /// store's next claims' rows are written for).
+    fn record(
+        &self,
+        tx: &SqlTx<D>,
+        fingerprint: &Fingerprint,
+        record: &CompletedRecord,
+        retention: Duration,
+    ) -> Result<(Vec<u8>, Expiry), StoreError> {
+        let record = codec::encode_with(fingerprint, record, &self.base.compression);
+        let retention = millis(retention, "retention")?;
+        self.retention.store(retention, Ordering::Relaxed);
+        Ok((record, self.expiry(tx, retention)?))
+    }
+
+    /// What a commit of a transaction that `began` then came to: a
+    /// transaction the database ended for outliving its bound is said to
+    /// have, so that work that always takes that long is not retried
+    /// forever.
+    fn bounded_commit(
+        &self,
+        began: Instant,
+        committed: Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        match committed {
+            Err(StoreError::Unavailable(error)) if began.elapsed() >= self.bound => {
+                Err(StoreError::TransactionTimedOut {
+                    bound: self.bound,
+                    source: error,
+                })
+            }
+            committed => committed,
+        }
+    }
+
     /// How the completion of `tx` writes its row's expiry, for a record
     /// kept `retention_ms` from now: left as the claim wrote it when it
     /// covers the retention and no more than its margin — no index
@@ -263,27 +299,12 @@ impl<D: TxEngine> Store for SqlTxStore<D> {
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<bool, StoreError> {
-        let record = codec::encode_with(fingerprint, &record, &self.base.compression);
-        let retention = millis(retention, "retention")?;
-        self.retention.store(retention, Ordering::Relaxed);
-        let expiry = self.expiry(tx, retention)?;
+        let (record, expiry) = self.record(tx, fingerprint, &record, retention)?;
         let committed = self
             .base
             .bounded(D::tx_complete(&self.seam(), tx, key, record, expiry))
             .await;
-        match committed {
-            Ok(()) => Ok(true),
-            // The database ended a transaction that outlived its bound: say
-            // so, so that work that always takes that long is not retried
-            // forever.
-            Err(StoreError::Unavailable(error)) if tx.began.elapsed() >= self.bound => {
-                Err(StoreError::TransactionTimedOut {
-                    bound: self.bound,
-                    source: error,
-                })
-            }
-            Err(error) => Err(error),
-        }
+        self.bounded_commit(tx.began, committed).map(|()| true)
     }
 
     async fn release(&self, _: &StorageKey, tx: SqlTx<D>) -> Result<bool, StoreError> {
@@ -364,10 +385,7 @@ impl<D: TxEngine> Store for SqlTxStore<D> {
         record: Arc<CompletedRecord>,
         retention: Duration,
     ) -> Result<(), StoreError> {
-        let record = codec::encode_with(fingerprint, &record, &self.base.compression);
-        let retention = millis(retention, "retention")?;
-        self.retention.store(retention, Ordering::Relaxed);
-        let expiry = self.expiry(batch, retention)?;
+        let (record, expiry) = self.record(batch, fingerprint, &record, retention)?;
         self.base
             .bounded(D::batch_complete(&self.seam(), batch, key, record, expiry))
             .await
@@ -393,17 +411,7 @@ impl<D: TxEngine> Store for SqlTxStore<D> {
             .base
             .bounded(D::tx_end(&self.seam(), batch, End::Commit))
             .await;
-        match committed {
-            // As a request's: a batch that always outlives its bound is
-            // said to.
-            Err(StoreError::Unavailable(error)) if began.elapsed() >= self.bound => {
-                Err(StoreError::TransactionTimedOut {
-                    bound: self.bound,
-                    source: error,
-                })
-            }
-            committed => committed,
-        }
+        self.bounded_commit(began, committed)
     }
 
     /// A committed record is read; a claim in flight is an uncommitted row

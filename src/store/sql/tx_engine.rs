@@ -208,7 +208,7 @@ pub(crate) mod savepoint {
     pub(crate) const UNDO: &str =
         "ROLLBACK TO SAVEPOINT idempotency_key; RELEASE SAVEPOINT idempotency_key; ";
     /// Keeps the key, its record written.
-    pub(crate) const KEEP: &str = "RELEASE SAVEPOINT idempotency_key";
+    pub(crate) const KEEP: &str = "RELEASE SAVEPOINT idempotency_key; ";
 }
 
 /// An engine's transactional claim, completion and end.

@@ -384,7 +384,6 @@ impl TxEngine for Postgres {
             .sql
             .record(key.as_str(), &record, expiry, savepoint::KEEP);
         tx.send_ahead(&complete);
-        tx.send_ahead("; ");
         Ok(())
     }
 
