@@ -59,7 +59,7 @@ impl Exported {
             .with(tracing_subscriber::EnvFilter::new(
                 "tower_idempotency=trace",
             ));
-        let guard = tracing::subscriber::set_default(subscriber);
+        let guard = support::logs::scoped(subscriber);
         Self {
             exporter,
             provider,

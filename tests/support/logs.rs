@@ -5,10 +5,10 @@
 
 use std::{
     io::Write,
-    sync::{Arc, Mutex},
+    sync::{Arc, Mutex, Once},
 };
 
-use tracing::subscriber::DefaultGuard;
+use tracing::{Subscriber, subscriber::DefaultGuard};
 
 #[derive(Clone, Default)]
 pub struct Logs(Arc<Mutex<Vec<u8>>>);
@@ -24,12 +24,30 @@ impl Logs {
             .with_ansi(false)
             .with_writer(move || writer.clone())
             .finish();
-        (logs, tracing::subscriber::set_default(subscriber))
+        (logs, scoped(subscriber))
     }
 
     pub fn text(&self) -> String {
         String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
     }
+}
+
+/// Makes `subscriber` the calling thread's default until the guard is
+/// dropped, seeing every callsite it enables whichever thread hits it first.
+///
+/// While a single thread-scoped subscriber exists, tracing asks only the
+/// *registering* thread's default whether a new callsite is of interest: a
+/// callsite first hit by another test's thread (no subscriber there) is
+/// cached as never enabled, and this thread's spans and events vanish. A
+/// global default that stays registered for the whole run keeps tracing
+/// asking every live subscriber. It records nothing itself.
+pub fn scoped(subscriber: impl Subscriber + Send + Sync + 'static) -> DefaultGuard {
+    static GLOBAL: Once = Once::new();
+    GLOBAL.call_once(|| {
+        tracing::subscriber::set_global_default(tracing::subscriber::NoSubscriber::default())
+            .expect("no other global subscriber in the tests");
+    });
+    tracing::subscriber::set_default(subscriber)
 }
 
 impl Write for Logs {
