@@ -758,7 +758,7 @@ async fn declared_rules_decide_what_is_the_same_message() {
 struct Scripted {
     orders: Mutex<Option<Vec<Order>>>,
     answers: Arc<Mutex<Vec<String>>>,
-    db: sqlx::PgPool,
+    db: Ledger,
     left: AtomicUsize,
     all_answered: Arc<tokio::sync::Notify>,
 }
@@ -784,12 +784,7 @@ impl Scripted {
             .as_str()
             .unwrap()
             .to_owned();
-        let committed: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM order_charges WHERE order_id = $1")
-                .bind(&id)
-                .fetch_one(&self.db)
-                .await
-                .unwrap();
+        let committed = self.db.committed(&id).await;
         self.answers
             .lock()
             .unwrap()
@@ -849,10 +844,38 @@ impl Broker for Scripted {
     }
 }
 
+/// Where the scripted orders are charged: `order_charges`, which refuses
+/// an amount of 666, as a constraint a payload always breaks.
+enum Ledger {
+    Postgres(sqlx::PgPool),
+    Sqlite(sqlx::SqlitePool),
+}
+
+impl Ledger {
+    /// The charges of `id` committed.
+    async fn committed(&self, id: &str) -> i64 {
+        let count = "SELECT count(*) FROM order_charges WHERE order_id = ";
+        match self {
+            Self::Postgres(db) => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{count}$1")))
+                    .bind(id)
+                    .fetch_one(db)
+                    .await
+            }
+            Self::Sqlite(db) => {
+                sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{count}?1")))
+                    .bind(id)
+                    .fetch_one(db)
+                    .await
+            }
+        }
+        .unwrap()
+    }
+}
+
 /// The scripted orders through the consumer loop over transactional
 /// PostgreSQL, `batch` at most per transaction: how each was answered, and
-/// in how many transactions the charges committed. `order_charges` refuses
-/// an amount of 666, as a constraint a payload always breaks.
+/// in how many transactions the charges committed.
 async fn through_batches(batch: usize) -> (Vec<String>, i64) {
     let db = TestDatabase::create();
     let store = ledger(&db, None, Duration::from_secs(30)).await;
@@ -863,6 +886,36 @@ async fn through_batches(batch: usize) -> (Vec<String>, i64) {
     .execute(store.pool())
     .await
     .unwrap();
+    let answers = scripted(
+        store.clone(),
+        Ledger::Postgres(store.pool().clone()),
+        batch,
+        async |tx: &mut PostgresTx, (id, amount): &(String, i64)| {
+            sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES ($1, $2)")
+                .bind(id)
+                .bind(amount)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        },
+    )
+    .await;
+    let transactions: i64 = sqlx::query_scalar("SELECT count(DISTINCT tx) FROM order_charges")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    (answers, transactions)
+}
+
+/// The scripted orders through the consumer loop over `store`, charged in
+/// `db` by `charge`, `batch` at most per transaction: how each was
+/// answered.
+async fn scripted<St: Store>(
+    store: St,
+    db: Ledger,
+    batch: usize,
+    charge: impl AsyncFn(&mut St::Granted, &(String, i64)) -> Result<(), sqlx::Error>,
+) -> Vec<String> {
     let order = |id: &str, amount: i64| {
         let body = format!(r#"{{"order_id":"{id}","amount":{amount}}}"#);
         Order(format!("m-{id}-{amount}"), body.into_bytes())
@@ -882,10 +935,10 @@ async fn through_batches(batch: usize) -> (Vec<String>, i64) {
         left: AtomicUsize::new(orders.len()),
         orders: Mutex::new(Some(orders)),
         answers: Arc::clone(&answers),
-        db: store.pool().clone(),
+        db,
         all_answered: Arc::clone(&all_answered),
     };
-    let processor = IdempotencyProcessor::new(store.clone()).scope("orders");
+    let processor = IdempotencyProcessor::new(store).scope("orders");
     Consumer::new(broker, processor)
         .in_hand(10)
         .batch(batch)
@@ -902,24 +955,12 @@ async fn through_batches(batch: usize) -> (Vec<String>, i64) {
                     ),
                 })
             },
-            async |tx: &mut PostgresTx, (id, amount): &(String, i64)| {
-                sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES ($1, $2)")
-                    .bind(id)
-                    .bind(amount)
-                    .execute(&mut **tx)
-                    .await?;
-                Ok::<_, sqlx::Error>(())
-            },
+            charge,
             async move { all_answered.notified().await },
         )
         .await
         .unwrap();
-    let transactions: i64 = sqlx::query_scalar("SELECT count(DISTINCT tx) FROM order_charges")
-        .fetch_one(store.pool())
-        .await
-        .unwrap();
-    let answers = answers.lock().unwrap().clone();
-    (answers, transactions)
+    answers.lock().unwrap().clone()
 }
 
 /// Six deliveries of one key in hand together: settled in one transaction
@@ -927,7 +968,7 @@ async fn through_batches(batch: usize) -> (Vec<String>, i64) {
 /// once it committed. The order the database refuses is undone alone
 /// (dead-lettered, nothing of it committed, the others kept); the order
 /// delivered twice finds the record the batch itself wrote, a duplicate.
-/// One per transaction (`batch(1)`), the same answers in five.
+/// One per transaction (`batch(1)`), the same answers in four.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_commits_together_undoes_a_refused_order_alone_and_answers_after_its_commit() {
     let answered = [
@@ -944,4 +985,66 @@ async fn a_batch_commits_together_undoes_a_refused_order_alone_and_answers_after
     let (answers, transactions) = through_batches(1).await;
     assert_eq!(answers, answered);
     assert_eq!(transactions, 4, "a transaction per charge");
+}
+
+/// The same orders on SQLite, whose batch takes the file's write lock with
+/// its first claim: answered alike, and each charge's work sees how many
+/// charges had committed before it — none of its batch. A key the batch
+/// itself holds is in flight: the batch before it commits, and the order
+/// is then settled on its own (a duplicate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_a_batch_commits_together_and_answers_after_its_commit() {
+    async fn through(batch: usize) -> (Vec<String>, Vec<i64>) {
+        let file = TestFile::create();
+        let store = SqliteStore::builder()
+            .transactional()
+            .create_table_if_missing()
+            .connect(&file.url())
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE order_charges (order_id TEXT, amount INTEGER CHECK (amount <> 666))",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        let seen = Mutex::new(Vec::new());
+        let pool = store.pool().clone();
+        let answers = scripted(
+            store.clone(),
+            Ledger::Sqlite(pool.clone()),
+            batch,
+            async |tx: &mut SqliteTx, (id, amount): &(String, i64)| {
+                let committed: i64 = sqlx::query_scalar("SELECT count(*) FROM order_charges")
+                    .fetch_one(&pool)
+                    .await?;
+                seen.lock().unwrap().push(committed);
+                sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES (?1, ?2)")
+                    .bind(id)
+                    .bind(amount)
+                    .execute(&mut **tx)
+                    .await
+                    .map(drop)
+            },
+        )
+        .await;
+        let seen = seen.lock().unwrap().clone();
+        (answers, seen)
+    }
+    let answered = [
+        "acked order-1 (1 committed)",
+        "acked order-2 (1 committed)",
+        "dead-lettered order-3 (0 committed)",
+        "acked order-1 (1 committed)",
+        "acked order-4 (1 committed)",
+        "acked order-5 (1 committed)",
+    ];
+    let (answers, seen) = through(100).await;
+    assert_eq!(answers, answered);
+    // Orders 1, 2 and 3 in one batch; 4 and 5 in the next, after order-1's
+    // duplicate was answered on its own.
+    assert_eq!(seen, [0, 0, 0, 2, 2], "what each charge saw committed");
+    let (answers, seen) = through(1).await;
+    assert_eq!(answers, answered);
+    assert_eq!(seen, [0, 1, 2, 2, 3], "what each charge saw committed");
 }

@@ -584,11 +584,13 @@ where
                 ));
             }
         }
+        // Ended before the batch writes: SQLite writes one transaction at a
+        // time.
+        drop(holder);
         claim_in_batch(store, &mut batch, &new).await?;
         write(fx, &mut batch, &id(&new)).await?;
         complete_in_batch(store, &mut batch, &new).await?;
         in_batch(store.commit_batch(batch).await, "the batch's commit")?;
-        drop(holder);
         expect_count(fx, &id(&new), 1, "a batch that answered found keys").await
     }
 

@@ -86,6 +86,15 @@ pub(crate) trait Engine: Dialect {
         false
     }
 
+    /// A batch's open key was kept, its record written: what its
+    /// transaction holds for the key (SQLite: its place among the keys in
+    /// flight) stays until the batch ends.
+    fn key_kept(_held: &mut Self::Held) {}
+
+    /// A batch's open key was undone (rolled back to its savepoint): what
+    /// its transaction held for the key is given up.
+    fn key_undone(_held: &mut Self::Held) {}
+
     /// This process's turn to write, waited for up to `timeout` (`None`:
     /// as long as it takes).
     fn turn(

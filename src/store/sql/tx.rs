@@ -56,7 +56,7 @@ pub struct SqlTx<D: Dialect> {
     /// `None` once committed or rolled back.
     connection: Option<PoolConnection<D::Db>>,
     /// Given up with the connection (dropped after it).
-    _held: D::Held,
+    held: D::Held,
     /// When the transaction began, to tell a commit its bound refused.
     pub(crate) began: Instant,
     /// The storage key it claimed and the execution this claim began
@@ -86,7 +86,7 @@ impl<D: Engine> SqlTx<D> {
     pub(crate) fn begun(connection: PoolConnection<D::Db>, held: D::Held, began: Instant) -> Self {
         Self {
             connection: Some(connection),
-            _held: held,
+            held,
             began,
             origin: None,
             execution: 0,
@@ -134,9 +134,9 @@ impl<D: Engine> SqlTx<D> {
     }
 
     /// The connection of a transaction one of its own statements ended (a
-    /// `ROLLBACK` sent ahead of a read), to be pooled or reused.
-    // MySQL's engine alone ends a transaction with a statement of its own.
-    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    /// `ROLLBACK` sent ahead of a read), or of a batch that never began one,
+    /// to be pooled or reused.
+    #[cfg_attr(not(any(feature = "mysql", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn ended(mut self) -> Option<PoolConnection<D::Db>> {
         self.connection.take()
     }
@@ -147,6 +147,33 @@ impl<D: Engine> SqlTx<D> {
     pub(crate) fn abandon(&mut self) {
         self.close_on_drop();
         drop(self.connection.take());
+    }
+
+    /// The key claimed in the batch last, kept: its savepoint released by
+    /// the statement that wrote its record.
+    pub(crate) fn kept(&mut self) {
+        if self.savepoint.take().is_some() {
+            D::key_kept(&mut self.held);
+        }
+    }
+
+    /// The key claimed in the batch last, undone — its claim and what its
+    /// work wrote — by a rollback to its savepoint, sent ahead of the next
+    /// statement (`undo`); what its work deferred is dropped. Without an
+    /// open key (a claim that found the key taken), only `undo` is sent.
+    pub(crate) fn undone(&mut self, undo: &str) {
+        if let Some(at) = self.savepoint.take() {
+            self.deferred.truncate(at);
+            D::key_undone(&mut self.held);
+        }
+        self.ahead.push_str(undo);
+    }
+
+    /// What the transaction holds besides its connection.
+    // SQLite's engine alone holds more than `()`.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn holding(&mut self) -> &mut D::Held {
+        &mut self.held
     }
 
     /// Marks the connection to be closed, not pooled, once the transaction
@@ -177,32 +204,16 @@ impl<D: Dialect> SqlTx<D> {
         self.savepoint = Some(self.deferred.len());
     }
 
-    /// The key claimed in the batch last, kept: its savepoint released by
-    /// the statement that wrote its record.
-    pub(crate) fn kept(&mut self) {
-        self.savepoint = None;
-    }
-
-    /// The key claimed in the batch last, undone — its claim and what its
-    /// work wrote — by a rollback to its savepoint, sent ahead of the next
-    /// statement (`undo`); what its work deferred is dropped.
-    pub(crate) fn undone(&mut self, undo: &str) {
-        if let Some(at) = self.savepoint.take() {
-            self.deferred.truncate(at);
-        }
-        self.ahead.push_str(undo);
-    }
-
     /// Sends `sql` ahead of the transaction's next statement (its commit
     /// included): a statement whose failure may wait to be told until then.
-    // PostgreSQL's engine alone batches.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    // PostgreSQL's and SQLite's engines batch.
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn send_ahead(&mut self, sql: &str) {
         self.ahead.push_str(sql);
     }
 
     /// `sql`, after what is to be sent ahead of it.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn after_ahead(&mut self, sql: &str) -> String {
         let mut sent = std::mem::take(&mut self.ahead);
         sent.push_str(sql);

@@ -185,8 +185,8 @@ impl End {
 
 /// What a claim inside a batch's transaction found (see
 /// [`TxEngine::batch_claim`]).
-// PostgreSQL's engine alone batches.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+// PostgreSQL's and SQLite's engines batch.
+#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 pub(crate) enum InBatch {
     /// The key is the batch's, in the savepoint its claim opened.
     Acquired,
@@ -244,16 +244,10 @@ pub(crate) trait TxEngine: Engine {
     /// statements).
     fn tx_end(
         seam: &Seam<Self>,
-        mut tx: SqlTx<Self>,
+        tx: SqlTx<Self>,
         end: End,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move {
-            let ended = match end {
-                End::Rollback => tx.end(end.sql()).await,
-                End::Commit => tx.commit_with(end.sql()).await,
-            };
-            ended.map_err(|e| seam.error(e))
-        }
+        self::end(seam, tx, end)
     }
 
     /// Whether a transaction takes a batch of claims, each in a savepoint
@@ -320,6 +314,20 @@ pub(crate) trait TxEngine: Engine {
 
 /// [`TxEngine::tx_forget`] as every engine does it: the committed record
 /// read and deleted; none, a probe for a claim in flight.
+/// Ends `tx` with `end`: a commit with its deferred statements, or a
+/// rollback.
+pub(crate) async fn end<D: TxEngine>(
+    seam: &Seam<D>,
+    mut tx: SqlTx<D>,
+    end: End,
+) -> Result<(), StoreError> {
+    let ended = match end {
+        End::Rollback => tx.end(end.sql()).await,
+        End::Commit => tx.commit_with(end.sql()).await,
+    };
+    ended.map_err(|e| seam.error(e))
+}
+
 pub(crate) async fn forget<D: TxEngine>(
     seam: &Seam<D>,
     key: &StorageKey,

@@ -138,6 +138,14 @@ impl Engine for Sqlite {
     const LEASE_CLAIM: LeaseClaim = LeaseClaim::Counts;
     const TAKES_TURNS: bool = true;
 
+    fn key_kept(held: &mut transactional::Held) {
+        held.kept();
+    }
+
+    fn key_undone(held: &mut transactional::Held) {
+        held.undone();
+    }
+
     fn statements(&self, table: &str) -> Statements {
         statements::statements(table)
     }

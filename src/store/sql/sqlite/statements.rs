@@ -62,11 +62,13 @@ pub(super) fn statements(table: &str) -> Statements {
     }
 }
 
-/// The request's transaction begun (`IMMEDIATE`: the file's write lock)
-/// with the claim's row inserted, or an expired record replaced, expiring
-/// at `expires_at` — in one call: literals, as SQLite runs several
-/// statements only as text. `None` rows: a live row holds the key.
+/// `before` (the request's transaction begun, `IMMEDIATE`: the file's
+/// write lock; a batch's savepoint), then the claim's row inserted, or an
+/// expired record replaced, expiring at `expires_at` — in one call:
+/// literals, as SQLite runs several statements only as text. `None` rows:
+/// a live row holds the key.
 pub(super) fn tx_claim(
+    before: &str,
     table: &str,
     key: &str,
     fingerprint: &[u8],
@@ -76,7 +78,7 @@ pub(super) fn tx_claim(
     let mut hex = String::with_capacity(2 * fingerprint.len());
     crate::fingerprint::push_hex(&mut hex, fingerprint);
     format!(
-        "BEGIN IMMEDIATE; INSERT INTO {table} AS r (key, fingerprint, token, record, expires_at) \
+        "{before}INSERT INTO {table} AS r (key, fingerprint, token, record, expires_at) \
          VALUES ('{}', X'{hex}', NULL, NULL, {expires_at}) \
          ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint, token = NULL, \
          record = NULL, expires_at = excluded.expires_at WHERE r.expires_at <= {now} \

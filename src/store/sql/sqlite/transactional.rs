@@ -1,7 +1,8 @@
 //! SQLite's transactional claim: an `IMMEDIATE` transaction — the file's
 //! write lock — with the claim's row in it, and a registry of the keys in
 //! flight in this process, so that their duplicates are answered at once
-//! instead of waiting for the lock.
+//! instead of waiting for the lock. A batch takes the lock with its first
+//! key's claim, each key in a savepoint.
 
 use std::{
     collections::HashSet,
@@ -22,7 +23,9 @@ use crate::{
             base::now_ms,
             dialect::{Args, Engine, Stmt},
             tx::SqlTx,
-            tx_engine::{self, ClaimRequest, Expiry, Probe, Seam, TxClaim, TxEngine},
+            tx_engine::{
+                self, ClaimRequest, End, Expiry, InBatch, Probe, Seam, TxClaim, TxEngine, savepoint,
+            },
         },
     },
 };
@@ -58,11 +61,37 @@ impl TxState {
 }
 
 /// Held with a claim's transaction, given up with it: this process's turn
-/// to write, and the key's place among its keys in flight.
+/// to write, and the key's place among its keys in flight — a batch's
+/// keys' places, from their claims to its end.
 #[allow(unreachable_pub)]
 pub struct Held {
-    _turn: OwnedMutexGuard<()>,
-    _registered: Registered,
+    /// `None` in a batch until its first key is claimed: the transaction
+    /// has not begun.
+    turn: Option<OwnedMutexGuard<()>>,
+    /// The request's key; a batch's key claimed last, until kept or undone.
+    open: Option<Registered>,
+    /// A batch's keys kept.
+    kept: Vec<Registered>,
+}
+
+impl Held {
+    fn batch() -> Self {
+        Self {
+            turn: None,
+            open: None,
+            kept: Vec::new(),
+        }
+    }
+
+    /// The batch's open key kept: registered until the batch ends.
+    pub(super) fn kept(&mut self) {
+        self.kept.extend(self.open.take());
+    }
+
+    /// The batch's open key undone: no longer in flight.
+    pub(super) fn undone(&mut self) {
+        self.open = None;
+    }
 }
 
 impl std::fmt::Debug for Held {
@@ -113,6 +142,7 @@ async fn insert_claim(
     let mut connection = seam.connection().await?;
     let now = now_ms();
     let claim = statements::tx_claim(
+        "BEGIN IMMEDIATE; ",
         seam.table(),
         key.as_str(),
         fingerprint.as_bytes(),
@@ -120,8 +150,9 @@ async fn insert_claim(
         now.saturating_add(lifetime),
     );
     let held = Held {
-        _turn: turn,
-        _registered: registered,
+        turn: Some(turn),
+        open: Some(registered),
+        kept: Vec::new(),
     };
     let claimed =
         sqlx::Executor::fetch_optional(&mut *connection, sqlx::raw_sql(sqlx::AssertSqlSafe(claim)))
@@ -138,6 +169,46 @@ async fn insert_claim(
         // Whether `BEGIN` ran is not known: the connection is closed.
         Err(error) => Err(seam.error(error)),
     }
+}
+
+/// Writes the record into the claim's row in `tx`, its expiry as told. A
+/// failure marks the connection to be closed: nothing commits. So does a
+/// row that is gone (the handler deleted it): committing would keep the
+/// handler's writes without their record.
+async fn write_record(
+    seam: &Seam<Sqlite>,
+    tx: &mut SqliteTx,
+    key: &StorageKey,
+    record: &[u8],
+    expiry: Expiry,
+) -> Result<(), StoreError> {
+    // Retention counts from now, the end of the handler: a kept expiry
+    // changes no index.
+    let (complete, ms) = match expiry {
+        Expiry::Kept => (&seam.state.complete, 0),
+        Expiry::Retention(ms) => (&seam.state.complete_later, ms),
+    };
+    let args = Args {
+        key: key.as_str(),
+        record,
+        now: now_ms(),
+        ms,
+        ..Args::default()
+    };
+    let written = match Sqlite::execute(&mut **tx, complete, &args).await {
+        Ok(written) => written,
+        Err(error) => {
+            tx.close_on_drop();
+            return Err(seam.error(error));
+        }
+    };
+    if written != 1 {
+        tx.close_on_drop();
+        return Err(StoreError::Refused(
+            "the claim's row is no longer in the transaction".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Takes the file's write lock (`BEGIN IMMEDIATE`) without waiting, and
@@ -220,38 +291,112 @@ impl TxEngine for Sqlite {
         record: Vec<u8>,
         expiry: Expiry,
     ) -> Result<(), StoreError> {
-        // Retention counts from now, the end of the handler: a kept expiry
-        // changes no index.
-        let (complete, ms) = match expiry {
-            Expiry::Kept => (&seam.state.complete, 0),
-            Expiry::Retention(ms) => (&seam.state.complete_later, ms),
-        };
-        let args = Args {
-            key: key.as_str(),
-            record: &record,
-            now: now_ms(),
-            ms,
-            ..Args::default()
-        };
-        let written = match Sqlite::execute(&mut **tx, complete, &args).await {
-            Ok(written) => written,
-            Err(error) => {
-                tx.close_on_drop();
-                return Err(seam.error(error));
-            }
-        };
-        if written != 1 {
-            // The claim's row is gone (the handler deleted it): committing now
-            // would keep the handler's writes without their record.
-            tx.close_on_drop();
-            return Err(StoreError::Refused(
-                "the claim's row is no longer in the transaction".into(),
-            ));
-        }
+        write_record(seam, tx, key, &record, expiry).await?;
         // A COMMIT that fails (a full disk) closes the connection: SQLite may
         // have rolled the transaction back on its own, and a connection that
         // believes itself inside one must never serve another request.
         tx.commit_with("COMMIT").await.map_err(|e| seam.error(e))
+    }
+
+    const BATCHES: bool = true;
+
+    /// A connection, the transaction not begun: a batch whose keys are all
+    /// found takes no write lock.
+    async fn batch_begin(seam: &Seam<Self>, _: Duration) -> Result<SqliteTx, StoreError> {
+        Ok(SqlTx::begun(
+            seam.connection().await?,
+            Held::batch(),
+            Instant::now(),
+        ))
+    }
+
+    /// Answered as a request's claim is — the registry, then (until the
+    /// batch holds the write lock) the committed row — and otherwise claimed
+    /// in a savepoint, the key registered for the batch. The batch's first
+    /// claim takes this process's turn and begins its transaction. A key the
+    /// batch itself holds is in flight: answered once the batch has
+    /// committed.
+    async fn batch_claim(
+        seam: &Seam<Self>,
+        tx: &mut SqliteTx,
+        request: &ClaimRequest<'_>,
+    ) -> Result<InBatch, StoreError> {
+        let key = request.key;
+        if seam.state.in_flight(key) {
+            return Ok(InBatch::InFlight);
+        }
+        let began = tx.holding().turn.is_some();
+        // Before the batch holds the write lock, a committed record is read
+        // without it; after, the claim's insert tells.
+        if !began && let Some(row) = seam.live_row(key).await? {
+            return Ok(InBatch::Found(row));
+        }
+        let Some(registered) = Registered::enter(&seam.state.in_flight, key) else {
+            return Ok(InBatch::InFlight);
+        };
+        let begin = if began {
+            ""
+        } else {
+            tx.holding().turn = Some(seam.engine().turn(Some(seam.timeout())).await?);
+            "BEGIN IMMEDIATE; "
+        };
+        let now = now_ms();
+        let claim = statements::tx_claim(
+            &format!("{begin}{}", savepoint::OPEN),
+            seam.table(),
+            key.as_str(),
+            request.fingerprint.as_bytes(),
+            now,
+            now.saturating_add(request.lifetime_ms),
+        );
+        let claim = tx.after_ahead(&claim);
+        let on: &mut sqlx::SqliteConnection = tx;
+        match sqlx::Executor::fetch_optional(on, sqlx::raw_sql(sqlx::AssertSqlSafe(claim))).await {
+            Ok(Some(_)) => {
+                tx.holding().open = Some(registered);
+                Ok(InBatch::Acquired)
+            }
+            // A live row holds the key: committed before the batch took the
+            // write lock (by another process since the first look).
+            Ok(None) => {
+                tx.undone(savepoint::UNDO);
+                Ok(seam
+                    .live_row(key)
+                    .await?
+                    .map_or(InBatch::InFlight, InBatch::Found))
+            }
+            Err(error) => Err(seam.error(error)),
+        }
+    }
+
+    /// The record written at once (a row gone is refused, as a request's
+    /// completion is), its savepoint released ahead of the next statement.
+    async fn batch_complete(
+        seam: &Seam<Self>,
+        tx: &mut SqliteTx,
+        key: &StorageKey,
+        record: Vec<u8>,
+        expiry: Expiry,
+    ) -> Result<(), StoreError> {
+        let ahead = tx.after_ahead("");
+        if !ahead.is_empty() {
+            Sqlite::raw(&mut **tx, &ahead)
+                .await
+                .map_err(|e| seam.error(e))?;
+        }
+        write_record(seam, tx, key, &record, expiry).await?;
+        tx.send_ahead(savepoint::KEEP);
+        Ok(())
+    }
+
+    /// A batch that claimed no key began no transaction: its connection
+    /// goes back to the pool as it is.
+    async fn tx_end(seam: &Seam<Self>, mut tx: SqliteTx, end: End) -> Result<(), StoreError> {
+        if tx.holding().turn.is_none() {
+            drop(tx.ended());
+            return Ok(());
+        }
+        tx_engine::end(seam, tx, end).await
     }
 
     /// Whether a claim is in flight for `key`: in this process (the registry),
