@@ -22,7 +22,10 @@
 //!   transaction (`batch(500)`), 1 000 in hand;
 //! - `crate per key`: batches, in order per key
 //!   (`in_order_per_key(true)`): up to 500 records of a key per
-//!   transaction, 1 000 in hand.
+//!   transaction, 1 000 in hand;
+//! - `sqlite crate 1 per tx` and `sqlite crate`: `crate, 1 per tx` and
+//!   `crate` over a `SqliteTxStore` (a file of its own, the positions in
+//!   it), the charges counted there.
 //!
 //! Run with: `cargo bench -p tower-idempotency-consumer-examples --bench
 //! kafka` (needs `tansu` on PATH and PostgreSQL, as the tests do).
@@ -42,10 +45,10 @@ use std::{
 };
 
 use tower_idempotency::{
-    PostgresStore, PostgresTxStore,
+    PostgresStore, PostgresTxStore, SqliteStore, SqliteTxStore,
     sqlx::{self, PgPool, postgres::PgPoolOptions},
 };
-use tower_idempotency_harness::postgres::TestDatabase;
+use tower_idempotency_harness::{postgres::TestDatabase, sqlite::TestFile};
 use tower_idempotency_kafka::{
     Kafka, KafkaConsumer,
     rdkafka::{
@@ -80,16 +83,20 @@ enum Variant {
     CratePerRecord,
     Crate,
     CratePerKey,
+    SqliteCratePerRecord,
+    SqliteCrate,
 }
 
 impl Variant {
-    const ALL: [Self; 6] = [
+    const ALL: [Self; 8] = [
         Self::Bare,
         Self::Floor,
         Self::FloorPerRecord,
         Self::CratePerRecord,
         Self::Crate,
         Self::CratePerKey,
+        Self::SqliteCratePerRecord,
+        Self::SqliteCrate,
     ];
 
     fn name(self) -> &'static str {
@@ -100,6 +107,8 @@ impl Variant {
             Self::CratePerRecord => "crate, 1 per tx",
             Self::Crate => "crate",
             Self::CratePerKey => "crate per key",
+            Self::SqliteCratePerRecord => "sqlite crate 1 per tx",
+            Self::SqliteCrate => "sqlite crate",
         }
     }
 }
@@ -316,16 +325,8 @@ async fn floor(pool: &PgPool, topic: &str, batch: &[(i32, i64, String)]) {
     tx.commit().await.unwrap();
 }
 
-/// `kafka_orders`'s consumer, in process, until `n` records are decided,
-/// `batch` at most per transaction.
-async fn through_the_crate(
-    server: &KafkaServer,
-    topic: &TestTopic,
-    db: &TestDatabase,
-    n: usize,
-    per_key: bool,
-    batch: usize,
-) -> f64 {
+/// A `PostgresTxStore` on `db`, its tables created.
+async fn on_postgres(db: &TestDatabase) -> PostgresTxStore {
     let store: PostgresTxStore = PostgresStore::builder()
         .transactional()
         .create_table_if_missing()
@@ -333,6 +334,31 @@ async fn through_the_crate(
         .await
         .unwrap();
     store.create_tables().await.unwrap();
+    store
+}
+
+/// A `SqliteTxStore` on `file`, its tables created.
+async fn on_sqlite(file: &TestFile) -> SqliteTxStore {
+    let store: SqliteTxStore = SqliteStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(&file.url())
+        .await
+        .unwrap();
+    store.create_tables().await.unwrap();
+    store
+}
+
+/// `kafka_orders`'s consumer over `store`, in process, until `n` records
+/// are decided, `batch` at most per transaction.
+async fn through_the_crate<St: orders::Ledger>(
+    server: &KafkaServer,
+    topic: &TestTopic,
+    store: St,
+    n: usize,
+    per_key: bool,
+    batch: usize,
+) -> f64 {
     let kafka = Kafka::builder(
         consumer_config(server, &format!("{}-crate", topic.name)),
         topic.name.clone(),
@@ -347,7 +373,7 @@ async fn through_the_crate(
     let done = Arc::new(tokio::sync::Notify::new());
     let executed = Arc::new(AtomicU64::new(0));
     let settings = orders::Settings {
-        database_url: db.url().to_owned(),
+        database_url: String::new(),
         work_delay: WorkDelay::default(),
         ack_delay: Duration::ZERO,
         lease: Duration::from_secs(30),
@@ -376,7 +402,7 @@ async fn through_the_crate(
         .on_settled(on_settled)
         .run(
             orders::parse,
-            orders::charging::<PostgresTxStore>(WorkDelay::default()),
+            orders::charging::<St>(WorkDelay::default()),
             done.notified(),
         )
         .await
@@ -428,6 +454,7 @@ async fn main() {
                 topic.produce_together(&orders_for(shape, n)).await;
                 let db = TestDatabase::create();
                 let pool = ledger(&db).await;
+                let file = TestFile::create();
                 let rate = match variant {
                     Variant::Bare => {
                         by_hand(&server, &topic, shape.partitions, n, async |batch| {
@@ -453,19 +480,33 @@ async fn main() {
                         .await
                     }
                     Variant::CratePerRecord => {
-                        through_the_crate(&server, &topic, &db, n, false, 1).await
+                        let store = on_postgres(&db).await;
+                        through_the_crate(&server, &topic, store, n, false, 1).await
                     }
                     Variant::Crate => {
-                        through_the_crate(&server, &topic, &db, n, false, crate_batch).await
+                        let store = on_postgres(&db).await;
+                        through_the_crate(&server, &topic, store, n, false, crate_batch).await
                     }
                     Variant::CratePerKey => {
-                        through_the_crate(&server, &topic, &db, n, true, crate_batch).await
+                        let store = on_postgres(&db).await;
+                        through_the_crate(&server, &topic, store, n, true, crate_batch).await
+                    }
+                    Variant::SqliteCratePerRecord => {
+                        let store = on_sqlite(&file).await;
+                        through_the_crate(&server, &topic, store, n, false, 1).await
+                    }
+                    Variant::SqliteCrate => {
+                        let store = on_sqlite(&file).await;
+                        through_the_crate(&server, &topic, store, n, false, crate_batch).await
                     }
                 };
-                let charged: i64 = sqlx::query_scalar("SELECT count(*) FROM order_charges")
-                    .fetch_one(&pool)
-                    .await
-                    .unwrap();
+                let charges = "SELECT count(*) FROM order_charges";
+                let charged: i64 = match variant {
+                    Variant::SqliteCratePerRecord | Variant::SqliteCrate => {
+                        file.count(charges).await
+                    }
+                    _ => sqlx::query_scalar(charges).fetch_one(&pool).await.unwrap(),
+                };
                 assert_eq!(
                     charged,
                     n as i64,
