@@ -17,7 +17,8 @@ use std::{
 };
 
 use tower_idempotency::{
-    MemoryStore, PostgresStore, PostgresTx, PostgresTxStore, SqliteStore, SqliteTx,
+    MemoryStore, MySqlStore, MySqlTx, PostgresStore, PostgresTx, PostgresTxStore, SqliteStore,
+    SqliteTx,
     message::{
         Acked, Broker, BrokerError, Consumer, DeadLetterReason, DeadLettered, Delivery,
         DeliveryBudget, Disposition, IdempotencyProcessor, Parsed, ProcessError, ProcessOutcome,
@@ -29,6 +30,7 @@ use tower_idempotency::{
 
 use support::{
     backend::{Backend, Postgres, SingleRedis},
+    mysql,
     postgres::TestDatabase,
     relay::Relay,
     sqlite::TestFile,
@@ -846,28 +848,33 @@ impl Broker for Scripted {
 
 /// Where the scripted orders are charged: `order_charges`, which refuses
 /// an amount of 666, as a constraint a payload always breaks.
+#[derive(Clone)]
 enum Ledger {
     Postgres(sqlx::PgPool),
     Sqlite(sqlx::SqlitePool),
+    MySql(sqlx::MySqlPool),
 }
 
 impl Ledger {
     /// The charges of `id` committed.
     async fn committed(&self, id: &str) -> i64 {
-        let count = "SELECT count(*) FROM order_charges WHERE order_id = ";
+        self.count(&format!(
+            "SELECT count(*) FROM order_charges WHERE order_id = '{id}'"
+        ))
+        .await
+    }
+
+    /// Every charge committed.
+    async fn charges(&self) -> i64 {
+        self.count("SELECT count(*) FROM order_charges").await
+    }
+
+    async fn count(&self, sql: &str) -> i64 {
+        let sql = sqlx::AssertSqlSafe(sql.to_owned());
         match self {
-            Self::Postgres(db) => {
-                sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{count}$1")))
-                    .bind(id)
-                    .fetch_one(db)
-                    .await
-            }
-            Self::Sqlite(db) => {
-                sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{count}?1")))
-                    .bind(id)
-                    .fetch_one(db)
-                    .await
-            }
+            Self::Postgres(db) => sqlx::query_scalar(sql).fetch_one(db).await,
+            Self::Sqlite(db) => sqlx::query_scalar(sql).fetch_one(db).await,
+            Self::MySql(db) => sqlx::query_scalar(sql).fetch_one(db).await,
         }
         .unwrap()
     }
@@ -987,11 +994,60 @@ async fn a_batch_commits_together_undoes_a_refused_order_alone_and_answers_after
     assert_eq!(transactions, 4, "a transaction per charge");
 }
 
+/// The scripted orders through the loop over `store`, each charge first
+/// writing down how many charges `db` had committed before it: how each
+/// order was answered, and what each charge saw.
+async fn seen_through<St: Store>(
+    store: St,
+    db: Ledger,
+    batch: usize,
+    insert: impl AsyncFn(&mut St::Granted, &str, i64) -> Result<(), sqlx::Error>,
+) -> (Vec<String>, Vec<i64>) {
+    let seen = Mutex::new(Vec::new());
+    let answers = scripted(
+        store,
+        db.clone(),
+        batch,
+        async |tx: &mut St::Granted, (id, amount): &(String, i64)| {
+            seen.lock().unwrap().push(db.charges().await);
+            insert(tx, id, *amount).await
+        },
+    )
+    .await;
+    let seen = seen.lock().unwrap().clone();
+    (answers, seen)
+}
+
+/// The answers through batches of 100 and of 1, and what each charge saw
+/// committed: in batches, `batched`; one by one, every charge before it.
+fn seen_in_batches(
+    batches: (Vec<String>, Vec<i64>),
+    batched: [i64; 5],
+    one_by_one: (Vec<String>, Vec<i64>),
+) {
+    let answered = [
+        "acked order-1 (1 committed)",
+        "acked order-2 (1 committed)",
+        "dead-lettered order-3 (0 committed)",
+        "acked order-1 (1 committed)",
+        "acked order-4 (1 committed)",
+        "acked order-5 (1 committed)",
+    ];
+    assert_eq!(batches.0, answered);
+    assert_eq!(batches.1, batched, "what each charge saw committed");
+    assert_eq!(one_by_one.0, answered);
+    assert_eq!(
+        one_by_one.1,
+        [0, 1, 2, 2, 3],
+        "what each charge saw committed"
+    );
+}
+
 /// The same orders on SQLite, whose batch takes the file's write lock with
-/// its first claim: answered alike, and each charge's work sees how many
-/// charges had committed before it — none of its batch. A key the batch
-/// itself holds is in flight: the batch before it commits, and the order
-/// is then settled on its own (a duplicate).
+/// its first claim: answered alike, and each charge sees none of its batch
+/// committed. A key the batch itself holds is in flight: the batch before
+/// it commits, and the order is then settled on its own (a duplicate) —
+/// orders 1, 2 and 3 in one batch, 4 and 5 in the next.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sqlite_a_batch_commits_together_and_answers_after_its_commit() {
     async fn through(batch: usize) -> (Vec<String>, Vec<i64>) {
@@ -1008,43 +1064,50 @@ async fn on_sqlite_a_batch_commits_together_and_answers_after_its_commit() {
         .execute(store.pool())
         .await
         .unwrap();
-        let seen = Mutex::new(Vec::new());
-        let pool = store.pool().clone();
-        let answers = scripted(
-            store.clone(),
-            Ledger::Sqlite(pool.clone()),
-            batch,
-            async |tx: &mut SqliteTx, (id, amount): &(String, i64)| {
-                let committed: i64 = sqlx::query_scalar("SELECT count(*) FROM order_charges")
-                    .fetch_one(&pool)
-                    .await?;
-                seen.lock().unwrap().push(committed);
-                sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES (?1, ?2)")
-                    .bind(id)
-                    .bind(amount)
-                    .execute(&mut **tx)
-                    .await
-                    .map(drop)
-            },
-        )
-        .await;
-        let seen = seen.lock().unwrap().clone();
-        (answers, seen)
+        let db = Ledger::Sqlite(store.pool().clone());
+        seen_through(store, db, batch, async |tx: &mut SqliteTx, id, amount| {
+            sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES (?1, ?2)")
+                .bind(id)
+                .bind(amount)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        })
+        .await
     }
-    let answered = [
-        "acked order-1 (1 committed)",
-        "acked order-2 (1 committed)",
-        "dead-lettered order-3 (0 committed)",
-        "acked order-1 (1 committed)",
-        "acked order-4 (1 committed)",
-        "acked order-5 (1 committed)",
-    ];
-    let (answers, seen) = through(100).await;
-    assert_eq!(answers, answered);
-    // Orders 1, 2 and 3 in one batch; 4 and 5 in the next, after order-1's
-    // duplicate was answered on its own.
-    assert_eq!(seen, [0, 0, 0, 2, 2], "what each charge saw committed");
-    let (answers, seen) = through(1).await;
-    assert_eq!(answers, answered);
-    assert_eq!(seen, [0, 1, 2, 2, 3], "what each charge saw committed");
+    seen_in_batches(through(100).await, [0, 0, 0, 2, 2], through(1).await);
+}
+
+/// The same orders on MySQL/MariaDB: each order's claim, charge and record
+/// in a savepoint of the batch's transaction. A key the batch itself wrote
+/// is found there, as on PostgreSQL: every order in one batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql_a_batch_commits_together_and_answers_after_its_commit() {
+    async fn through(batch: usize) -> (Vec<String>, Vec<i64>) {
+        let database = mysql::TestDatabase::create();
+        let store = MySqlStore::builder()
+            .transactional()
+            .create_table_if_missing()
+            .connect(database.url())
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE order_charges (order_id VARCHAR(64), amount BIGINT, \
+             CHECK (amount <> 666)) ENGINE = InnoDB",
+        )
+        .execute(store.pool())
+        .await
+        .unwrap();
+        let db = Ledger::MySql(store.pool().clone());
+        seen_through(store, db, batch, async |tx: &mut MySqlTx, id, amount| {
+            sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES (?, ?)")
+                .bind(id)
+                .bind(amount)
+                .execute(&mut **tx)
+                .await
+                .map(drop)
+        })
+        .await
+    }
+    seen_in_batches(through(100).await, [0; 5], through(1).await);
 }

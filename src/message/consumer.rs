@@ -348,9 +348,8 @@ where
     }
 
     /// The most deliveries settled in one transaction, on a store that
-    /// batches ([`Store::BATCHES`]: the transactional PostgreSQL and SQLite
-    /// stores; default 100; 1 settles each delivery in a transaction of its
-    /// own).
+    /// batches ([`Store::BATCHES`]: the transactional SQL stores; default
+    /// 100; 1 settles each delivery in a transaction of its own).
     ///
     /// A batch is one [ordering key](Broker::ordering_key)'s deliveries in
     /// hand together — those received while the one before them ran — in
@@ -361,11 +360,11 @@ where
     /// Each delivery's key is claimed, worked and recorded in a savepoint
     /// of its own, so one that fails is undone alone; the batch commits
     /// once, and nothing in it is answered before. A delivery that must
-    /// wait (its key in flight elsewhere — the batch's own included — the
-    /// store unavailable, a work error that may pass) commits the batch
-    /// before it and is then settled on its own; if the commit fails, each
-    /// of the batch's executions is settled again on its own — it executes
-    /// again (nothing committed) or finds its record.
+    /// wait (its key in flight elsewhere — on SQLite, the batch's own
+    /// included — the store unavailable, a work error that may pass)
+    /// commits the batch before it and is then settled on its own; if the
+    /// commit fails, each of the batch's executions is settled again on its
+    /// own — it executes again (nothing committed) or finds its record.
     ///
     /// # Examples
     ///

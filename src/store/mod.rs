@@ -238,8 +238,8 @@ pub trait Store: Clone + Send + Sync + 'static {
 
     /// Whether claims can share one transaction, each in a savepoint of
     /// its own ([`begin_batch`](Self::begin_batch)): a consumer then
-    /// settles several deliveries with one commit. The transactional
-    /// PostgreSQL and SQLite stores do; the default is no.
+    /// settles several deliveries with one commit. The transactional SQL
+    /// stores (PostgreSQL, SQLite, MySQL) do; the default is no.
     const BATCHES: bool = false;
 
     /// Begins a batch: a transaction that holds no claim yet, for

@@ -206,14 +206,11 @@ impl<D: Dialect> SqlTx<D> {
 
     /// Sends `sql` ahead of the transaction's next statement (its commit
     /// included): a statement whose failure may wait to be told until then.
-    // PostgreSQL's and SQLite's engines batch.
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn send_ahead(&mut self, sql: &str) {
         self.ahead.push_str(sql);
     }
 
     /// `sql`, after what is to be sent ahead of it.
-    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn after_ahead(&mut self, sql: &str) -> String {
         let mut sent = std::mem::take(&mut self.ahead);
         sent.push_str(sql);

@@ -185,8 +185,6 @@ impl End {
 
 /// What a claim inside a batch's transaction found (see
 /// [`TxEngine::batch_claim`]).
-// PostgreSQL's and SQLite's engines batch.
-#[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
 pub(crate) enum InBatch {
     /// The key is the batch's, in the savepoint its claim opened.
     Acquired,
@@ -199,8 +197,6 @@ pub(crate) enum InBatch {
 
 /// A batch's savepoint, which each key's claim opens: the same SQL on
 /// every engine.
-// Each engine uses some: a build with fewer engines leaves some unused.
-#[cfg_attr(not(every_sql), allow(dead_code))]
 pub(crate) mod savepoint {
     /// Opens a key's savepoint.
     pub(crate) const OPEN: &str = "SAVEPOINT idempotency_key; ";

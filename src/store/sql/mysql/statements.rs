@@ -13,7 +13,7 @@ use crate::{
             Param::{self, *},
             Statements, Stmt,
         },
-        tx_engine::Expiry,
+        tx_engine::{Expiry, savepoint},
     },
 };
 
@@ -204,23 +204,57 @@ impl TxStatements {
         bound: Duration,
         lifetime_ms: i64,
     ) -> String {
-        let insert = format!(
+        self.in_transaction(
+            bound,
+            &self.waiting(wait, &self.insert(key, fingerprint, lifetime_ms)),
+        )
+    }
+
+    /// A batch's transaction begun on a connection, in one round trip: the
+    /// session's settings ([`Self::session`]) and the transaction's, as a
+    /// claim's ([`Self::claim`]). Its claims need not find out whether the
+    /// session is ready.
+    pub(super) fn begin_batch(&self, bound: Duration) -> String {
+        format!("{}; {}", self.session(bound), self.transaction(bound))
+    }
+
+    /// The claim's row inserted in a batch's transaction, in the key's
+    /// savepoint: [`Self::claim`] without the transaction's settings.
+    pub(super) fn claim_in_batch(
+        &self,
+        key: &str,
+        fingerprint: &[u8],
+        wait: Duration,
+        lifetime_ms: i64,
+    ) -> String {
+        let insert = self.insert(key, fingerprint, lifetime_ms);
+        format!("{}{}", savepoint::OPEN, self.waiting(wait, &insert))
+    }
+
+    /// The claim's row, expiring after `lifetime_ms`, its fingerprint
+    /// carrying the session's mark.
+    fn insert(&self, key: &str, fingerprint: &[u8], lifetime_ms: i64) -> String {
+        format!(
             "INSERT INTO {} (`key`, fingerprint, token, record, expires_at) VALUES ({}, CONCAT({}, {SESSION_MARK}), NULL, NULL, {})",
             self.table,
             hex(key.as_bytes()),
             hex(fingerprint),
             later(&lifetime_ms.to_string()),
-        );
-        self.in_transaction(bound, &self.waiting(wait, &insert))
+        )
     }
 
     /// `statement` as the first of a claim's transaction: see
     /// [`Self::claim`].
     fn in_transaction(&self, bound: Duration, statement: &str) -> String {
+        format!("{}; {statement}", self.transaction(bound))
+    }
+
+    /// A claim's transaction's settings: see [`Self::claim`].
+    fn transaction(&self, bound: Duration) -> String {
         match self.flavor {
-            Flavor::MariaDb => format!("SET autocommit = 0; {statement}"),
+            Flavor::MariaDb => "SET autocommit = 0".to_owned(),
             Flavor::MySql => format!(
-                "SET autocommit = 0, wait_timeout = {}, innodb_lock_wait_timeout = 1; {statement}",
+                "SET autocommit = 0, wait_timeout = {}, innodb_lock_wait_timeout = 1",
                 seconds(bound)
             ),
         }
@@ -231,9 +265,19 @@ impl TxStatements {
     /// COMMITTED a plain read sees the latest commit, and holds no lock a
     /// concurrent replay would wait for.
     pub(super) fn read_after_rollback(&self, key: &str) -> String {
+        format!("{}; {}", self.end("ROLLBACK"), self.read(key))
+    }
+
+    /// The committed row that holds the key, read in a batch's transaction
+    /// once the key's savepoint is undone (in the same round trip).
+    pub(super) fn read_in_batch(&self, key: &str) -> String {
+        format!("{}{}", savepoint::UNDO, self.read(key))
+    }
+
+    /// The row that holds the key.
+    fn read(&self, key: &str) -> String {
         format!(
-            "{}; SELECT CAST(0 AS SIGNED), fingerprint, token, record, {MS_LEFT} FROM {} WHERE `key` = {}",
-            self.end("ROLLBACK"),
+            "SELECT CAST(0 AS SIGNED), fingerprint, token, record, {MS_LEFT} FROM {} WHERE `key` = {}",
             self.table,
             hex(key.as_bytes())
         )
@@ -249,6 +293,13 @@ impl TxStatements {
     /// ([`ROW_GONE`]: its row count is 0; a `SET`, which answers with no
     /// rows to read), and the `COMMIT` after it never runs.
     pub(super) fn complete(&self, key: &str, record: &[u8], expiry: Expiry) -> String {
+        self.record(key, record, expiry, &self.end("COMMIT"))
+    }
+
+    /// The record written into the claim's row and checked there, as
+    /// [`Self::complete`] does, then `then` (the commit, a batch's
+    /// savepoint released): never run if the row is gone.
+    pub(super) fn record(&self, key: &str, record: &[u8], expiry: Expiry, then: &str) -> String {
         let mut sql = String::with_capacity(2 * record.len() + 256);
         sql.push_str("UPDATE ");
         sql.push_str(&self.table);
@@ -259,9 +310,8 @@ impl TxStatements {
             sql.push_str(&later(&ms.to_string()));
         }
         sql.push_str(&format!(
-            " WHERE `key` = {}; SET @tower_idempotency_row = 9223372036854775807 + (1 - ROW_COUNT()); {}",
+            " WHERE `key` = {}; SET @tower_idempotency_row = 9223372036854775807 + (1 - ROW_COUNT()); {then}",
             hex(key.as_bytes()),
-            self.end("COMMIT"),
         ));
         sql
     }
@@ -276,15 +326,33 @@ impl TxStatements {
         bound: Duration,
         lifetime_ms: i64,
     ) -> String {
-        let update = format!(
+        let update = self.replace_expired(key, fingerprint, lifetime_ms);
+        self.in_transaction(bound, &self.waiting(wait, &update))
+    }
+
+    /// An expired record replaced by this claim's row in a batch's
+    /// transaction, in the key's savepoint.
+    pub(super) fn take_over_in_batch(
+        &self,
+        key: &str,
+        fingerprint: &[u8],
+        wait: Duration,
+        lifetime_ms: i64,
+    ) -> String {
+        let update = self.replace_expired(key, fingerprint, lifetime_ms);
+        format!("{}{}", savepoint::OPEN, self.waiting(wait, &update))
+    }
+
+    /// The key's expired record replaced by a claim's row.
+    fn replace_expired(&self, key: &str, fingerprint: &[u8], lifetime_ms: i64) -> String {
+        format!(
             "UPDATE {} SET fingerprint = {}, token = NULL, record = NULL, expires_at = {} \
              WHERE `key` = {} AND expires_at <= UTC_TIMESTAMP(3)",
             self.table,
             hex(fingerprint),
             later(&lifetime_ms.to_string()),
             hex(key.as_bytes()),
-        );
-        self.in_transaction(bound, &self.waiting(wait, &update))
+        )
     }
 
     /// Ends the transaction with `end` (`COMMIT`, `ROLLBACK`), the session

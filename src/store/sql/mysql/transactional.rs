@@ -2,7 +2,9 @@
 //! transaction's settings in one round trip (the session's own were given
 //! once, on the connection's first claim); a duplicate of a committed key
 //! read, at READ COMMITTED and after its transaction's rollback, in one
-//! more; the record written and committed in one.
+//! more; the record written and committed in one. A batch's keys are
+//! claimed the same way, each in a savepoint, their records sent ahead of
+//! the next claim.
 
 use std::time::{Duration, Instant};
 
@@ -16,7 +18,9 @@ use crate::store::{
     StorageKey, StoreError,
     sql::{
         dialect::{Engine, ErrorClass, FromColumns, KeyRow},
-        tx_engine::{ClaimRequest, End, Expiry, Probe, Seam, TxClaim, TxEngine},
+        tx_engine::{
+            ClaimRequest, End, Expiry, InBatch, Probe, Seam, TxClaim, TxEngine, savepoint,
+        },
     },
 };
 
@@ -93,6 +97,54 @@ async fn found(
         }
         // Deleted since the insert met it: asked again by the retry.
         None => Ok(TxClaim::InFlight),
+    }
+}
+
+/// The row that holds the key a batch's claim met committed, read in the
+/// batch's transaction (the key's savepoint undone first): a replay, a
+/// mismatch, or an expired record this claim takes over in a savepoint of
+/// its own.
+async fn found_in_batch(
+    seam: &Seam<MySql>,
+    tx: &mut MySqlTx,
+    request: &ClaimRequest<'_>,
+) -> Result<InBatch, StoreError> {
+    let sql = &seam.state.sql;
+    let key = request.key.as_str();
+    let read = sql.read_in_batch(key);
+    let row = {
+        let on: &mut sqlx::MySqlConnection = tx;
+        sqlx::Executor::fetch_optional(on, sqlx::raw_sql(sqlx::AssertSqlSafe(read))).await
+    };
+    let row = row
+        .and_then(|row| row.as_ref().map(KeyRow::from_columns).transpose())
+        .map_err(|e| seam.error(e))?;
+    match row {
+        Some(row) if row.ms_left > 0 => Ok(InBatch::Found(row)),
+        Some(_) => {
+            let fingerprint = request.fingerprint.as_bytes();
+            let take_over =
+                sql.take_over_in_batch(key, fingerprint, request.wait, request.lifetime_ms);
+            let taken = {
+                let on: &mut sqlx::MySqlConnection = tx;
+                sqlx::Executor::execute(on, sqlx::raw_sql(sqlx::AssertSqlSafe(take_over))).await
+            };
+            match taken {
+                Ok(done) if done.rows_affected() == 1 => Ok(InBatch::Acquired),
+                // Taken over, or deleted, by another request since the read.
+                Ok(_) => {
+                    tx.undone(savepoint::UNDO);
+                    Ok(InBatch::InFlight)
+                }
+                Err(error) if MySql::classify(&error) == ErrorClass::LockTimeout => {
+                    tx.undone(savepoint::UNDO);
+                    Ok(InBatch::InFlight)
+                }
+                Err(error) => Err(seam.error(error)),
+            }
+        }
+        // Deleted since the insert met it: asked again on its own.
+        None => Ok(InBatch::InFlight),
     }
 }
 
@@ -195,6 +247,73 @@ impl TxEngine for MySql {
             )),
             Err(error) => Err(seam.error(error)),
         }
+    }
+
+    const BATCHES: bool = true;
+
+    /// The session's settings and the transaction's, in one round trip.
+    async fn batch_begin(seam: &Seam<Self>, bound: Duration) -> Result<MySqlTx, StoreError> {
+        let connection = seam.connection().await?;
+        // Dropped on a failure: the connection is closed.
+        let mut tx = MySqlTx::begun(connection, (), Instant::now());
+        let begin = seam.state.sql.begin_batch(bound);
+        MySql::raw(&mut tx, &begin)
+            .await
+            .map_err(|e| seam.error(e))?;
+        Ok(tx)
+    }
+
+    /// The claim's row inserted in the key's savepoint (after what the
+    /// batch sends ahead), answered as a request's claim is. A lock wait
+    /// that timed out ended the insert alone, which the undo sent next
+    /// confirms: where the server ended the whole transaction (a deadlock,
+    /// `innodb_rollback_on_timeout`), that undo fails, and the batch with
+    /// it.
+    async fn batch_claim(
+        seam: &Seam<Self>,
+        tx: &mut MySqlTx,
+        request: &ClaimRequest<'_>,
+    ) -> Result<InBatch, StoreError> {
+        let claim = seam.state.sql.claim_in_batch(
+            request.key.as_str(),
+            request.fingerprint.as_bytes(),
+            request.wait,
+            request.lifetime_ms,
+        );
+        let claim = tx.after_ahead(&claim);
+        let error = match MySql::raw(tx, &claim).await {
+            Ok(()) => return Ok(InBatch::Acquired),
+            Err(error) => error,
+        };
+        match MySql::classify(&error) {
+            // An uncommitted row holds the key.
+            ErrorClass::LockTimeout => {
+                tx.undone(savepoint::UNDO);
+                Ok(InBatch::InFlight)
+            }
+            // A committed row holds the key.
+            ErrorClass::Duplicate => found_in_batch(seam, tx, request).await,
+            // A deadlock, a failed certification: the transaction is over.
+            _ => Err(seam.error(error)),
+        }
+    }
+
+    /// The record and its check, and the savepoint released, sent ahead of
+    /// the batch's next claim (or its commit): if the row is gone, nothing
+    /// after it runs — that claim fails, and the batch with it.
+    async fn batch_complete(
+        seam: &Seam<Self>,
+        tx: &mut MySqlTx,
+        key: &StorageKey,
+        record: Vec<u8>,
+        expiry: Expiry,
+    ) -> Result<(), StoreError> {
+        let complete = seam
+            .state
+            .sql
+            .record(key.as_str(), &record, expiry, savepoint::KEEP);
+        tx.send_ahead(&complete);
+        Ok(())
     }
 
     /// Ends the transaction with `end`, the session's settings restored.
