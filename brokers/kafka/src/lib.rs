@@ -26,8 +26,9 @@
 //! order — or, with [`KafkaBuilder::in_order_per_key`], each record key in
 //! order and the keys side by side, the stored position then moving only
 //! past the contiguous run of decided records, never past a record still
-//! in work. On PostgreSQL a partition's (or a key's) records in hand are
-//! settled in batches, many per transaction ([`KafkaConsumer::batch`]):
+//! in work. On the transactional SQL stores a partition's (or a key's)
+//! records in hand are settled in batches, many per transaction
+//! ([`KafkaConsumer::batch`]):
 //! the batch's first record writes the position, and what the batch
 //! decided beyond it is stored once answered, never before its commit. A
 //! partition revoked by a rebalance keeps no record unstarted (its new
@@ -137,7 +138,7 @@ use std::{
     fmt,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicI64, AtomicU64, Ordering as AtomicOrdering},
+        atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering as AtomicOrdering},
     },
     time::{Duration, Instant},
 };
@@ -168,13 +169,21 @@ use tower_idempotency::{
 };
 use watermark::Watermark;
 
-/// Records of one partition fetched and not answered before it is paused:
-/// the rest waits in Kafka, not in memory. Well above what the loop keeps
-/// in hand: a partition resumed fetches again only after librdkafka's
-/// fetch in flight returns (up to `fetch.wait.max.ms`, 500 ms), and the
-/// records still waiting cover that wait (at 100, each resume stalled the
-/// partition: 200 records/s).
+/// Records of one partition fetched and not answered before it is paused
+/// (the rest waits in Kafka, not in memory), at least: four times what
+/// the loop keeps in hand, where that is more, and resumed below half.
+/// librdkafka's pause throws away what it had fetched ahead, so a resumed
+/// partition fetches again and its records arrive a few hundred
+/// milliseconds later; what is still fetched must cover that wait. Paused
+/// at what the loop keeps in hand (1 000 for `in_hand(1000)`), a partition
+/// stalled after every 1 000 records, most of its time.
 const PER_PARTITION: usize = 1000;
+
+/// A partition's pause, for a loop that keeps `in_hand` records: see
+/// [`PER_PARTITION`].
+fn paused_at(in_hand: usize) -> usize {
+    in_hand.saturating_mul(4).max(PER_PARTITION)
+}
 
 /// How often, at most, a partition settled in order per key stores its
 /// position on its own while records are in work (and once none is): a
@@ -214,6 +223,8 @@ pub struct Kafka<St> {
     /// Records fetched from below their partition's stored position and
     /// dropped.
     dropped: Arc<AtomicU64>,
+    /// Records of a partition in hand at which it is paused.
+    paused_at: Arc<AtomicUsize>,
     poller: tokio::task::JoinHandle<()>,
 }
 
@@ -405,8 +416,8 @@ impl<St: Positions> KafkaBuilder<St> {
     /// and the records decided beyond it are answered as duplicates —
     /// never executed again, as long as the idempotency records are kept.
     /// How many records are in work at once, in all, is the consumer's
-    /// [`in_hand`](Consumer::in_hand); a partition is paused at 1 000 records
-    /// in hand.
+    /// [`in_hand`](Consumer::in_hand); a partition is paused at four times
+    /// that many records in hand (1 000 at least).
     ///
     /// # Examples
     ///
@@ -492,6 +503,7 @@ impl<St: Positions> KafkaBuilder<St> {
         let handover = Arc::new(Handover::default());
         let stopped = Arc::new(Mutex::new(None));
         let dropped = Arc::new(AtomicU64::new(0));
+        let paused_at = Arc::new(AtomicUsize::new(PER_PARTITION));
         let poller = tokio::spawn(
             Poller {
                 consumer: consumer.clone(),
@@ -503,6 +515,7 @@ impl<St: Positions> KafkaBuilder<St> {
                 by_key,
                 stopped: stopped.clone(),
                 dropped: dropped.clone(),
+                paused_at: paused_at.clone(),
                 probe,
             }
             .run(notified),
@@ -519,6 +532,7 @@ impl<St: Positions> KafkaBuilder<St> {
             partitions,
             stopped,
             dropped,
+            paused_at,
             poller,
         })
     }
@@ -666,6 +680,7 @@ struct Poller<St> {
     by_key: bool,
     stopped: Arc<Mutex<Option<String>>>,
     dropped: Arc<AtomicU64>,
+    paused_at: Arc<AtomicUsize>,
     /// The configuration of [`served`]'s consumer.
     probe: ClientConfig,
 }
@@ -904,7 +919,7 @@ impl<St: Positions> Poller<St> {
             }
             state.in_hand += 1;
             state.watermark.handed(message.offset());
-            if state.in_hand >= PER_PARTITION && !state.full {
+            if state.in_hand >= self.paused_at.load(AtomicOrdering::Relaxed) && !state.full {
                 state.full = true;
                 let mut tpl = TopicPartitionList::new();
                 tpl.add_partition(&self.topic, partition);
@@ -1059,7 +1074,7 @@ impl<St: Positions> Kafka<St> {
             return;
         };
         state.in_hand = state.in_hand.saturating_sub(1);
-        if state.full && state.in_hand < PER_PARTITION / 2 {
+        if state.full && state.in_hand < self.paused_at.load(AtomicOrdering::Relaxed) / 2 {
             state.full = false;
             let mut tpl = TopicPartitionList::new();
             tpl.add_partition(&self.topic, record.message.partition());
@@ -1308,6 +1323,8 @@ pub struct KafkaConsumer<St: Positions, F, M, T, E> {
     /// The adapter's partitions, where each record's work finds the
     /// position it writes — none where records are in order per key.
     partitions: Option<Arc<Mutex<HashMap<i32, PartitionState>>>>,
+    /// The adapter's pause, which follows the records in hand.
+    paused_at: Arc<AtomicUsize>,
 }
 
 impl<St: Positions, F, M, T, E> fmt::Debug for KafkaConsumer<St, F, M, T, E> {
@@ -1333,6 +1350,7 @@ where
     pub fn new(kafka: Kafka<St>, processor: IdempotencyProcessor<St, F>) -> Self {
         Self {
             partitions: (!kafka.by_key).then(|| kafka.partitions.clone()),
+            paused_at: kafka.paused_at.clone(),
             inner: Consumer::new(kafka, processor),
         }
     }
@@ -1346,7 +1364,13 @@ where
     /// let consumer = consumer.in_hand(64);
     /// # let _ = consumer; }
     /// ```
+    ///
+    /// A partition is paused once it has four times that many records
+    /// fetched and not answered (1 000 at least), and resumed below half:
+    /// what waits beyond that stays in Kafka.
     pub fn in_hand(self, deliveries: usize) -> Self {
+        self.paused_at
+            .store(paused_at(deliveries), AtomicOrdering::Relaxed);
         Self {
             inner: self.inner.in_hand(deliveries),
             ..self
@@ -1616,6 +1640,15 @@ mod tests {
             config.set(*key, *value);
         }
         consumer_config(&mut config).map(|()| config)
+    }
+
+    /// A partition keeps fetching while the loop works what it holds: its
+    /// pause stays well above the loop's records in hand.
+    #[test]
+    fn a_partition_is_paused_at_four_times_the_records_in_hand() {
+        assert_eq!(paused_at(10), 1000, "the default's");
+        assert_eq!(paused_at(1000), 4000);
+        assert_eq!(paused_at(usize::MAX), usize::MAX);
     }
 
     #[test]
