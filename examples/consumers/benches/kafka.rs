@@ -25,7 +25,10 @@
 //!   transaction, 1 000 in hand;
 //! - `sqlite crate 1 per tx` and `sqlite crate`: `crate, 1 per tx` and
 //!   `crate` over a `SqliteTxStore` (a file of its own, the positions in
-//!   it), the charges counted there.
+//!   it), the charges counted there;
+//! - `mysql crate 1 per tx` and `mysql crate`: the same over a
+//!   `MySqlTxStore` (a database of its own on the local MariaDB, or
+//!   `MYSQL_URL`'s server).
 //!
 //! Run with: `cargo bench -p tower-idempotency-consumer-examples --bench
 //! kafka` (needs `tansu` on PATH and PostgreSQL, as the tests do).
@@ -45,10 +48,10 @@ use std::{
 };
 
 use tower_idempotency::{
-    PostgresStore, PostgresTxStore, SqliteStore, SqliteTxStore,
+    MySqlStore, MySqlTxStore, PostgresStore, PostgresTxStore, SqliteStore, SqliteTxStore,
     sqlx::{self, PgPool, postgres::PgPoolOptions},
 };
-use tower_idempotency_harness::{postgres::TestDatabase, sqlite::TestFile};
+use tower_idempotency_harness::{mysql, postgres::TestDatabase, sqlite::TestFile};
 use tower_idempotency_kafka::{
     Kafka, KafkaConsumer,
     rdkafka::{
@@ -85,10 +88,12 @@ enum Variant {
     CratePerKey,
     SqliteCratePerRecord,
     SqliteCrate,
+    MySqlCratePerRecord,
+    MySqlCrate,
 }
 
 impl Variant {
-    const ALL: [Self; 8] = [
+    const ALL: [Self; 10] = [
         Self::Bare,
         Self::Floor,
         Self::FloorPerRecord,
@@ -97,6 +102,8 @@ impl Variant {
         Self::CratePerKey,
         Self::SqliteCratePerRecord,
         Self::SqliteCrate,
+        Self::MySqlCratePerRecord,
+        Self::MySqlCrate,
     ];
 
     fn name(self) -> &'static str {
@@ -109,6 +116,8 @@ impl Variant {
             Self::CratePerKey => "crate per key",
             Self::SqliteCratePerRecord => "sqlite crate 1 per tx",
             Self::SqliteCrate => "sqlite crate",
+            Self::MySqlCratePerRecord => "mysql crate 1 per tx",
+            Self::MySqlCrate => "mysql crate",
         }
     }
 }
@@ -349,6 +358,18 @@ async fn on_sqlite(file: &TestFile) -> SqliteTxStore {
     store
 }
 
+/// A `MySqlTxStore` on `db`, its tables created.
+async fn on_mysql(db: &mysql::TestDatabase) -> MySqlTxStore {
+    let store: MySqlTxStore = MySqlStore::builder()
+        .transactional()
+        .create_table_if_missing()
+        .connect(db.url())
+        .await
+        .unwrap();
+    store.create_tables().await.unwrap();
+    store
+}
+
 /// `kafka_orders`'s consumer over `store`, in process, until `n` records
 /// are decided, `batch` at most per transaction.
 async fn through_the_crate<St: orders::Ledger>(
@@ -455,6 +476,7 @@ async fn main() {
                 let db = TestDatabase::create();
                 let pool = ledger(&db).await;
                 let file = TestFile::create();
+                let mut mysql_db = None;
                 let rate = match variant {
                     Variant::Bare => {
                         by_hand(&server, &topic, shape.partitions, n, async |batch| {
@@ -499,11 +521,24 @@ async fn main() {
                         let store = on_sqlite(&file).await;
                         through_the_crate(&server, &topic, store, n, false, crate_batch).await
                     }
+                    Variant::MySqlCratePerRecord | Variant::MySqlCrate => {
+                        let db = mysql_db.insert(mysql::TestDatabase::create());
+                        let store = on_mysql(db).await;
+                        let batch = if variant == Variant::MySqlCrate {
+                            crate_batch
+                        } else {
+                            1
+                        };
+                        through_the_crate(&server, &topic, store, n, false, batch).await
+                    }
                 };
                 let charges = "SELECT count(*) FROM order_charges";
                 let charged: i64 = match variant {
                     Variant::SqliteCratePerRecord | Variant::SqliteCrate => {
                         file.count(charges).await
+                    }
+                    Variant::MySqlCratePerRecord | Variant::MySqlCrate => {
+                        mysql_db.as_ref().unwrap().count(charges).await
                     }
                     _ => sqlx::query_scalar(charges).fetch_one(&pool).await.unwrap(),
                 };
