@@ -17,8 +17,8 @@ use std::{
 };
 
 use tower_idempotency::{
-    MemoryStore, MySqlStore, MySqlTx, PostgresStore, PostgresTx, PostgresTxStore, SqliteStore,
-    SqliteTx,
+    MemoryStore, MySqlStore, MySqlTx, MySqlTxStore, PostgresStore, PostgresTx, PostgresTxStore,
+    SqliteStore, SqliteTx, SqliteTxStore,
     message::{
         Acked, Broker, BrokerError, Consumer, DeadLetterReason, DeadLettered, Delivery,
         DeliveryBudget, Disposition, IdempotencyProcessor, Parsed, ProcessError, ProcessOutcome,
@@ -994,63 +994,18 @@ async fn a_batch_commits_together_undoes_a_refused_order_alone_and_answers_after
     assert_eq!(transactions, 4, "a transaction per charge");
 }
 
-/// The scripted orders through the loop over `store`, each charge first
-/// writing down how many charges `db` had committed before it: how each
-/// order was answered, and what each charge saw.
-async fn seen_through<St: Store>(
-    store: St,
-    db: Ledger,
-    batch: usize,
-    insert: impl AsyncFn(&mut St::Granted, &str, i64) -> Result<(), sqlx::Error>,
-) -> (Vec<String>, Vec<i64>) {
-    let seen = Mutex::new(Vec::new());
-    let answers = scripted(
-        store,
-        db.clone(),
-        batch,
-        async |tx: &mut St::Granted, (id, amount): &(String, i64)| {
-            seen.lock().unwrap().push(db.charges().await);
-            insert(tx, id, *amount).await
-        },
-    )
-    .await;
-    let seen = seen.lock().unwrap().clone();
-    (answers, seen)
+/// A transactional store the scripted orders are charged through, on a
+/// database of its own with `order_charges` in it.
+trait Charging: Store + Sized {
+    /// The store, where it charges, and what keeps its database.
+    async fn open() -> (Self, Ledger, Box<dyn std::any::Any>);
+
+    /// Inserts the order's charge in the claim's transaction.
+    async fn charge(tx: &mut Self::Granted, id: &str, amount: i64) -> Result<(), sqlx::Error>;
 }
 
-/// The answers through batches of 100 and of 1, and what each charge saw
-/// committed: in batches, `batched`; one by one, every charge before it.
-fn seen_in_batches(
-    batches: (Vec<String>, Vec<i64>),
-    batched: [i64; 5],
-    one_by_one: (Vec<String>, Vec<i64>),
-) {
-    let answered = [
-        "acked order-1 (1 committed)",
-        "acked order-2 (1 committed)",
-        "dead-lettered order-3 (0 committed)",
-        "acked order-1 (1 committed)",
-        "acked order-4 (1 committed)",
-        "acked order-5 (1 committed)",
-    ];
-    assert_eq!(batches.0, answered);
-    assert_eq!(batches.1, batched, "what each charge saw committed");
-    assert_eq!(one_by_one.0, answered);
-    assert_eq!(
-        one_by_one.1,
-        [0, 1, 2, 2, 3],
-        "what each charge saw committed"
-    );
-}
-
-/// The same orders on SQLite, whose batch takes the file's write lock with
-/// its first claim: answered alike, and each charge sees none of its batch
-/// committed. A key the batch itself holds is in flight: the batch before
-/// it commits, and the order is then settled on its own (a duplicate) —
-/// orders 1, 2 and 3 in one batch, 4 and 5 in the next.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_sqlite_a_batch_commits_together_and_answers_after_its_commit() {
-    async fn through(batch: usize) -> (Vec<String>, Vec<i64>) {
+impl Charging for SqliteTxStore {
+    async fn open() -> (Self, Ledger, Box<dyn std::any::Any>) {
         let file = TestFile::create();
         let store = SqliteStore::builder()
             .transactional()
@@ -1065,25 +1020,21 @@ async fn on_sqlite_a_batch_commits_together_and_answers_after_its_commit() {
         .await
         .unwrap();
         let db = Ledger::Sqlite(store.pool().clone());
-        seen_through(store, db, batch, async |tx: &mut SqliteTx, id, amount| {
-            sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES (?1, ?2)")
-                .bind(id)
-                .bind(amount)
-                .execute(&mut **tx)
-                .await
-                .map(drop)
-        })
-        .await
+        (store, db, Box::new(file))
     }
-    seen_in_batches(through(100).await, [0, 0, 0, 2, 2], through(1).await);
+
+    async fn charge(tx: &mut SqliteTx, id: &str, amount: i64) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES (?1, ?2)")
+            .bind(id)
+            .bind(amount)
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+    }
 }
 
-/// The same orders on MySQL/MariaDB: each order's claim, charge and record
-/// in a savepoint of the batch's transaction. A key the batch itself wrote
-/// is found there, as on PostgreSQL: every order in one batch.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_mysql_a_batch_commits_together_and_answers_after_its_commit() {
-    async fn through(batch: usize) -> (Vec<String>, Vec<i64>) {
+impl Charging for MySqlTxStore {
+    async fn open() -> (Self, Ledger, Box<dyn std::any::Any>) {
         let database = mysql::TestDatabase::create();
         let store = MySqlStore::builder()
             .transactional()
@@ -1099,15 +1050,78 @@ async fn on_mysql_a_batch_commits_together_and_answers_after_its_commit() {
         .await
         .unwrap();
         let db = Ledger::MySql(store.pool().clone());
-        seen_through(store, db, batch, async |tx: &mut MySqlTx, id, amount| {
-            sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES (?, ?)")
-                .bind(id)
-                .bind(amount)
-                .execute(&mut **tx)
-                .await
-                .map(drop)
-        })
-        .await
+        (store, db, Box::new(database))
     }
-    seen_in_batches(through(100).await, [0; 5], through(1).await);
+
+    async fn charge(tx: &mut MySqlTx, id: &str, amount: i64) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO order_charges (order_id, amount) VALUES (?, ?)")
+            .bind(id)
+            .bind(amount)
+            .execute(&mut **tx)
+            .await
+            .map(drop)
+    }
+}
+
+/// The scripted orders through the loop over a fresh `St`, `batch` at most
+/// per transaction, each charge first writing down how many charges had
+/// committed before it: how each order was answered, and what each charge
+/// saw.
+async fn seen_through<St: Charging>(batch: usize) -> (Vec<String>, Vec<i64>) {
+    let (store, db, _database) = St::open().await;
+    let seen = Mutex::new(Vec::new());
+    let answers = scripted(
+        store,
+        db.clone(),
+        batch,
+        async |tx: &mut St::Granted, (id, amount): &(String, i64)| {
+            let committed = db.charges().await;
+            seen.lock().unwrap().push(committed);
+            St::charge(tx, id, *amount).await
+        },
+    )
+    .await;
+    let seen = seen.lock().unwrap().clone();
+    (answers, seen)
+}
+
+/// The answers through batches of 100 and of 1, and what each charge saw
+/// committed: in batches, `batched`; one by one, every charge before it.
+async fn seen_in_batches<St: Charging>(batched: [i64; 5]) {
+    let answered = [
+        "acked order-1 (1 committed)",
+        "acked order-2 (1 committed)",
+        "dead-lettered order-3 (0 committed)",
+        "acked order-1 (1 committed)",
+        "acked order-4 (1 committed)",
+        "acked order-5 (1 committed)",
+    ];
+    let (answers, seen) = seen_through::<St>(100).await;
+    assert_eq!(answers, answered);
+    assert_eq!(seen, batched, "what each charge saw committed, in batches");
+    let (answers, seen) = seen_through::<St>(1).await;
+    assert_eq!(answers, answered);
+    assert_eq!(
+        seen,
+        [0, 1, 2, 2, 3],
+        "what each charge saw committed, one by one"
+    );
+}
+
+/// The same orders on SQLite, whose batch takes the file's write lock with
+/// its first claim: answered alike, and each charge sees none of its batch
+/// committed. A key the batch itself holds is in flight: the batch before
+/// it commits, and the order is then settled on its own (a duplicate) —
+/// orders 1, 2 and 3 in one batch, 4 and 5 in the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_sqlite_a_batch_commits_together_and_answers_after_its_commit() {
+    seen_in_batches::<SqliteTxStore>([0, 0, 0, 2, 2]).await;
+}
+
+/// The same orders on MySQL/MariaDB: each order's claim, charge and record
+/// in a savepoint of the batch's transaction. A key the batch itself wrote
+/// is found there, as on PostgreSQL: every order in one batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql_a_batch_commits_together_and_answers_after_its_commit() {
+    seen_in_batches::<MySqlTxStore>([0; 5]).await;
 }

@@ -227,8 +227,13 @@ impl TxStatements {
         wait: Duration,
         lifetime_ms: i64,
     ) -> String {
-        let insert = self.insert(key, fingerprint, lifetime_ms);
-        format!("{}{}", savepoint::OPEN, self.waiting(wait, &insert))
+        self.in_savepoint(wait, &self.insert(key, fingerprint, lifetime_ms))
+    }
+
+    /// `statement` in the key's savepoint of a batch's transaction, opened
+    /// with it, waiting at most `wait` as a claim does.
+    fn in_savepoint(&self, wait: Duration, statement: &str) -> String {
+        format!("{}{}", savepoint::OPEN, self.waiting(wait, statement))
     }
 
     /// The claim's row, expiring after `lifetime_ms`, its fingerprint
@@ -339,8 +344,7 @@ impl TxStatements {
         wait: Duration,
         lifetime_ms: i64,
     ) -> String {
-        let update = self.replace_expired(key, fingerprint, lifetime_ms);
-        format!("{}{}", savepoint::OPEN, self.waiting(wait, &update))
+        self.in_savepoint(wait, &self.replace_expired(key, fingerprint, lifetime_ms))
     }
 
     /// The key's expired record replaced by a claim's row.
