@@ -356,8 +356,9 @@ impl TxEngine for Sqlite {
                 tx.holding().open = Some(registered);
                 Ok(InBatch::Acquired)
             }
-            // A live row holds the key: committed before the batch took the
-            // write lock (by another process since the first look).
+            // A live row holds the key, committed: the batch's own keys are
+            // in the registry, and another writer's rows are committed
+            // before the batch holds the write lock.
             Ok(None) => {
                 tx.undone(savepoint::UNDO);
                 Ok(seam
