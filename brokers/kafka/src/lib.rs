@@ -1355,7 +1355,9 @@ where
         }
     }
 
-    /// See [`Consumer::in_hand`].
+    /// See [`Consumer::in_hand`]. A partition is paused once it has four
+    /// times that many records fetched and not answered (1 000 at least),
+    /// and resumed below half: what waits beyond that stays in Kafka.
     ///
     /// # Examples
     ///
@@ -1364,10 +1366,6 @@ where
     /// let consumer = consumer.in_hand(64);
     /// # let _ = consumer; }
     /// ```
-    ///
-    /// A partition is paused once it has four times that many records
-    /// fetched and not answered (1 000 at least), and resumed below half:
-    /// what waits beyond that stays in Kafka.
     pub fn in_hand(self, deliveries: usize) -> Self {
         self.paused_at
             .store(paused_at(deliveries), AtomicOrdering::Relaxed);
