@@ -15,7 +15,7 @@ use tracing::Instrument;
 use super::{
     Delivery, Disposition, ProcessError, ProcessOutcome, Settled, attempt,
     disposition::Verdict,
-    processor::{delivery_span, granted, not_committed, outcome_name},
+    processor::{delivery_span, granted, not_committed},
 };
 use crate::{
     fingerprint::PayloadFingerprint,
@@ -82,17 +82,12 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
     {
         let span = delivery_span(delivery, &self.shown(delivery.key));
-        let outcome = async {
-            let (key, attempt_span) = self.key_span(delivery.key)?;
-            let processed = self
-                .process_in_batch(batch, key, delivery.payload, work)
-                .instrument(attempt_span.clone())
-                .await;
-            attempt_span.record("idempotency.outcome", outcome_name(&processed));
-            processed
-        }
-        .instrument(span.clone())
-        .await;
+        let outcome = self
+            .attempted(delivery.key, |key| {
+                self.process_in_batch(batch, key, delivery.payload, work)
+            })
+            .instrument(span.clone())
+            .await;
         let disposition = match Verdict::of(&outcome, self.budget.backoff(1), passing) {
             Verdict::Done => Disposition::Ack,
             Verdict::Never(reason) => Disposition::DeadLetter(reason),

@@ -432,11 +432,22 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
         W: AsyncFnOnce(&mut St::Granted) -> Result<T, E>,
         L: DeliveryLease,
     {
-        let (key, span) = self.key_span(key)?;
-        let processed = self
-            .process_key(key, payload, broker, work)
-            .instrument(span.clone())
-            .await;
+        self.attempted(key, |key| self.process_key(key, payload, broker, work))
+            .await
+    }
+
+    /// `attempt` at the message key `given`, handed its address in the
+    /// store, in the attempt's span, which records what became of it.
+    pub(super) async fn attempted<T, E, A>(
+        &self,
+        given: &str,
+        attempt: impl FnOnce(StorageKey) -> A,
+    ) -> Result<ProcessOutcome<T>, ProcessError<E>>
+    where
+        A: Future<Output = Result<ProcessOutcome<T>, ProcessError<E>>>,
+    {
+        let (key, span) = self.key_span(given)?;
+        let processed = attempt(key).instrument(span.clone()).await;
         span.record("idempotency.outcome", outcome_name(&processed));
         processed
     }
@@ -444,10 +455,7 @@ impl<St: Store, F: PayloadFingerprint> IdempotencyProcessor<St, F> {
     /// The message key `given`'s address in the store, and the span of an
     /// attempt at it — as the HTTP door's: the key as given (its digest
     /// when sensitive), and the store's address (likewise).
-    pub(super) fn key_span<E>(
-        &self,
-        given: &str,
-    ) -> Result<(StorageKey, tracing::Span), ProcessError<E>> {
+    fn key_span<E>(&self, given: &str) -> Result<(StorageKey, tracing::Span), ProcessError<E>> {
         let key = IdempotencyKey::new(given).map_err(ProcessError::InvalidKey)?;
         let key = self.storage_key(&key);
         let span = tracing::info_span!(
