@@ -338,7 +338,8 @@ impl<D: TxEngine> Store for SqlTxStore<D> {
         Ok(true)
     }
 
-    const BATCHES: bool = D::BATCHES;
+    /// Every SQL engine's transaction takes savepoints.
+    const BATCHES: bool = true;
 
     async fn begin_batch(&self) -> Result<SqlTx<D>, StoreError> {
         self.base

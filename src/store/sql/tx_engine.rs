@@ -246,19 +246,13 @@ pub(crate) trait TxEngine: Engine {
         self::end(seam, tx, end)
     }
 
-    /// Whether a transaction takes a batch of claims, each in a savepoint
-    /// ([`batch_claim`](Self::batch_claim)).
-    const BATCHES: bool = false;
-
-    /// Begins a batch's transaction, holding no claim yet, bounded by
-    /// `bound` as a request's is.
+    /// Begins a batch's transaction — a transaction that takes a batch of
+    /// claims, each in a savepoint ([`batch_claim`](Self::batch_claim)) —
+    /// holding no claim yet, bounded by `bound` as a request's is.
     fn batch_begin(
         seam: &Seam<Self>,
         bound: Duration,
-    ) -> impl Future<Output = Result<SqlTx<Self>, StoreError>> + Send {
-        let _ = (seam, bound);
-        async { Err(StoreError::Unsupported("batches")) }
-    }
+    ) -> impl Future<Output = Result<SqlTx<Self>, StoreError>> + Send;
 
     /// Claims inside the batch's transaction `tx`, in a savepoint
     /// ([`savepoint::OPEN`]) left open when the key is acquired and undone
@@ -267,10 +261,7 @@ pub(crate) trait TxEngine: Engine {
         seam: &Seam<Self>,
         tx: &mut SqlTx<Self>,
         claim: &ClaimRequest<'_>,
-    ) -> impl Future<Output = Result<InBatch, StoreError>> + Send {
-        let _ = (seam, tx, claim);
-        async { Err(StoreError::Unsupported("batches")) }
-    }
+    ) -> impl Future<Output = Result<InBatch, StoreError>> + Send;
 
     /// Writes the record into the row of the key claimed in the batch
     /// last, and keeps its savepoint ([`savepoint::KEEP`]) — at once, or
@@ -282,10 +273,7 @@ pub(crate) trait TxEngine: Engine {
         key: &StorageKey,
         record: Vec<u8>,
         expiry: Expiry,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        let _ = (seam, tx, key, record, expiry);
-        async { Err(StoreError::Unsupported("batches")) }
-    }
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Whether a transaction (in any process) holds `key` in flight: an
     /// uncommitted row other sessions cannot read. Never waits for the
@@ -308,8 +296,6 @@ pub(crate) trait TxEngine: Engine {
     }
 }
 
-/// [`TxEngine::tx_forget`] as every engine does it: the committed record
-/// read and deleted; none, a probe for a claim in flight.
 /// Ends `tx` with `end`: a commit with its deferred statements, or a
 /// rollback.
 pub(crate) async fn end<D: TxEngine>(
@@ -324,6 +310,8 @@ pub(crate) async fn end<D: TxEngine>(
     ended.map_err(|e| seam.error(e))
 }
 
+/// [`TxEngine::tx_forget`] as every engine does it: the committed record
+/// read and deleted; none, a probe for a claim in flight.
 pub(crate) async fn forget<D: TxEngine>(
     seam: &Seam<D>,
     key: &StorageKey,

@@ -249,8 +249,6 @@ impl TxEngine for MySql {
         }
     }
 
-    const BATCHES: bool = true;
-
     /// The session's settings and the transaction's, in one round trip.
     async fn batch_begin(seam: &Seam<Self>, bound: Duration) -> Result<MySqlTx, StoreError> {
         let connection = seam.connection().await?;

@@ -294,8 +294,6 @@ impl TxEngine for Postgres {
         tx.commit_with(&complete).await.map_err(|e| seam.error(e))
     }
 
-    const BATCHES: bool = true;
-
     /// The session's bounds as a request's connection has them, and
     /// `BEGIN`, in one round trip.
     async fn batch_begin(seam: &Seam<Self>, bound: Duration) -> Result<PostgresTx, StoreError> {

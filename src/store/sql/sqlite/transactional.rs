@@ -298,8 +298,6 @@ impl TxEngine for Sqlite {
         tx.commit_with("COMMIT").await.map_err(|e| seam.error(e))
     }
 
-    const BATCHES: bool = true;
-
     /// A connection, the transaction not begun: a batch whose keys are all
     /// found takes no write lock.
     async fn batch_begin(seam: &Seam<Self>, _: Duration) -> Result<SqliteTx, StoreError> {
