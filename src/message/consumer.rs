@@ -1012,6 +1012,15 @@ struct Group<R> {
     deliveries: Mutex<Vec<Arc<R>>>,
 }
 
+impl<R> Group<R> {
+    /// A group that begins with `received`.
+    fn of(received: Arc<R>) -> Arc<Self> {
+        Arc::new(Self {
+            deliveries: Mutex::new(vec![received]),
+        })
+    }
+}
+
 /// Each ordering key's group that has not started yet. A delivery without
 /// a key is a group of its own: deliveries that run side by side are never
 /// made to wait for each other in a batch.
@@ -1031,20 +1040,19 @@ impl<R> Gathering<R> {
     /// `received`, of `key`, joins its key's group if one has not started
     /// and has room for it (`size` in all); else it begins one, returned.
     fn gather(&self, key: Option<&str>, received: R, size: usize) -> Option<Arc<Group<R>>> {
-        let group = Arc::new(Group {
-            deliveries: Mutex::new(vec![Arc::new(received)]),
-        });
+        let received = Arc::new(received);
         let Some(key) = key else {
-            return Some(group);
+            return Some(Group::of(received));
         };
         let mut open = lock(&self.open);
         if let Some(gathering) = open.get(key) {
             let mut deliveries = lock(&gathering.deliveries);
             if deliveries.len() < size {
-                deliveries.append(&mut lock(&group.deliveries));
+                deliveries.push(received);
                 return None;
             }
         }
+        let group = Group::of(received);
         open.insert(key.to_owned(), group.clone());
         Some(group)
     }
