@@ -118,7 +118,15 @@ async fn main() {
         ready: format!("consuming {queue}"),
     };
     orders::consume(example, settings).await;
-    // Unacknowledged deliveries go back to the queue with the connection.
-    let _ = connection.close(200, "SIGTERM".into()).await;
+    // Every delivery is answered and the channels closed: the connection's
+    // close is a courtesy, bounded so that a stop never hangs on it (what a
+    // connection still held would go back to the queue with it anyway).
+    let closed = connection.close(200, "SIGTERM".into());
+    if tokio::time::timeout(std::time::Duration::from_secs(5), closed)
+        .await
+        .is_err()
+    {
+        eprintln!("orders_consumer: the broker did not answer the connection's close in 5 s");
+    }
     eprintln!("orders_consumer: SIGTERM: stopped consuming, the delivery in hand done");
 }

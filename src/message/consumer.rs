@@ -554,6 +554,7 @@ where
             tokio::select! {
                 biased;
                 () = &mut shutdown, if receiving => {
+                    tracing::info!(destination = self.broker.destination(), in_hand = held, "idempotency: stopping; receiving no more, answering what is in hand");
                     receiving = false;
                     stopping.store(true, Ordering::SeqCst);
                     self.processor.drain();
@@ -591,6 +592,10 @@ where
                 },
             }
         }
+        tracing::info!(
+            destination = self.broker.destination(),
+            "idempotency: every delivery in hand answered; closing"
+        );
         self.broker.close().await;
         match ended {
             Some(error) => Err(error),

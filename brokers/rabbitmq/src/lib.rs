@@ -81,6 +81,7 @@ use lapin::{
         BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
         BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
     },
+    protocol::constants::REPLY_SUCCESS,
     types::{AMQPValue, FieldTable, LongString, ShortString},
 };
 use tokio::sync::Mutex;
@@ -91,6 +92,9 @@ use tower_idempotency::{
     },
     outbox::{OutboxMessage, PublishError, Publisher},
 };
+
+/// How long a channel's close waits for the broker's answer at shutdown.
+const CLOSE_WITHIN: Duration = Duration::from_secs(5);
 
 /// A queue, as the consumer loop drives it: see the [crate docs](crate).
 pub struct RabbitMq {
@@ -619,6 +623,24 @@ impl Broker for RabbitMq {
             .await
         {
             tracing::warn!(%error, queue = %self.queue, "rabbitmq: the consumer could not be cancelled; deliveries not taken go back with the connection");
+        }
+    }
+
+    /// Both channels closed, each answered by the broker (within five
+    /// seconds each): every acknowledgement sent before is then in, and a
+    /// connection closed next has no channel's close racing its own.
+    async fn close(&self) {
+        for channel in [&self.channel, &self.confirms] {
+            let closed = channel.close(REPLY_SUCCESS, "consumer stopped".into());
+            match tokio::time::timeout(CLOSE_WITHIN, closed).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, queue = %self.queue, "rabbitmq: a channel's close failed; what it holds goes back with the connection");
+                }
+                Err(_) => {
+                    tracing::warn!(queue = %self.queue, within = ?CLOSE_WITHIN, "rabbitmq: a channel's close was not answered; what it holds goes back with the connection");
+                }
+            }
         }
     }
 

@@ -238,8 +238,9 @@ async fn a_database_outage_dead_letters_nothing_and_charges_each_order_once<B: F
 async fn sigterm_finishes_and_answers_the_work_in_hand_then_exits_zero<B: Fixture>() {
     let broker = B::start().await;
     let db = TestDatabase::create();
+    // Its log at `info`: a stop that hangs shows how far it got.
     let mut c = broker
-        .consumer(db.url(), &[("WORK_DELAY_MS", "2000")])
+        .consumer(db.url(), &[("WORK_DELAY_MS", "2000"), ("RUST_LOG", "info")])
         .await;
     broker.publish("acct-1", &order("order-1", 500)).await;
     db.wait_for_count(IN_TRANSACTION, |n| n == 1, "the work never started")
