@@ -10,7 +10,13 @@
 //! hand and batched (`-floor`: a received batch's ids into
 //! `processed_messages`, `ON CONFLICT DO NOTHING RETURNING`, and the
 //! charges of the ids returned, in one transaction), side by side per
-//! round, each variant on a fresh queue or stream filled beforehand.
+//! round, each variant on a fresh queue or stream filled beforehand. On
+//! JetStream, the library's consumer loop too (`tower_idempotency_nats`
+//! under `message::Consumer`, `in_hand(1000)`): `-loop`, each message on
+//! its own side by side; `-loop-keys`, in order per `Ordering-Key` (eight
+//! accounts), a key's messages in hand together settled in batches of up
+//! to 100 — the messages are the same in every JetStream variant, each
+//! with its account's key.
 //!
 //! Run with: `cargo bench --all-features --bench messages` (needs
 //! `redis-server`, `moto_server` and `nats-server` on PATH and PostgreSQL,
@@ -298,12 +304,18 @@ mod brokers {
     use futures_util::{StreamExt, future::join_all};
     use tower_idempotency::{
         PostgresTx, PostgresTxStore,
-        message::{IdempotencyProcessor, ProcessOutcome, extend_every},
+        message::{
+            Consumer, Disposition, IdempotencyProcessor, Parsed, ProcessOutcome, Report,
+            extend_every,
+        },
         outbox::{Outbox, OutboxMessage, OutboxRelay, OutgoingMessage, PublishError, Publisher},
         sqlx::{self, PgPool},
     };
+    use tower_idempotency_nats::JetStream;
 
     const RECEIVERS: usize = 4;
+    /// The accounts a JetStream message's `Ordering-Key` names.
+    const ACCOUNTS: u64 = 8;
 
     /// The charge, as the examples write it.
     async fn charge(on: &mut sqlx::PgConnection, order_id: &str) {
@@ -536,6 +548,70 @@ mod brokers {
         rate(&done, started, &last)
     }
 
+    /// The library's consumer loop over the JetStream adapter, in
+    /// process, for `secs`, then stopped (what is in hand answered): each
+    /// message on its own side by side, or (`keyed`) in order per
+    /// `Ordering-Key`, a key's messages in hand together in batches.
+    async fn nats_loop_rate(
+        stream: &TestStream,
+        orders: IdempotencyProcessor<PostgresTxStore>,
+        keyed: bool,
+        secs: u64,
+    ) -> f64 {
+        let js_stream = stream.js.get_stream(&stream.name).await.unwrap();
+        let consumer: jetstream::consumer::PullConsumer = js_stream
+            .get_or_create_consumer(
+                "bench-loop",
+                pull::Config {
+                    durable_name: Some("bench-loop".to_owned()),
+                    filter_subject: stream.subject.clone(),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap();
+        let mut broker = JetStream::builder(stream.js.clone(), consumer);
+        if keyed {
+            broker = broker.ordered_by_header("Ordering-Key");
+        }
+        let broker = broker.build().await.unwrap();
+        let done = Arc::new(AtomicU64::new(0));
+        let started = Instant::now();
+        let last = Arc::new(std::sync::Mutex::new(started));
+        let on_settled = {
+            let (done, last) = (done.clone(), last.clone());
+            // Decided: acknowledged (at the stop, what waits is given back).
+            move |report: &Report<'_, _, String, (), String>| {
+                if matches!(report.disposition, Disposition::Ack) {
+                    done.fetch_add(1, Ordering::Relaxed);
+                    *last.lock().unwrap() = Instant::now();
+                }
+            }
+        };
+        Consumer::new(broker, orders)
+            .in_hand(1000)
+            .batch(100)
+            .on_settled(on_settled)
+            .run(
+                |body: &[u8]| {
+                    let id = order_id(body);
+                    Ok(Parsed {
+                        key: id.clone(),
+                        message: id,
+                    })
+                },
+                async |tx: &mut PostgresTx, id: &String| {
+                    charge(tx, id).await;
+                    Ok::<_, String>(())
+                },
+                tokio::time::sleep(Duration::from_secs(secs)),
+            )
+            .await
+            .unwrap();
+        rate(&done, started, &last)
+    }
+
     fn number(name: &str, default: u64) -> u64 {
         std::env::var(name).map_or(default, |v| v.parse().expect(name))
     }
@@ -543,7 +619,7 @@ mod brokers {
     pub async fn run(secs: u64, rounds: u64, pool: &PgPool, store: PostgresTxStore) {
         let sqs = SqsServer::start();
         let nats = NatsServer::start();
-        let orders = Arc::new(IdempotencyProcessor::new(store).scope("brokers"));
+        let orders = Arc::new(IdempotencyProcessor::new(store.clone()).scope("brokers"));
         // Enough for a run: well over what one drains in `secs`.
         let (sqs_fill_n, nats_fill_n) = (
             number("MSG_SQS_FILL", 300),
@@ -560,8 +636,18 @@ mod brokers {
             "nats-bare",
             "nats-floor",
             "nats-tx",
+            "nats-loop",
+            "nats-loop-keys",
         ];
-        let reference = |i: usize| i - i % 3;
+        // Each variant against its broker's bare variant (its first) and
+        // floor (its second).
+        let reference = |i: usize| {
+            let broker = names[i].split('-').next();
+            names
+                .iter()
+                .position(|n| n.split('-').next() == broker)
+                .unwrap()
+        };
         let mut rates = vec![Vec::new(); names.len()];
         for round in 1..=rounds {
             println!("\nround {round}");
@@ -579,8 +665,10 @@ mod brokers {
                     let publishes = (0..nats_fill_n).map(|j| {
                         let (js, subject) = (stream.js.clone(), stream.subject.clone());
                         let body = body(name, round, j);
+                        let mut headers = async_nats::HeaderMap::new();
+                        headers.insert("Ordering-Key", format!("acct-{}", j % ACCOUNTS));
                         async move {
-                            js.publish(subject, body.into())
+                            js.publish_with_headers(subject, headers, body.into())
                                 .await
                                 .unwrap()
                                 .await
@@ -591,7 +679,15 @@ mod brokers {
                         .buffer_unordered(64)
                         .collect::<Vec<_>>()
                         .await;
-                    nats_rate(&stream, "bench", pool, with, secs).await
+                    match name.strip_prefix("nats-loop") {
+                        Some(keys) => {
+                            // A processor of its own: the loop drains it
+                            // when it stops.
+                            let orders = IdempotencyProcessor::new(store.clone()).scope("brokers");
+                            nats_loop_rate(&stream, orders, !keys.is_empty(), secs).await
+                        }
+                        None => nats_rate(&stream, "bench", pool, with, secs).await,
+                    }
                 };
                 rates[i].push(rate);
                 let bare = rates[reference(i)][round as usize - 1];
