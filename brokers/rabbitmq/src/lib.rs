@@ -630,7 +630,12 @@ impl Broker for RabbitMq {
     /// seconds each): every acknowledgement sent before is then in, and a
     /// connection closed next has no channel's close racing its own.
     async fn close(&self) {
+        // A channel the broker already closed (the queue deleted, the
+        // connection lost) has nothing to close.
         for channel in [&self.channel, &self.confirms] {
+            if !channel.status().connected() {
+                continue;
+            }
             let closed = channel.close(REPLY_SUCCESS, "consumer stopped".into());
             match tokio::time::timeout(CLOSE_WITHIN, closed).await {
                 Ok(Ok(())) => {}
