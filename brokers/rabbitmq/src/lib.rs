@@ -16,7 +16,10 @@
 //! the broker's default sets is given with
 //! [`delivery_limit`](RabbitMqBuilder::delivery_limit), or the adapter
 //! refuses to start): undecided then, a message is dead-lettered as
-//! undecided rather than dropped by the broker.
+//! undecided rather than dropped by the broker. At shutdown the consumer
+//! is cancelled (`basic.cancel`), what it was sent is worked and
+//! answered, and the adapter's channels are closed before the loop
+//! returns: the application then closes its connection.
 //!
 //! # Examples
 //!
