@@ -17,8 +17,8 @@ use std::{
 };
 
 use tower_idempotency::{
-    MemoryStore, MySqlStore, MySqlTx, MySqlTxStore, PostgresStore, PostgresTx, PostgresTxStore,
-    SqliteStore, SqliteTx, SqliteTxStore,
+    MemoryStore, MySqlTx, MySqlTxStore, PostgresStore, PostgresTx, PostgresTxStore, SqliteStore,
+    SqliteTx, SqliteTxStore,
     message::{
         Acked, Broker, BrokerError, Consumer, DeadLetterReason, DeadLettered, Delivery,
         DeliveryBudget, Disposition, IdempotencyProcessor, Parsed, ProcessError, ProcessOutcome,
@@ -29,8 +29,7 @@ use tower_idempotency::{
 };
 
 use support::{
-    backend::{Backend, Postgres, SingleRedis},
-    mysql,
+    backend::{self, Backend, Postgres, SingleRedis},
     postgres::TestDatabase,
     relay::Relay,
     sqlite::TestFile,
@@ -1006,13 +1005,8 @@ trait Charging: Store + Sized {
 
 impl Charging for SqliteTxStore {
     async fn open() -> (Self, Ledger, Box<dyn std::any::Any>) {
-        let file = TestFile::create();
-        let store = SqliteStore::builder()
-            .transactional()
-            .create_table_if_missing()
-            .connect(&file.url())
-            .await
-            .unwrap();
+        let backend = backend::SqliteTx::start();
+        let store = backend.store().await;
         sqlx::raw_sql(
             "CREATE TABLE order_charges (order_id TEXT, amount INTEGER CHECK (amount <> 666))",
         )
@@ -1020,7 +1014,7 @@ impl Charging for SqliteTxStore {
         .await
         .unwrap();
         let db = Ledger::Sqlite(store.pool().clone());
-        (store, db, Box::new(file))
+        (store, db, Box::new(backend))
     }
 
     async fn charge(tx: &mut SqliteTx, id: &str, amount: i64) -> Result<(), sqlx::Error> {
@@ -1035,13 +1029,8 @@ impl Charging for SqliteTxStore {
 
 impl Charging for MySqlTxStore {
     async fn open() -> (Self, Ledger, Box<dyn std::any::Any>) {
-        let database = mysql::TestDatabase::create();
-        let store = MySqlStore::builder()
-            .transactional()
-            .create_table_if_missing()
-            .connect(database.url())
-            .await
-            .unwrap();
+        let backend = backend::MySqlTx::start();
+        let store = backend.store().await;
         sqlx::raw_sql(
             "CREATE TABLE order_charges (order_id VARCHAR(64), amount BIGINT, \
              CHECK (amount <> 666)) ENGINE = InnoDB",
@@ -1050,7 +1039,7 @@ impl Charging for MySqlTxStore {
         .await
         .unwrap();
         let db = Ledger::MySql(store.pool().clone());
-        (store, db, Box::new(database))
+        (store, db, Box::new(backend))
     }
 
     async fn charge(tx: &mut MySqlTx, id: &str, amount: i64) -> Result<(), sqlx::Error> {
